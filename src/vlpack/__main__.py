@@ -1,0 +1,3 @@
+from vlpack.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""The `vlpack` command line. Each subcommand parses its flags here and hands off to the module
+that owns the work (imported lazily so `vlpack --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="write the built-in synthetic receipts dataset")
+    p.add_argument("--out", required=True, help="output folder (data.jsonl + images/)")
+    p.add_argument("--n", type=int, default=256, help="number of samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_synth)
+
+
+def _run_synth(args: argparse.Namespace) -> int:
+    from vlpack.data.synth import write_synthetic
+
+    path = write_synthetic(args.out, n=args.n, seed=args.seed, progress=True)
+    print(f"wrote {args.n} samples to {path}")
+    return 0
+
+
+def _add_pack(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pack", help="pack a dataset into bins and report how well it packs")
+    p.add_argument("data", nargs="?", default=None,
+                   help="DATA.jsonl (default: the built-in synthetic dataset)")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per bin")
+    p.add_argument("--algo", choices=["greedy", "ffd", "bfd"], default="bfd")
+    p.add_argument("--buffer", type=int, default=512, help="samples per planning buffer")
+    p.add_argument("--max-patches", type=int, default=None, help="ViT patches per bin (optional)")
+    p.add_argument("--overlong", choices=["error", "truncate", "skip"], default="error")
+    p.add_argument("--family", default="qwen3_vl",
+                   help="tokenizer/processor family: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5")
+    p.add_argument("--tokenizer", default=None, help="local HF checkpoint folder for tokenizer")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_pack)
+
+
+def _run_pack(args: argparse.Namespace) -> int:
+    from vlpack.data.report import pack_command
+
+    return pack_command(args)
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="prove packed == unpacked on a model")
+    p.add_argument("--model", default="tiny-qwen3_vl", help="preset name or HF checkpoint folder")
+    p.add_argument("--backend", choices=["auto", "sdpa", "varlen", "flex"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="DATA.jsonl (default: synthetic)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from vlpack.model.check import check_command
+
+    return check_command(args)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="packed supervised fine-tuning")
+    p.add_argument("config", nargs="?", default=None, help="CONFIG.yaml (default: tiny recipe)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from vlpack.train.loop import train_command
+
+    return train_command(args)
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="overlay loss curves of runs")
+    p.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="PNG path (default: first run's folder)")
+    p.set_defaults(func=_run_plot)
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from vlpack.train.plot import plot_command
+
+    return plot_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlpack", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
+    _add_synth(data)
+    _add_pack(sub)
+    _add_check(sub)
+    _add_train(sub)
+    _add_plot(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vlpack` console script."""
+    args = build_parser().parse_args(argv)
+    # A user's bad config or data surfaces as a ValueError whose message names the fix;
+    # VLPACK_TRACEBACK=1 shows the traceback instead.
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        if os.environ.get("VLPACK_TRACEBACK"):
+            raise
+        print(f"vlpack: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Data pipeline: sources → encode → plan → THD batch → loader."""
