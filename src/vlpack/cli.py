@@ -93,7 +93,8 @@ def _run_plot(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
+    data = sub.add_parser("data", help="dataset tools")
+    data = data.add_subparsers(dest="data_cmd", required=True)
     _add_synth(data)
     _add_pack(sub)
     _add_check(sub)
