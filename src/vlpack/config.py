@@ -1,0 +1,328 @@
+"""Typed run configuration: nested dataclasses, validated at construction.
+
+YAML files map 1:1 onto the dataclasses (`data: {seq_len: 4096}` sets `Config.data.seq_len`);
+dotted `key=value` overrides apply on top (`train.max_steps=20`). Unknown keys and bad values
+raise ValueError naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+PACKING_CHOICES = ("bfd", "ffd", "greedy", "none")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(key: str, value: float | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where samples come from and how they are packed."""
+
+    source: Literal["jsonl", "synthetic", "energon"] = "synthetic"
+    """`synthetic`: the built-in receipts (generated once, cached); `jsonl`: `path` is a JSONL file;
+    `energon`: `path` is a prepared Megatron-Energon dataset folder."""
+    path: str | None = None
+    """DATA.jsonl for source=jsonl (image paths relative to it)."""
+    synthetic_samples: int = 512
+    """Size of the built-in synthetic dataset."""
+    packing: Literal["bfd", "ffd", "greedy", "none"] = "bfd"
+    """Bin-packing algorithm; `none` trains on right-padded batches of `batch_size` samples."""
+    seq_len: int = 4096
+    """Tokens per packed bin (also the cap on one sample's length)."""
+    batch_size: int = 4
+    """Samples per padded batch (packing=none only)."""
+    buffer_size: int = 256
+    """Samples the online planner sees at once."""
+    max_patches: int | None = None
+    """Optional cap on ViT patches per bin."""
+    pad_to_multiple_of: int = 8
+    """Align every sample's segment to this many tokens (TP/CP/FP8 alignment)."""
+    overlong: Literal["error", "truncate", "skip"] = "error"
+    """What to do with a sample longer than seq_len."""
+    min_pixels: int | None = None
+    """Image processor bounds (None: the family's default)."""
+    max_pixels: int | None = None
+    tokenizer: str | None = None
+    """Local HF folder holding the tokenizer (None: the model folder, else built-in)."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    shuffle: bool = True
+    """Shuffle sample order each epoch (seeded by train.seed)."""
+    eval_samples: int = 0
+    """Held-out samples (taken from the end of the dataset) evaluated with the same packing."""
+    max_consecutive_bad: int = 32
+    """Fail after this many bad samples in a row (a broken dataset, not a bad sample)."""
+    max_bad_fraction: float = 0.05
+    """Fail when more than this share of samples seen so far was skipped (checked after 100)."""
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, ("jsonl", "synthetic", "energon"))
+        _choice("data.packing", self.packing, PACKING_CHOICES)
+        _choice("data.overlong", self.overlong, ("error", "truncate", "skip"))
+        if self.source in ("jsonl", "energon") and not self.path:
+            raise ValueError(f"data.source={self.source} needs data.path=...")
+        for k in ("seq_len", "batch_size", "buffer_size", "pad_to_multiple_of", "synthetic_samples"):
+            _positive(f"data.{k}", getattr(self, k))
+        _positive("data.max_patches", self.max_patches)
+        _positive("data.num_workers", self.num_workers, allow_zero=True)
+        _positive("data.eval_samples", self.eval_samples, allow_zero=True)
+        if self.seq_len % self.pad_to_multiple_of:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} must be a multiple of "
+                f"data.pad_to_multiple_of={self.pad_to_multiple_of}"
+            )
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which model, on which kernels, and what trains."""
+
+    name: str = "tiny-qwen3_vl"
+    """A preset name (see `vlpack.model.presets`) or a local HF checkpoint folder."""
+    backend: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
+    """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter/compute dtype policy; `auto`: bf16 autocast on GPU, float32 on CPU."""
+    freeze_vision: bool = False
+    freeze_merger: bool = False
+    freeze_llm: bool = False
+    activation_checkpointing: bool = False
+    chunked_loss: bool = True
+    """Cross-entropy in chunks, never holding [T, vocab] logits."""
+
+    def __post_init__(self) -> None:
+        _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if self.freeze_vision and self.freeze_merger and self.freeze_llm:
+            raise ValueError("model.freeze_* freezes everything: nothing would train")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of lr."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 5
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The loop: steps, accumulation, checkpoints, logging."""
+
+    max_steps: int = 40
+    output_dir: str = "runs/default"
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    resume: str = "auto"
+    """`auto` (latest checkpoint in output_dir, if any) | a checkpoint folder | `none`."""
+    seed: int = 0
+    micro_batches: int = 1
+    """Bins (or padded batches) accumulated per optimizer step on each rank."""
+    tokens_per_step: int | None = None
+    """Accumulate micro-batches until this many real tokens per rank (overrides micro_batches)."""
+    loss_norm: Literal["token", "sample"] = "token"
+    """`token`: global mean over label tokens of the step (all micro-batches, all ranks) — equal
+    to unpacked training; `sample`: mean over samples of each sample's token mean."""
+    aux_loss_coef: float = 0.001
+    """MoE router load-balancing loss coefficient."""
+    log_every: int = 1
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
+    progress: bool = True
+    """Show a progress bar."""
+    export_hf: bool = False
+    """Also export the final model as a HF folder (output_dir/hf)."""
+
+    def __post_init__(self) -> None:
+        _positive("train.max_steps", self.max_steps)
+        _positive("train.save_every", self.save_every, allow_zero=True)
+        _positive("train.micro_batches", self.micro_batches)
+        _positive("train.tokens_per_step", self.tokens_per_step)
+        _positive("train.log_every", self.log_every)
+        _positive("train.eval_every", self.eval_every, allow_zero=True)
+        _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
+        _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building configs from dicts, YAML files and dotted overrides.
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return list(obj)
+    return obj
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert `value` (from YAML or a command line) to the annotated type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{key}: cannot use {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(map(str, typing.get_args(tp)))
+            raise ValueError(f"{key}={value!r} is not one of {choices}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ValueError(f"{key} needs {len(args)} values like [0.9, 0.95], got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args, strict=True))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{key} needs true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key} needs an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} needs an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"{key} needs an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} needs a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, dict | list):
+            raise ValueError(f"{key} needs a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known: {', '.join(names)}"
+            raise ValueError(f"unknown config key {full!r}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, tp)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config from a nested dict (as YAML gives it)."""
+    return _build(Config, data, "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `key=value` overrides to a nested dict (values parsed as YAML scalars)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ValueError(f"override key {key!r} must be section.key (e.g. train.max_steps)")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        out.setdefault(parts[0], {})
+        if not isinstance(out[parts[0]], dict):
+            raise ValueError(f"config section {parts[0]!r} must be a mapping")
+        out[parts[0]][parts[1]] = raw if isinstance(value, str) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML: {e}") from None
+    try:
+        return config_from_dict(apply_overrides(data, overrides or []))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}" if path else str(e)) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config` reads back to an equal Config."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
