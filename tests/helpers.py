@@ -1,0 +1,49 @@
+"""Hand-built samples for tests that must not depend on the tokenizer or images."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
+
+VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
+PAD = 151643
+
+
+def make_sample(
+    key: str,
+    rng: np.random.Generator,
+    *,
+    text: tuple[int, ...] = (5, 7),
+    grids: tuple[tuple[int, int, int], ...] = ((1, 4, 6),),
+    patch_dim: int = 24,
+    merge: int = 2,
+) -> EncodedSample:
+    """Text runs interleaved with images: text[0] img0 text[1] img1 ... text[-1].
+
+    The second half of the last text run is supervised (as an assistant answer would be).
+    """
+    assert len(text) == len(grids) + 1
+    ids, types = [], []
+    for i, n in enumerate(text):
+        ids += rng.integers(0, 150000, n).tolist()
+        types += [0] * n
+        if i < len(grids):
+            t, h, w = grids[i]
+            k = t * h * w // merge**2
+            ids += [VISION_START, *([IMAGE_PAD] * k), VISION_END]
+            types += [0, *([TOKEN_TYPE_IMAGE] * k), 0]
+    input_ids = np.array(ids, dtype=np.int64)
+    labels = np.full_like(input_ids, IGNORE_INDEX)
+    half = len(ids) - text[-1] // 2
+    labels[half:] = input_ids[half:]
+    grid_arr = np.array(grids, dtype=np.int64).reshape(-1, 3)
+    patches = int(grid_arr.prod(axis=1).sum()) if len(grid_arr) else 0
+    return EncodedSample(
+        key=key,
+        input_ids=input_ids,
+        labels=labels,
+        mm_token_type_ids=np.array(types, dtype=np.int8),
+        image_grid_thw=grid_arr,
+        pixel_values=rng.standard_normal((patches, patch_dim)).astype(np.float32) if patches else None,
+    )

@@ -1,0 +1,67 @@
+"""Config: validation at construction, YAML 1:1, dotted overrides, every shipped recipe."""
+
+from pathlib import Path
+
+import pytest
+
+from vlpack.config import Config, load_config, save_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_valid() -> None:
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.data.packing == "bfd"
+
+
+def test_overrides_and_types() -> None:
+    cfg = load_config(None, ["train.max_steps=7", "optim.lr=1e-4", "data.max_patches=null",
+                             "optim.betas=[0.8, 0.9]", "model.freeze_vision=true",
+                             "train.output_dir=runs/x"])
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-4 and cfg.data.max_patches is None
+    assert cfg.optim.betas == (0.8, 0.9) and cfg.model.freeze_vision is True
+    assert cfg.train.output_dir == "runs/x"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.max_step=3", "did you mean train.max_steps"),
+        ("data.packing=zip", "data.packing='zip' is not one of"),
+        ("train.max_steps=0", "train.max_steps must be > 0"),
+        ("train.max_steps=2.5", "needs an integer"),
+        ("data.seq_len=1001", "multiple of data.pad_to_multiple_of"),
+        ("data.source=jsonl", "needs data.path"),
+        ("nosection=1", "section.key"),
+        ("bogus.key=1", "unknown config key 'bogus'"),
+    ],
+)
+def test_bad_values_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        load_config(None, [override])
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["data.seq_len=2048", "optim.betas=[0.8,0.9]"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  max_steps: -1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml"):
+        load_config(p)
+
+
+def test_shipped_recipes_exist() -> None:
+    names = {p.stem for p in CONFIGS}
+    for base in ("tiny", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-35b-a3b"):
+        assert base in names and f"{base}-nopack" in names, base
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_recipe_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert (cfg.data.packing == "none") == path.stem.endswith("-nopack")
