@@ -1,0 +1,346 @@
+"""Conversation → `EncodedSample`: the Qwen ChatML template, tokens, labels and pixels.
+
+The rendering follows each family's released chat template (checked against the public
+Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
+
+- every turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an image is
+  `<|vision_start|>` + N × `<|image_pad|>` + `<|vision_end|>`, N = t·h·w / merge².
+- qwen2_vl / qwen2_5_vl insert the system turn "You are a helpful assistant." when the first
+  message is not a system message; qwen3_vl / qwen3_5 insert none.
+- qwen3_5 strips whitespace around each message's content, skips an empty system turn, and
+  writes `<think>\\n{reasoning}\\n</think>\\n\\n` before every assistant answer after the last
+  user turn (reasoning is empty unless the answer holds `<think>…</think>`); earlier answers
+  lose their reasoning. We supervise that block: it is what the model emits after the bare
+  `<|im_start|>assistant\\n` header, and keeping it makes training match the template.
+
+Labels equal input_ids on the assistant content (think block included) and its `<|im_end|>`,
+IGNORE_INDEX elsewhere; the `<|im_start|>assistant\\n` header and the `\\n` after `<|im_end|>` are
+not supervised. Text between special tokens is tokenised as one piece, exactly as the tokenizer
+would split the full rendered string, and special ids are spliced in directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vlpack.data.tokenizer import FamilySpec, family_spec, load_image_processor, load_tokenizer
+from vlpack.data.types import (
+    IGNORE_INDEX,
+    TOKEN_TYPE_IMAGE,
+    BadSampleError,
+    Conversation,
+    EncodedSample,
+    ImageRef,
+    Message,
+    SampleSize,
+)
+
+if TYPE_CHECKING:
+    from PIL import Image as PILImage
+
+
+@dataclass(slots=True)
+class _Rendered:
+    """A rendered conversation: text runs between atomic tokens, with supervised char spans."""
+
+    items: list[tuple] = field(default_factory=list)
+    """("text", str, [(start, end), ...]) | ("tok", id, supervised) | ("img", image index)."""
+    _buf: list[str] = field(default_factory=list)
+    _len: int = 0
+    _sup: list[tuple[int, int]] = field(default_factory=list)
+
+    def text(self, s: str, supervised: bool = False) -> None:
+        if s:
+            if supervised:
+                self._sup.append((self._len, self._len + len(s)))
+            self._buf.append(s)
+            self._len += len(s)
+
+    def token(self, token_id: int, supervised: bool = False) -> None:
+        self.flush()
+        self.items.append(("tok", token_id, supervised))
+
+    def image(self, index: int) -> None:
+        self.flush()
+        self.items.append(("img", index))
+
+    def flush(self) -> None:
+        if self._buf:
+            self.items.append(("text", "".join(self._buf), self._sup))
+            self._buf, self._len, self._sup = [], 0, []
+
+
+class Encoder:
+    """Encodes conversations for one model family (see the module docstring for the template).
+
+    `min_pixels`/`max_pixels` bound the resized image area (defaults: the family's, see
+    `vlpack.data.tokenizer`); `tokenizer_path` is a local HF checkpoint folder, else the built-in
+    offline tokenizer is used.
+    """
+
+    def __init__(
+        self,
+        family: str = "qwen3_vl",
+        tokenizer_path: str | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ):
+        self.family = family
+        self.spec: FamilySpec = family_spec(family)
+        self.min_pixels = self.spec.min_pixels if min_pixels is None else int(min_pixels)
+        self.max_pixels = self.spec.max_pixels if max_pixels is None else int(max_pixels)
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}"
+            )
+        self.tokenizer = load_tokenizer(family, tokenizer_path)
+        self._tk = self.tokenizer.backend_tokenizer
+        self._ids = {t: self._special_id(t) for t in
+                     ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                      "<|image_pad|>")}  # fmt: skip
+        self.image_pad_id = self._ids["<|image_pad|>"]
+        self.vision_start_id = self._ids["<|vision_start|>"]
+        self.vision_end_id = self._ids["<|vision_end|>"]
+
+    def _special_id(self, token: str) -> int:
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == self.tokenizer.unk_token_id:
+            raise ValueError(f"the {self.family} tokenizer has no {token}: is it a Qwen-VL one?")
+        return int(tid)
+
+    @property
+    def image_processor(self):
+        """transformers' Qwen2-VL PIL image processor for this family and pixel range."""
+        return load_image_processor(self.family, self.min_pixels, self.max_pixels)
+
+    # ---------------------------------------------------------------- public API
+
+    def encode(self, conv: Conversation) -> EncodedSample:
+        """Tokens, labels, token types, pixel values and grids of `conv`."""
+        images = [_open_image(conv.key, ref) for ref in conv.images]
+        pixel_values = None
+        grids = np.zeros((0, 3), dtype=np.int64)
+        if images:
+            out = self.image_processor(images=images, return_tensors=None)
+            pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+            grids = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+        sample = self._assemble(conv, grids)
+        sample.pixel_values = pixel_values
+        return sample
+
+    def measure(self, conv: Conversation) -> SampleSize:
+        """Exact `SampleSize` of `encode(conv)`, from image headers only (no pixel decode)."""
+        return self.skeleton(conv).size
+
+    def skeleton(self, conv: Conversation) -> EncodedSample:
+        """`encode(conv)` without pixels: grids come from the image headers."""
+        grids = np.array([self.grid(*_image_size(conv.key, r)) for r in conv.images], np.int64)
+        return self._assemble(conv, grids.reshape(-1, 3))
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w) patch grid of a `width`×`height` image after the processor's resize."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        try:
+            h, w = smart_resize(height, width, factor=self.spec.factor,
+                                min_pixels=self.min_pixels, max_pixels=self.max_pixels)  # fmt: skip
+        except ValueError as e:  # aspect ratio above 200
+            raise BadSampleError("bad_image_size", f"{width}x{height} image: {e}") from None
+        return 1, h // self.spec.patch_size, w // self.spec.patch_size
+
+    def truncate(self, sample: EncodedSample, max_tokens: int) -> EncodedSample:
+        """Cut `sample` to at most `max_tokens` tokens, never through an image: a cut inside an
+        image span moves before its `<|vision_start|>`, and that image and later ones lose their
+        grid and pixel rows. Raises BadSampleError when no supervised token remains."""
+        if len(sample) <= max_tokens:
+            return sample
+        cut, kept = self._safe_cut(sample, max_tokens)
+        if not (sample.labels[:cut] != IGNORE_INDEX).any():
+            dropped = len(sample.image_grid_thw) - kept
+            reason = "overlong_image" if dropped else "overlong_prompt"
+            raise BadSampleError(
+                reason,
+                f"{sample.key}: {len(sample)} tokens, and cutting to {max_tokens}"
+                + (f" (before image {kept}, which cannot be split)" if dropped else "")
+                + " leaves no answer token: raise the sequence length, lower max_pixels, "
+                "or drop the sample",
+            )
+        grids = sample.image_grid_thw[:kept]
+        pixels = sample.pixel_values
+        if pixels is not None:
+            pixels = pixels[: int(grids.prod(axis=1).sum()) if kept else 0]
+        return EncodedSample(
+            key=sample.key,
+            input_ids=sample.input_ids[:cut],
+            labels=sample.labels[:cut],
+            mm_token_type_ids=sample.mm_token_type_ids[:cut],
+            image_grid_thw=grids,
+            pixel_values=pixels,
+        )
+
+    def truncated_size(self, item: Conversation | EncodedSample, max_tokens: int) -> SampleSize:
+        """`truncate(...).size` without decoding pixels (a conversation is measured first)."""
+        sample = item if isinstance(item, EncodedSample) else self.skeleton(item)
+        return self.truncate(sample, max_tokens).size
+
+    # ---------------------------------------------------------------- internals
+
+    def _safe_cut(self, sample: EncodedSample, max_tokens: int) -> tuple[int, int]:
+        """Largest cut ≤ max_tokens outside image spans, and the number of images kept."""
+        is_pad = sample.mm_token_type_ids == TOKEN_TYPE_IMAGE
+        starts = np.flatnonzero(is_pad[1:] & ~is_pad[:-1]) + 1  # first pad of each image
+        assert len(starts) == len(sample.image_grid_thw), (sample.key, len(starts))
+        cut, kept = max_tokens, 0
+        for i, first_pad in enumerate(starts):
+            n = int(sample.image_grid_thw[i].prod()) // self.spec.merge_size**2
+            span_start, span_end = first_pad - 1, first_pad + n + 1  # vision_start .. vision_end
+            if span_end <= cut:
+                kept = i + 1
+            else:
+                cut = min(cut, max(int(span_start), 0))
+                break
+        return cut, kept
+
+    def _render(self, conv: Conversation, grids: np.ndarray) -> _Rendered:
+        spec, ids = self.spec, self._ids
+        r = _Rendered()
+        msgs = conv.messages
+        if spec.default_system and (not msgs or msgs[0].role != "system"):
+            msgs = (Message("system", (spec.default_system,)), *msgs)
+        last_user = max((i for i, m in enumerate(msgs) if m.role == "user"), default=-1)
+        n_image = 0
+        for i, m in enumerate(msgs):
+            if m.role != "user" and any(isinstance(c, ImageRef) for c in m.content):
+                raise BadSampleError(
+                    "bad_schema", f"{conv.key}: images are only supported in user turns"
+                )
+            content = _trim(m.content) if spec.trim_content else m.content
+            if m.role == "system" and spec.trim_content and not content:
+                continue  # qwen3_5 skips an empty system turn
+            sup = m.role == "assistant"
+            r.token(ids["<|im_start|>"])
+            r.text(m.role + "\n")
+            if sup and spec.think_prefix:
+                reasoning, answer = _split_reasoning("".join(content))  # type: ignore[arg-type]
+                if i > last_user:
+                    r.text(f"<think>\n{reasoning}\n</think>\n\n", supervised=True)
+                content = (answer,)
+            for c in content:
+                if isinstance(c, str):
+                    r.text(c, supervised=sup)
+                else:
+                    r.token(ids["<|vision_start|>"])
+                    r.image(n_image)
+                    r.token(ids["<|vision_end|>"])
+                    n_image += 1
+            r.token(ids["<|im_end|>"], supervised=sup)
+            r.text("\n")
+        r.flush()
+        assert n_image == len(grids), (conv.key, n_image, len(grids))
+        return r
+
+    def _assemble(self, conv: Conversation, grids: np.ndarray) -> EncodedSample:
+        rendered = self._render(conv, grids)
+        texts = [it[1] for it in rendered.items if it[0] == "text"]
+        encodings = iter(self._tk.encode_batch(texts, add_special_tokens=False) if texts else [])
+        merge2 = self.spec.merge_size**2
+        ids_parts, sup_parts, img_parts = [], [], []
+        for item in rendered.items:
+            if item[0] == "text":
+                enc = next(encodings)
+                ids = np.asarray(enc.ids, dtype=np.int64)
+                sup = np.zeros(len(ids), dtype=bool)
+                if item[2]:
+                    off = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                    for a, b in item[2]:
+                        sup |= (off[:, 1] > a) & (off[:, 0] < b)
+                ids_parts.append(ids)
+                sup_parts.append(sup)
+                img_parts.append(np.zeros(len(ids), dtype=bool))
+            elif item[0] == "tok":
+                ids_parts.append(np.array([item[1]], dtype=np.int64))
+                sup_parts.append(np.array([item[2]]))
+                img_parts.append(np.zeros(1, dtype=bool))
+            else:
+                n = int(grids[item[1]].prod()) // merge2
+                ids_parts.append(np.full(n, self.image_pad_id, dtype=np.int64))
+                sup_parts.append(np.zeros(n, dtype=bool))
+                img_parts.append(np.ones(n, dtype=bool))
+        input_ids = np.concatenate(ids_parts)
+        supervised = np.concatenate(sup_parts)
+        return EncodedSample(
+            key=conv.key,
+            input_ids=input_ids,
+            labels=np.where(supervised, input_ids, IGNORE_INDEX),
+            mm_token_type_ids=np.concatenate(img_parts).astype(np.int8) * TOKEN_TYPE_IMAGE,
+            image_grid_thw=grids,
+        )
+
+
+def _trim(content: tuple[str | ImageRef, ...]) -> tuple[str | ImageRef, ...]:
+    """Jinja's `|trim` on the rendered content: strip whitespace at both ends, through text
+    items only (an image renders as special tokens, which are not whitespace)."""
+    items = list(content)
+    while items and isinstance(items[0], str) and not items[0].strip():
+        items.pop(0)
+    while items and isinstance(items[-1], str) and not items[-1].strip():
+        items.pop()
+    if items and isinstance(items[0], str):
+        items[0] = items[0].lstrip()
+    if items and isinstance(items[-1], str):
+        items[-1] = items[-1].rstrip()
+    return tuple(items)
+
+
+def _split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) as the qwen3_5 template splits an answer holding `</think>`."""
+    if "</think>" not in content:
+        return "", content
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning.strip(), content.split("</think>")[-1].lstrip("\n")
+
+
+def _open_image(key: str, ref: ImageRef) -> PILImage.Image:
+    """Open and decode an image, turning I/O and format errors into BadSampleError."""
+    from PIL import Image
+
+    try:
+        image = Image.open(ref.path)
+        image.load()  # decode now so a truncated or corrupt file fails here
+        return image
+    except FileNotFoundError:
+        raise _missing(key, ref) from None
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on bad data
+        raise _corrupt(key, ref, e) from None
+
+
+def _image_size(key: str, ref: ImageRef) -> tuple[int, int]:
+    """(width, height) from the image header, without decoding pixels."""
+    from PIL import Image
+
+    try:
+        with Image.open(ref.path) as image:
+            return image.size
+    except FileNotFoundError:
+        raise _missing(key, ref) from None
+    except Exception as e:
+        raise _corrupt(key, ref, e) from None
+
+
+def _missing(key: str, ref: ImageRef) -> BadSampleError:
+    return BadSampleError(
+        "missing_image",
+        f"{key}: image {ref.path} not found: fix the path (relative paths are resolved against "
+        "the JSONL file's folder) or drop the sample",
+    )
+
+
+def _corrupt(key: str, ref: ImageRef, e: Exception) -> BadSampleError:
+    return BadSampleError(
+        "corrupt_image",
+        f"{key}: image {ref.path} cannot be read ({type(e).__name__}: {e}): re-export it as "
+        "PNG/JPEG or drop the sample",
+    )

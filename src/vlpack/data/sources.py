@@ -1,0 +1,234 @@
+"""Read JSONL conversations into `Conversation`s.
+
+Two record shapes are accepted (one JSON object per line):
+
+messages style::
+
+    {"id": "a1", "messages": [
+        {"role": "system", "content": "You read receipts."},
+        {"role": "user", "content": [{"type": "image", "image": "images/0.jpg"},
+                                     {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "12.50"}]}
+
+ShareGPT / LLaVA style::
+
+    {"conversations": [{"from": "human", "value": "<image>\\nTotal?"},
+                       {"from": "gpt", "value": "12.50"}],
+     "image": "images/0.jpg"}          # or "images": [...]
+
+Each `<image>` placeholder in a string consumes the next entry of the record's `image`/`images`
+(messages-style string contents may use placeholders too); text around it is kept verbatim.
+Image paths are relative to the JSONL file's folder unless absolute. Images are not opened
+here: a missing or corrupt file is reported when the sample is encoded or measured.
+
+The key of a sample is its `id` field, else `<file name>:<line>` (1-based).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
+
+log = logging.getLogger(__name__)
+
+IMAGE_PLACEHOLDER = "<image>"
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant"}  # fmt: skip
+RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Strings that would turn into vision tokens if they appeared in text."""
+
+
+def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
+    """Stream the records of a JSONL file: a `Conversation` per good record, the
+    `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data file {path} does not exist: pass the path of a .jsonl file")
+    base_dir = path.parent.absolute()
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield BadSampleError(
+                    "bad_json",
+                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                    "must hold one JSON object",
+                )
+                continue
+            key = str(obj["id"]) if isinstance(obj, dict) and obj.get("id") is not None else where
+            try:
+                yield parse_record(obj, base_dir=base_dir, key=key)
+            except BadSampleError as e:
+                if key != where:  # name the line too, so the record can be found
+                    e.args = (f"{e} [{path}:{lineno}]",)
+                yield e
+
+
+def iter_conversations(
+    path: str | Path, skipped: Counter[str] | None = None
+) -> Iterator[Conversation]:
+    """The good conversations of a JSONL file; bad records are logged and counted by reason
+    into `skipped` when given."""
+    for item in iter_jsonl(path):
+        if isinstance(item, BadSampleError):
+            log.warning("skipping sample: %s", item)
+            if skipped is not None:
+                skipped[item.reason] += 1
+            continue
+        yield item
+
+
+def read_jsonl(path: str | Path) -> list[Conversation]:
+    """All conversations of a JSONL file; raises the first `BadSampleError`."""
+    out = []
+    for item in iter_jsonl(path):
+        if isinstance(item, BadSampleError):
+            raise item
+        out.append(item)
+    return out
+
+
+def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
+    """Turn one decoded JSON record into a `Conversation`; raises `BadSampleError` whose
+    message names `key`, the problem and the fix."""
+    if not isinstance(obj, dict):
+        _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
+    images = _record_images(obj, key)
+    if "messages" in obj:
+        raw = _messages_turns(obj["messages"], key)
+    elif "conversations" in obj:
+        raw = _sharegpt_turns(obj["conversations"], key)
+    else:
+        _bad(key, "bad_schema", 'a record needs a "messages" or a "conversations" list')
+    base = Path(base_dir)
+    queue = [ImageRef(path=base / p) for p in images]
+    n_placeholders = sum(
+        part.count(IMAGE_PLACEHOLDER) for _, parts in raw for part in parts if isinstance(part, str)
+    )
+    if n_placeholders != len(images):
+        _bad(key, "image_count_mismatch",
+             f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s) in "
+             '"image"/"images": give exactly one image per placeholder, in order')  # fmt: skip
+    messages = []
+    for role, parts in raw:
+        content: list[str | ImageRef] = []
+        for part in parts:
+            if isinstance(part, str):
+                content.extend(_split_placeholders(part, queue))
+            else:
+                content.append(ImageRef(path=base / part))
+        messages.append(Message(role=role, content=tuple(content)))
+    conv = Conversation(key=key, messages=tuple(messages))
+    _validate(conv)
+    return conv
+
+
+# Raw turns: (role, parts) where a part is text (str) or an image path (Path, not yet joined).
+_Turns = list[tuple[str, list[str | Path]]]
+
+
+def _bad(key: str, reason: str, message: str) -> NoReturn:
+    raise BadSampleError(reason, f"{key}: {message}")
+
+
+def _record_images(obj: dict, key: str) -> list[str]:
+    images = obj.get("images", obj.get("image", []))
+    if images is None:
+        return []
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        _bad(key, "bad_schema", '"image" must be a path and "images" a list of paths')
+    return images
+
+
+def _role(value: Any, key: str, field: str) -> str:
+    if value not in ROLES:
+        _bad(key, "bad_schema",
+             f"unknown {field} {value!r}: use one of system, user/human, assistant/gpt")  # fmt: skip
+    return ROLES[value]
+
+
+def _messages_turns(messages: Any, key: str) -> _Turns:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        _bad(key, "bad_schema", '"messages" must be a list of {"role", "content"} objects')
+    turns: _Turns = []
+    for m in messages:
+        role = _role(m.get("role"), key, "role")
+        content = m.get("content")
+        if isinstance(content, str):
+            turns.append((role, [content]))
+        elif isinstance(content, list):
+            turns.append((role, [_content_item(item, key) for item in content]))
+        else:
+            _bad(key, "bad_schema", f"a {role} message needs a string or list content")
+    return turns
+
+
+def _content_item(item: Any, key: str) -> str | Path:
+    if isinstance(item, dict):
+        kind = item.get("type")
+        if kind == "text" and isinstance(item.get("text"), str):
+            return item["text"]
+        path = item.get("image", item.get("path"))
+        if kind in ("image", None) and isinstance(path, str) and path:
+            if "://" in path:
+                _bad(key, "bad_schema", f"image {path!r} is a URL: download it and give a path")
+            return Path(path)
+    _bad(key, "bad_schema",
+         'content items must be {"type": "text", "text": ...} or {"type": "image", "image": PATH}'
+         f", got {item!r:.80}")  # fmt: skip
+
+
+def _sharegpt_turns(conversations: Any, key: str) -> _Turns:
+    if not isinstance(conversations, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("value"), str) for t in conversations
+    ):
+        _bad(key, "bad_schema", '"conversations" must be a list of {"from", "value": str} objects')
+    return [(_role(t.get("from"), key, '"from"'), [t["value"]]) for t in conversations]
+
+
+def _split_placeholders(text: str, queue: list[ImageRef]) -> list[str | ImageRef]:
+    out: list[str | ImageRef] = []
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    for i, piece in enumerate(pieces):
+        if i:
+            out.append(queue.pop(0))
+        if piece:
+            out.append(piece)
+    return out
+
+
+def _validate(conv: Conversation) -> None:
+    key = conv.key
+    roles = [m.role for m in conv.messages]
+    if "system" in roles[1:]:
+        _bad(key, "bad_schema", "a system message may only come first: merge it into the first")
+    for m in conv.messages:
+        texts = [c for c in m.content if isinstance(c, str)]
+        if m.role != "user" and len(texts) != len(m.content):
+            _bad(key, "bad_schema",
+                 f"images are only supported in user turns, found one in a {m.role} turn")  # fmt: skip
+        for t in texts:
+            if any(r in t for r in RESERVED):
+                _bad(key, "bad_schema",
+                     f"text contains a reserved vision token ({', '.join(RESERVED)}): use "
+                     f"{IMAGE_PLACEHOLDER} or an image item instead")  # fmt: skip
+    if "assistant" not in roles:
+        _bad(key, "no_assistant_turn", "no assistant turn: nothing to learn from; add an answer")
+    if "user" not in roles:
+        _bad(key, "bad_schema", "no user turn: add the question the assistant answers")
+    for i, m in enumerate(conv.messages):
+        if m.role == "assistant" and not "".join(m.content).strip():  # type: ignore[arg-type]
+            _bad(key, "empty_assistant_turn",
+                 f"assistant turn {i} is empty: drop the turn or give it text")  # fmt: skip

