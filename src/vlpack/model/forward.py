@@ -1,0 +1,148 @@
+"""The single forward entry of the trainer: one packed THD row in, summed loss out.
+
+`packed_forward` adds the batch dimension and calls the base model with
+  position_ids [4, 1, T] (row 0 text positions restarting per sample, rows 1-3 per-sample MRoPE),
+  cu_seq_lens_q/k = batch.cu_seqlens_padded, max_length_q/k = batch.max_seqlen,
+  pixel_values / image_grid_thw / mm_token_type_ids, use_cache=False and NO 2-D attention mask,
+then computes the loss from the hidden states (never the full [T, vocab] logits unless asked).
+
+Legend: T = tokens of the row, H = hidden size, V = vocabulary, L = tokens of one sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlpack.data.batch import ThdBatch, shifted_labels
+from vlpack.data.types import EncodedSample
+from vlpack.model import attention, gdn, loss
+from vlpack.model.build import ModelSpec
+from vlpack.model.moe import RouterCapture, RouterStats, router_stats
+
+
+@dataclass
+class ForwardOut:
+    """loss_sum: summed CE over label tokens (fp32 scalar); num_label_tokens: their count;
+    aux_loss: MoE load-balancing loss over real tokens (None for dense models);
+    logits: [T, V] only when asked; router_stats: per-expert counts (MoE);
+    paths: the kernels that ran (attention, GDN, loss)."""
+
+    loss_sum: torch.Tensor
+    num_label_tokens: int
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    router_stats: RouterStats | None = None
+    paths: dict[str, str] = field(default_factory=dict)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def packed_model_inputs(batch: ThdBatch) -> dict:
+    """Keyword arguments of the base-model call for one packed row."""
+    has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
+    cu = batch.cu_seqlens_padded.to(torch.int32)
+    return dict(
+        input_ids=batch.input_ids[None],
+        position_ids=batch.position_ids[:, None, :],
+        mm_token_type_ids=batch.mm_token_type_ids[None],
+        pixel_values=batch.pixel_values if has_images else None,
+        image_grid_thw=batch.image_grid_thw if has_images else None,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=int(batch.max_seqlen),
+        max_length_k=int(batch.max_seqlen),
+        use_cache=False,
+    )
+
+
+def _paths() -> dict[str, str]:
+    out = {f"attention.{k}": v for k, v in attention.PATHS_USED.items()}
+    out.update({f"gdn.{k}": v for k, v in gdn.PATHS_USED.items()})
+    out.update(loss.PATHS_USED)
+    return out
+
+
+def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Tensor):
+    if capture is None:
+        return None
+    return router_stats(capture.logits, real_T, spec.num_experts, spec.num_experts_per_tok)
+
+
+def packed_forward(
+    model: nn.Module,
+    batch: ThdBatch,
+    *,
+    spec: ModelSpec,
+    return_logits: bool = False,
+    loss_method: str = "auto",
+    chunk_size: int = 1024,
+) -> ForwardOut:
+    """Forward one packed row; loss summed over its label tokens (labels already shifted)."""
+    device = _device(model)
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
+    if batch.position_ids.shape[0] != 4:
+        raise ValueError("position_ids must have 4 rows (text, t, h, w): build the batch with "
+                         "vlpack.data.batch.build_thd_batch")
+    capture = RouterCapture(model) if spec.is_moe else None
+    if capture is not None:
+        capture.__enter__()
+    try:
+        out = model.model(**packed_model_inputs(batch))
+    finally:
+        if capture is not None:
+            capture.__exit__()
+    hidden_TH = out.last_hidden_state[0]
+    loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, batch.labels, method=loss_method,
+                                     chunk_size=chunk_size)
+    stats = _moe_stats(spec, capture, ~batch.padding_mask)
+    return ForwardOut(
+        loss_sum=loss_sum,
+        num_label_tokens=n,
+        aux_loss=None if stats is None else stats.aux_loss,
+        logits=model.lm_head(hidden_TH) if return_logits else None,
+        router_stats=stats,
+        paths=_paths(),
+    )
+
+
+def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec) -> ForwardOut:
+    """Stock transformers forward of ONE sample (the reference of `vlpack check`).
+
+    Positions come from the model's own get_rope_index; logits are returned ([L, V]).
+    """
+    device = _device(model)
+    has_images = sample.pixel_values is not None and len(sample.image_grid_thw) > 0
+    inputs = dict(
+        input_ids=torch.as_tensor(sample.input_ids, device=device)[None],
+        mm_token_type_ids=torch.as_tensor(sample.mm_token_type_ids.astype(np.int32),
+                                          device=device)[None],
+        pixel_values=torch.as_tensor(sample.pixel_values, device=device) if has_images else None,
+        image_grid_thw=torch.as_tensor(sample.image_grid_thw, device=device) if has_images else None,
+        use_cache=False,
+    )
+    model.model.rope_deltas = None  # the model caches it across calls
+    capture = RouterCapture(model) if spec.is_moe else None
+    if capture is not None:
+        capture.__enter__()
+    try:
+        out = model.model(**inputs)
+    finally:
+        if capture is not None:
+            capture.__exit__()
+    logits_LV = model.lm_head(out.last_hidden_state[0])
+    labels_L = torch.as_tensor(shifted_labels(sample.labels), device=device)
+    stats = _moe_stats(spec, capture, torch.ones(len(sample), dtype=torch.bool, device=device))
+    return ForwardOut(
+        loss_sum=loss.plain_ce_sum(logits_LV, labels_L),
+        num_label_tokens=int((labels_L != -100).sum()),
+        aux_loss=None if stats is None else stats.aux_loss,
+        logits=logits_LV,
+        router_stats=stats,
+    )

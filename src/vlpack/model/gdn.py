@@ -1,0 +1,199 @@
+"""Boundary-aware Gated-DeltaNet (Qwen3.5 linear-attention layers) for packed rows.
+
+transformers' GDN forward calls two module-level kernels: `causal_conv1d_fn` (the short causal
+conv, which receives the text kwargs, `cu_seq_lens_q` among them) and
+`torch_chunk_gated_delta_rule` (receives `cu_seqlens=cu_seq_lens_q`). Their torch fallbacks
+cannot keep samples apart: the conv silently mixes neighbours across a boundary, the delta rule
+raises. vlpack replaces both module attributes with dispatchers that are active only inside a
+GDN module that `install_gdn(model)` wrapped, so stock models in the same process keep stock
+behaviour. Inside, with boundaries given, both restart at every segment:
+  GPU + fla importable → fla's `causal_conv1d` / `chunk_gated_delta_rule` with `cu_seqlens`;
+  otherwise           → the torch reference run once per segment (exact, slower; said once).
+Without boundaries the row is one sequence (an unpacked sample) and the stock kernels run.
+
+Legend: B = batch (1 when packed), C = conv channels, T = tokens, W = conv width,
+Hk/Hv = key/value heads, Dk/Dv = head dims.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import itertools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_GDN_MODULES = ("qwen3_5", "qwen3_5_moe")
+_ACTIVE = contextvars.ContextVar("vlpack_gdn_active", default=False)
+PATHS_USED: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def _say_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg)
+
+
+@functools.cache
+def _fla() -> tuple[Callable, Callable] | None:
+    """fla's (causal_conv1d, chunk_gated_delta_rule), or None when fla cannot run here."""
+    try:
+        conv = importlib.import_module("fla.modules.causal_conv1d.ops").causal_conv1d
+        gdr = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except Exception:
+        return None
+    return conv, gdr
+
+
+def _use_fla(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    if _fla() is None:
+        _say_once("nofla", "vlpack: fla is not importable; Gated-DeltaNet runs the per-segment "
+                  "torch reference (correct, slower). Install fla-core + flash-linear-attention.")
+        return False
+    return True
+
+
+def _bounds(cu: torch.Tensor, T: int) -> list[int]:
+    cu_list = [int(c) for c in cu.tolist()]
+    if cu_list[0] != 0 or cu_list[-1] != T or any(b <= a for a, b in itertools.pairwise(cu_list)):
+        raise ValueError(
+            f"Gated-DeltaNet boundaries {cu_list} do not split a row of {T} tokens into "
+            "non-empty segments: pass the batch's cu_seqlens_padded"
+        )
+    return cu_list
+
+
+# --- short causal conv --------------------------------------------------------------------------
+def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, cu: torch.Tensor):
+    """Causal depthwise conv that restarts at every boundary in `cu` (B must be 1)."""
+    from transformers.activations import ACT2FN
+
+    B, C, T = x_BCT.shape
+    if B != 1:
+        raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
+    bounds = _bounds(cu, T)
+    if _use_fla(x_BCT):
+        PATHS_USED["conv"] = "fla causal_conv1d (cu_seqlens)"
+        conv = _fla()[0]
+        y_BTC, _ = conv(x_BCT.transpose(1, 2), weight=weight_CW, bias=bias_C,
+                        activation=activation, cu_seqlens=cu.to(x_BCT.device, torch.int32))
+        return y_BTC.transpose(1, 2).to(x_BCT.dtype)
+    PATHS_USED["conv"] = "per-segment torch conv1d"
+    pad = weight_CW.shape[-1] - 1
+    x = x_BCT.to(weight_CW.dtype)
+    outs = [
+        F.conv1d(x[:, :, s:e], weight_CW.unsqueeze(1), bias_C, padding=pad, groups=C)[:, :, : e - s]
+        for s, e in itertools.pairwise(bounds)
+    ]
+    y = torch.cat(outs, dim=-1)
+    if activation is not None:
+        y = ACT2FN[activation](y)
+    return y.to(x_BCT.dtype)
+
+
+def _conv_dispatch(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        if not _ACTIVE.get() or cu is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        if kwargs.get("seq_idx") is not None:
+            raise ValueError("pass boundaries as cu_seq_lens_q, not seq_idx")
+        return segment_conv1d(hidden_states, weight, bias, activation, cu)
+
+    causal_conv1d_fn._vlpack = True
+    return causal_conv1d_fn
+
+
+# --- gated delta rule ---------------------------------------------------------------------------
+def _gdr_dispatch(original: Callable) -> Callable:
+    torch_fn = getattr(original, "__wrapped__", None)
+
+    @functools.wraps(original)
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        common = dict(initial_state=initial_state, output_final_state=output_final_state,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        if not _ACTIVE.get() or cu_seqlens is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                            cu_seqlens=cu_seqlens, **common, **kwargs)
+        B, T = query.shape[:2]
+        if B != 1:
+            raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
+        if initial_state is not None or output_final_state:
+            raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
+                             "use_cache=False")
+        bounds = _bounds(cu_seqlens, T)
+        if _use_fla(query):
+            PATHS_USED["delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
+            out, _ = _fla()[1](query, key, value, g=g, beta=beta,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               cu_seqlens=cu_seqlens.to(query.device, torch.long))
+            return out, None
+        if torch_fn is None:
+            raise ValueError("cannot find transformers' torch gated-delta-rule to run per "
+                             "segment; install fla (fla-core + flash-linear-attention)")
+        PATHS_USED["delta_rule"] = "per-segment torch chunk_gated_delta_rule"
+        outs = [
+            torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                     chunk_size=chunk_size, **common)[0]
+            for s, e in itertools.pairwise(bounds)
+        ]
+        return torch.cat(outs, dim=1), None
+
+    torch_chunk_gated_delta_rule._vlpack = True
+    return torch_chunk_gated_delta_rule
+
+
+@functools.cache
+def _patch_modules() -> None:
+    for fam in _GDN_MODULES:
+        try:
+            mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+        except ImportError:
+            continue
+        for attr, make in (("causal_conv1d_fn", _conv_dispatch),
+                           ("torch_chunk_gated_delta_rule", _gdr_dispatch)):
+            fn = getattr(mod, attr, None)
+            if fn is None:
+                raise ValueError(
+                    f"transformers.models.{fam} has no {attr}: this transformers version's "
+                    "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)"
+                )
+            if not getattr(fn, "_vlpack", False):
+                setattr(mod, attr, make(fn))
+
+
+def _gdn_forward(self: nn.Module, *args, **kwargs):
+    token = _ACTIVE.set(True)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+
+
+def is_gdn(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def install_gdn(model: nn.Module) -> int:
+    """Make every Gated-DeltaNet module of `model` boundary-aware; returns how many."""
+    n = 0
+    for m in model.modules():
+        if is_gdn(m):
+            _patch_modules()
+            if "forward" not in m.__dict__:
+                m.forward = _gdn_forward.__get__(m)
+            n += 1
+    return n

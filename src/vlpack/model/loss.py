@@ -1,0 +1,118 @@
+"""Summed token cross-entropy over label tokens, plus the label-token count.
+
+Labels in a ThdBatch are already shifted per sample (labels[t] is the target of position t):
+the loss never shifts again. It returns a SUM and a count so the trainer can normalise by the
+global number of label tokens across micro-batches and ranks.
+
+Paths (all equal to the plain computation):
+  plain   — logits = lm_head(hidden) for the label rows, then cross-entropy in fp32.
+  chunked — never holds [T, vocab] logits: a custom autograd function walks the label rows in
+            chunks, computes loss and both gradients chunk by chunk, and keeps only the gradients.
+  liger   — liger-kernel's fused linear cross-entropy (GPU, when importable).
+
+Legend: T = tokens, N = label tokens, H = hidden size, V = vocabulary, C = chunk rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vlpack.data.types import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+LOSS_METHODS = ("auto", "plain", "chunked", "liger")
+PATHS_USED: dict[str, str] = {}
+
+
+def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor):
+    keep_T = labels_T != IGNORE_INDEX
+    return hidden_TH[keep_T], labels_T[keep_T]
+
+
+def plain_ce_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
+    """Summed CE of full logits against already-shifted labels (fp32 math)."""
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum_n CE(h_n @ W^T, y_n), computed and differentiated chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h_NH, w_VH, y_N, chunk: int, need_w_grad: bool):
+        loss = torch.zeros((), dtype=torch.float32, device=h_NH.device)
+        gh_NH = torch.empty_like(h_NH)
+        gw_VH = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if need_w_grad else None
+        for s in range(0, h_NH.shape[0], chunk):
+            h_CH, y_C = h_NH[s : s + chunk], y_N[s : s + chunk]
+            logits_CV = (h_CH @ w_VH.T).float()
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            loss += (lse_C - logits_CV.gather(1, y_C[:, None]).squeeze(1)).sum()
+            # d loss / d logits = softmax - onehot, reusing the logits buffer
+            grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+            grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+            gh_NH[s : s + chunk] = (grad_CV.to(w_VH.dtype) @ w_VH).to(h_NH.dtype)
+            if gw_VH is not None:
+                gw_VH.addmm_(grad_CV.T, h_CH.float())
+        ctx.save_for_backward(gh_NH, gw_VH.to(w_VH.dtype) if gw_VH is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        gh_NH, gw_VH = ctx.saved_tensors
+        return gh_NH * g.to(gh_NH.dtype), (None if gw_VH is None else gw_VH * g.to(gw_VH.dtype)), \
+            None, None, None
+
+
+def chunked_linear_ce_sum(hidden_TH, weight_VH, labels_T, *, chunk_size: int = 1024) -> torch.Tensor:
+    """Summed CE of lm_head(hidden) without materialising [T, vocab] logits."""
+    h_NH, y_N = _label_rows(hidden_TH, labels_T)
+    if h_NH.shape[0] == 0:
+        return (hidden_TH.sum() * 0.0).float() + (weight_VH.sum() * 0.0).float()
+    return _ChunkedLinearCE.apply(h_NH, weight_VH, y_N, chunk_size, weight_VH.requires_grad)
+
+
+@functools.cache
+def _liger() -> Callable | None:
+    try:
+        mod = importlib.import_module("liger_kernel.transformers.fused_linear_cross_entropy")
+        return mod.LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+    except Exception:
+        return None
+
+
+def linear_ce_sum(
+    hidden_TH: torch.Tensor,
+    lm_head: torch.nn.Linear,
+    labels_T: torch.Tensor,
+    *,
+    method: str = "auto",
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, int]:
+    """(summed CE over label tokens, number of label tokens) from hidden states and lm_head."""
+    if method not in LOSS_METHODS:
+        raise ValueError(f"unknown loss method {method!r}: use one of {', '.join(LOSS_METHODS)}")
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("lm_head with a bias is not supported by vlpack's loss")
+    n = int((labels_T != IGNORE_INDEX).sum())
+    if method == "auto":
+        method = "liger" if hidden_TH.is_cuda and _liger() is not None else "chunked"
+    if method == "liger" and (not hidden_TH.is_cuda or _liger() is None):
+        logger.warning("vlpack: liger-kernel is not usable here; using the chunked loss")
+        method = "chunked"
+    PATHS_USED["loss"] = method
+    if method == "plain":
+        h_NH, y_N = _label_rows(hidden_TH, labels_T)
+        return plain_ce_sum(lm_head(h_NH), y_N), n
+    if method == "liger":
+        h_NH, y_N = _label_rows(hidden_TH, labels_T)
+        if n == 0:
+            return (hidden_TH.sum() * 0.0).float(), 0
+        return _liger()(lm_head.weight, h_NH, y_N).float(), n
+    return chunked_linear_ce_sum(hidden_TH, lm_head.weight, labels_T, chunk_size=chunk_size), n

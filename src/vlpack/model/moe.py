@@ -1,0 +1,79 @@
+"""MoE router statistics over REAL tokens only.
+
+Stock transformers pools router logits of every token of the batch into its load-balancing
+loss; the only way it excludes padding is a 2-D attention mask, which also turns off its packed
+path. vlpack captures the router logits with forward hooks on the router modules and computes
+the same quantity (Switch-Transformer loss, pooled over layers and tokens, exactly as
+transformers' `load_balancing_loss_func` with a mask) over the real tokens of the packed row.
+Padding tokens may still be routed through experts; only the statistics exclude them.
+
+Legend: L = MoE layers, T = tokens, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def is_router(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("TopKRouter")
+
+
+class RouterCapture:
+    """Context manager collecting each router's logits [T, E] during a forward, layer order."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = [m for m in model.modules() if is_router(m)]
+        self.logits: list[torch.Tensor] = []
+        self._handles: list = []
+
+    def _hook(self, module, args, output):
+        self.logits.append(output[0] if isinstance(output, tuple) else output)
+
+    def __enter__(self) -> RouterCapture:
+        self.logits = []
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@dataclass
+class RouterStats:
+    """aux_loss: load-balancing loss over real tokens (scalar, differentiable);
+    tokens_per_expert: [L, E] int64 top-k assignments of real tokens per layer;
+    num_tokens: real tokens counted per layer."""
+
+    aux_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_tokens: int
+
+
+def router_stats(
+    router_logits: list[torch.Tensor], real_T: torch.Tensor, num_experts: int, top_k: int
+) -> RouterStats:
+    """Load-balancing loss and per-expert counts over the tokens where `real_T` is True."""
+    if not router_logits:
+        raise ValueError("no router logits were captured: is this an MoE model?")
+    w_T = real_T.reshape(-1).to(torch.float32)
+    counts, probs_sum = [], torch.zeros(num_experts, dtype=torch.float32, device=w_T.device)
+    for logits_TE in router_logits:
+        if logits_TE.shape[0] != w_T.shape[0]:
+            raise ValueError(f"router logits have {logits_TE.shape[0]} rows but the mask has "
+                             f"{w_T.shape[0]} tokens")
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        top_Tk = torch.topk(probs_TE, top_k, dim=-1).indices
+        counts.append(torch.zeros(num_experts, device=w_T.device).scatter_add_(
+            0, top_Tk.reshape(-1), w_T.repeat_interleave(top_k)))
+        probs_sum = probs_sum + (probs_TE * w_T[:, None]).sum(0)
+    counts_LE = torch.stack(counts)
+    rows = w_T.sum() * len(router_logits)
+    aux = num_experts * torch.sum((counts_LE.sum(0) / rows) * (probs_sum / rows))
+    return RouterStats(aux_loss=aux, tokens_per_expert=counts_LE.round().long(),
+                       num_tokens=int(w_T.sum()))

@@ -1,0 +1,193 @@
+"""Model presets by name: tiny configs for tests and real-size shapes for benchmarks.
+
+Every preset keeps the REAL tokenizer ids of its family (vocab 151,936 for Qwen2/2.5/3-VL,
+248,320 for Qwen3.5), so samples encoded with the real tokenizer run on the tiny models too.
+Tiny presets tie the word embeddings (the vocabulary dominates their size).
+
+Real-size presets carry the official shapes with random weights. `source` names where the
+values were read; `unverified` lists values that the search tool could not confirm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Token ids of the two tokenizer generations (transformers' config defaults agree).
+QWEN2_IDS = dict(
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+    vision_end_token_id=151653, eos_token_id=151645, pad_token_id=151643, vocab_size=151936,
+)
+QWEN3_5_IDS = dict(
+    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+    vision_end_token_id=248054, eos_token_id=248046, pad_token_id=248044, vocab_size=248320,
+)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model: family (HF model_type), text/vision config dicts and provenance."""
+
+    name: str
+    family: str
+    text: dict[str, Any]
+    vision: dict[str, Any]
+    tie_word_embeddings: bool = False
+    source: str = "vlpack tiny test model"
+    unverified: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ids(self) -> dict[str, int]:
+        return dict(QWEN3_5_IDS if self.family.startswith("qwen3_5") else QWEN2_IDS)
+
+
+def _rope(theta: float, section: list[int], interleaved: bool, partial: float | None = None):
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta, "mrope_section": section}
+    if interleaved:
+        rope["mrope_interleaved"] = True
+    if partial is not None:
+        rope["partial_rotary_factor"] = partial
+    return rope
+
+
+# --- tiny presets: hidden 64, 2-4 text layers, vision depth 2 ----------------------------------
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096)
+_TINY_VIS3 = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=64)
+_TINY_GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4,
+                 layer_types=["linear_attention", "full_attention", "linear_attention",
+                              "full_attention"])
+_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+PRESETS: dict[str, Preset] = {}
+
+
+def _add(p: Preset) -> None:
+    PRESETS[p.name] = p
+
+
+_add(Preset(
+    "tiny-qwen2_vl", "qwen2_vl",
+    text=dict(_TINY_TEXT, num_hidden_layers=2, rope_parameters=_rope(1e6, [2, 3, 3], False)),
+    vision=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2),
+    tie_word_embeddings=True,
+))
+_add(Preset(
+    "tiny-qwen2_5_vl", "qwen2_5_vl",
+    text=dict(_TINY_TEXT, num_hidden_layers=2, rope_parameters=_rope(1e6, [2, 3, 3], False)),
+    # window 112 px = 8 patches = 4 merged tokens a side: images of 16×16 patches get 4 windows.
+    vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                fullatt_block_indexes=[1], tokens_per_second=2),
+    tie_word_embeddings=True,
+))
+_add(Preset(
+    "tiny-qwen3_vl", "qwen3_vl",
+    text=dict(_TINY_TEXT, num_hidden_layers=2, head_dim=16,
+              rope_parameters=_rope(5e6, [2, 3, 3], True)),
+    vision=dict(_TINY_VIS3, deepstack_visual_indexes=[0, 1]),
+    tie_word_embeddings=True,
+))
+_add(Preset(
+    "tiny-qwen3_vl_moe", "qwen3_vl_moe",
+    text=dict(**_TINY_TEXT, **_TINY_MOE, num_hidden_layers=2, head_dim=16, decoder_sparse_step=1,
+              mlp_only_layers=[], rope_parameters=_rope(5e6, [2, 3, 3], True)),
+    vision=dict(_TINY_VIS3, deepstack_visual_indexes=[0, 1]),
+    tie_word_embeddings=True,
+))
+_add(Preset(
+    "tiny-qwen3_5", "qwen3_5",
+    # head_dim 32 × partial_rotary_factor 0.25 = rotary dim 8 → mrope_section sums to 4.
+    text=dict(**_TINY_TEXT, **_TINY_GDN, num_hidden_layers=4, head_dim=32,
+              rope_parameters=_rope(1e7, [2, 1, 1], True, partial=0.25)),
+    vision=dict(_TINY_VIS3),
+    tie_word_embeddings=True,
+))
+_add(Preset(
+    "tiny-qwen3_5_moe", "qwen3_5_moe",
+    text=dict(**_TINY_TEXT, **_TINY_GDN, **_TINY_MOE, num_hidden_layers=4, head_dim=32,
+              shared_expert_intermediate_size=32,
+              rope_parameters=_rope(1e7, [2, 1, 1], True, partial=0.25)),
+    vision=dict(_TINY_VIS3),
+    tie_word_embeddings=True,
+))
+
+# --- real-size shapes (random weights) ----------------------------------------------------------
+_QWEN3_VIS_27 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                     num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+
+_add(Preset(
+    "qwen3-vl-2b", "qwen3_vl",
+    text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+              max_position_embeddings=262144, rms_norm_eps=1e-6,
+              rope_parameters=_rope(5e6, [24, 20, 20], True)),
+    vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                out_hidden_size=2048, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
+                hidden_act="gelu_pytorch_tanh"),
+    tie_word_embeddings=True,
+    source="Qwen/Qwen3-VL-2B-Instruct config.json (repo listing found via search)",
+    unverified=("all text and vision shapes: the file's contents were not returned by search; "
+                "values follow the published Qwen3-VL-2B card (28 layers, hidden 2048, ViT "
+                "depth 24 / width 1024, deepstack 5,11,17)",),
+))
+_add(Preset(
+    "qwen3-vl-8b", "qwen3_vl",
+    text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+              max_position_embeddings=262144, rms_norm_eps=1e-6,
+              rope_parameters=_rope(5e6, [24, 20, 20], True)),
+    vision=dict(_QWEN3_VIS_27, out_hidden_size=4096, deepstack_visual_indexes=[8, 16, 24]),
+    source="Qwen/Qwen3-VL-8B-Instruct config.json, as mirrored in fine-tunes of it on the HF hub "
+           "(huggingface.co/Steinate/Cortex, Chhagan005/CSM-DocExtract-8N) and the ollama "
+           "qwen3-vl:8b metadata",
+))
+_add(Preset(
+    "qwen3-vl-30b-a3b", "qwen3_vl_moe",
+    text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+              decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=262144,
+              rms_norm_eps=1e-6, rope_parameters=_rope(5e6, [24, 20, 20], True)),
+    vision=dict(_QWEN3_VIS_27, out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24]),
+    source="Qwen/Qwen3-VL-30B-A3B-Instruct (text shapes = Qwen3-30B-A3B: 48 layers, 128 "
+           "experts top-8, moe_intermediate 768, as in MindSpeed-RL qwen3_30b_a3b.yaml)",
+    unverified=("intermediate_size 6144 (dense MLP size, unused with mlp_only_layers=[])",
+                "vision block: taken equal to the 8B ViT (depth 27, width 1152)"),
+))
+_add(Preset(
+    "qwen3.5-35b-a3b", "qwen3_5_moe",
+    text=dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+              num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+              linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+              linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+              moe_intermediate_size=512, shared_expert_intermediate_size=512,
+              max_position_embeddings=262144, rms_norm_eps=1e-6,
+              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+              rope_parameters=_rope(1e7, [11, 11, 10], True, partial=0.25)),
+    vision=dict(_QWEN3_VIS_27, out_hidden_size=2048),
+    source="Qwen/Qwen3.5-35B-A3B config.json as mirrored on the HF hub "
+           "(huggingface.co/compiledcode83/consider_P9a81t, UnionStreet/Helios-Rabbit-1.0) "
+           "and transformers' Qwen3_5MoeTextConfig defaults",
+    unverified=("num_experts 256 / top-8 / moe_intermediate 512 / shared 512: transformers "
+                "defaults, not seen in a returned config excerpt",
+                "vision block (depth 27, width 1152, out 2048)"),
+))
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; ValueError lists the known names."""
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown model preset {name!r}: use one of {', '.join(PRESETS)} or a local HF "
+            "checkpoint folder (config.json + *.safetensors)"
+        )
+    return PRESETS[name]
