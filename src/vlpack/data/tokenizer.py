@@ -7,8 +7,9 @@ order of the released `tokenizer_config.json` files.
 
 Default image sizes (`FamilySpec.min_pixels` / `max_pixels`) are counted in merged vision tokens:
 one merged token covers (patch·merge)² pixels, 28² at patch 14 and 32² at patch 16. We allow 64 to
-2048 merged tokens per image: a 1000×1600 receipt stays at full resolution and gives 2,040 tokens
-at patch 14 (qwen2/2.5) or 1,560 at patch 16 (qwen3/3.5); a 300×400 one gives ~150 / ~120.
+2048 merged tokens per image: a 1000×1600 receipt stays at (about) full resolution and gives
+1,995 tokens at patch 14 (qwen2/2.5) or 1,550 at patch 16 (qwen3/3.5); a 300×400 one gives
+154 / 108. Larger images are scaled down to the budget, never refused.
 """
 
 from __future__ import annotations
@@ -181,9 +182,9 @@ def _build_builtin(
 ) -> PreTrainedTokenizerBase:
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(vocab_path(vocab_file)))
+    vocab, merges = _vocab_merges(vocab_file)
+    vocab = dict(vocab)
     assert len(vocab) == special_start, (vocab_file, len(vocab))
     # Added tokens must be in the vocab before the tokenizer is built, or their ids shift.
     for i, token in enumerate(added_tokens):
@@ -199,6 +200,14 @@ def _build_builtin(
     for i, token in enumerate(added_tokens):
         assert tok.convert_tokens_to_ids(token) == special_start + i, token
     return tok
+
+
+@functools.lru_cache(maxsize=2)
+def _vocab_merges(vocab_file: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level vocab and merges of a tiktoken BPE file (the slow part, ~1-2 s)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    return TikTokenConverter().extract_vocab_merges_from_model(str(vocab_path(vocab_file)))
 
 
 @functools.lru_cache(maxsize=16)

