@@ -7,6 +7,7 @@ import pytest
 from vlpack.config import Config, load_config, save_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+assert CONFIGS, "the configs/ link to src/vlpack/configs is broken"
 
 
 def test_defaults_are_valid() -> None:
@@ -65,3 +66,9 @@ def test_shipped_recipes_exist() -> None:
 def test_every_shipped_recipe_loads(path: Path) -> None:
     cfg = load_config(path)
     assert (cfg.data.packing == "none") == path.stem.endswith("-nopack")
+
+
+def test_recipes_load_by_name() -> None:
+    assert load_config("tiny").model.name == "tiny-qwen3_vl"
+    with pytest.raises(ValueError, match=r"recipes: .*tiny"):
+        load_config("no-such-recipe")

@@ -306,13 +306,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+RECIPES = Path(__file__).parent / "configs"
+"""Shipped recipes (`configs/` at the repository root links here)."""
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A YAML path as given, or the shipped recipe of that name (`tiny`, `qwen3-vl-2b`, ...)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    recipe = RECIPES / f"{name_or_path}.yaml"
+    if recipe.is_file():
+        return recipe
+    names = ", ".join(sorted(q.stem for q in RECIPES.glob("*.yaml")))
+    raise ValueError(f"config {name_or_path} is neither a YAML file nor a recipe; recipes: {names}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or the defaults when `path` is None) and apply overrides."""
+    """Load a YAML config or a recipe by name (the dataclass defaults when `path` is None) and
+    apply overrides."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {p} does not exist")
+        p = recipe_path(path)
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
