@@ -1,0 +1,93 @@
+"""Right-padded batches: the usual transformers way, kept as the baseline packing is measured
+against (`data.packing=none`).
+
+Legend: B = samples in the batch, L = longest sample, P = ViT patches, C = flattened patch dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+
+from vlpack.data.batch import shifted_labels
+from vlpack.data.types import IGNORE_INDEX, EncodedSample
+
+
+@dataclass
+class PaddedBatch:
+    """B samples right-padded to the longest.
+
+    input_ids [B, L] int64; labels [B, L] int64 (shifted per sample like ThdBatch.labels, pads
+    IGNORE_INDEX); attention_mask [B, L] int64 (1 real, 0 pad); mm_token_type_ids [B, L] int32;
+    pixel_values [P, C] float32 or None; image_grid_thw [I, 3] int64 (sample order).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor
+    mm_token_type_ids: torch.Tensor
+    image_grid_thw: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    sample_keys: list[str] = field(default_factory=list)
+    num_label_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_keys)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PaddedBatch:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[k] = v.to(device, non_blocking=non_blocking)
+        return PaddedBatch(**kw)
+
+    def pin_memory(self) -> PaddedBatch:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[k] = v.pin_memory()
+        return PaddedBatch(**kw)
+
+
+def build_padded_batch(samples: Sequence[EncodedSample], *, pad_token_id: int) -> PaddedBatch:
+    """Right-pad `samples` to the longest one."""
+    if not samples:
+        raise ValueError("cannot build a batch from zero samples")
+    L = max(len(s) for s in samples)
+    B = len(samples)
+    input_ids = np.full((B, L), pad_token_id, dtype=np.int64)
+    labels = np.full((B, L), IGNORE_INDEX, dtype=np.int64)
+    mask = np.zeros((B, L), dtype=np.int64)
+    types = np.zeros((B, L), dtype=np.int32)
+    for b, s in enumerate(samples):
+        n = len(s)
+        input_ids[b, :n] = s.input_ids
+        labels[b, :n] = shifted_labels(s.labels)
+        mask[b, :n] = 1
+        types[b, :n] = s.mm_token_type_ids
+    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
+    pixels = [s.pixel_values for s in samples if s.pixel_values is not None and len(s.pixel_values)]
+    return PaddedBatch(
+        input_ids=torch.from_numpy(input_ids),
+        labels=torch.from_numpy(labels),
+        attention_mask=torch.from_numpy(mask),
+        mm_token_type_ids=torch.from_numpy(types),
+        image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64))
+        if grids
+        else torch.zeros((0, 3), dtype=torch.int64),
+        pixel_values=torch.from_numpy(np.concatenate(pixels)) if pixels else None,
+        sample_keys=[s.key for s in samples],
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+    )

@@ -1,0 +1,220 @@
+"""The deterministic bin stream: sample sizes in, this rank's bins out.
+
+Everything here is a pure function of (sizes, config, seed): every rank computes the same global
+stream of bins and takes its share, so no rank ever waits on another for data, and the stream
+position is one integer. Resuming replays the planning (cheap: lengths only, no pixels) up to
+that position, so a restored stream continues exactly.
+
+Stages: epoch order (seeded shuffle) → skip bad / apply the overlong policy (every sample
+counted) → online planner over a bounded buffer (carrying underfilled bins) → rounds of
+world_size × micro_batches bins balanced by estimated compute → this rank's bins.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vlpack.data.plan import assign_bins_to_ranks, check_algo, estimate_bin_cost
+from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.types import BadSampleError, SampleSize
+
+SizeOrError = SampleSize | BadSampleError
+TruncateFn = Callable[[int, int], SampleSize]
+"""(sample index, max tokens) → size after text-only truncation; raises BadSampleError."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBin:
+    """One bin: dataset indices, and a token cap for samples that were truncated."""
+
+    items: tuple[int, ...]
+    truncate: tuple[tuple[int, int], ...] = ()
+    """(dataset index, max tokens) of the samples that must be cut to fit."""
+    lengths: tuple[int, ...] = ()
+    """Real tokens of each item (after truncation)."""
+    patches: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(slots=True)
+class Accounting:
+    """Where every sample went: packed, truncated (and packed), or skipped with a reason."""
+
+    seen: int = 0
+    packed: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {
+            "samples": self.seen,
+            "packed": self.packed,
+            "truncated": self.truncated,
+            "skipped": dict(sorted(self.skipped.items())),
+        }
+
+
+class _FixedGroups:
+    """The `none` planner: consecutive samples in groups of `size` (padded batches)."""
+
+    def __init__(self, size: int):
+        self.size, self.buf = size, []
+
+    def push(self, item: int, tokens: int, patches: int = 0) -> list[list[int]]:
+        self.buf.append(item)
+        if len(self.buf) < self.size:
+            return []
+        out, self.buf = [self.buf], []
+        return out
+
+    def flush(self) -> list[list[int]]:
+        out, self.buf = ([self.buf] if self.buf else []), []
+        return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Sample order of one epoch: a seeded permutation (or identity)."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+@dataclass(kw_only=True)
+class BinStream:
+    """Global stream of bins over `sizes` (identical on every rank).
+
+    `epochs=None` streams forever (epochs chained, the planner's carry flowing across epoch
+    boundaries so nothing is dropped); otherwise the planner is flushed after the last epoch.
+    """
+
+    sizes: Sequence[SizeOrError]
+    seq_len: int
+    algo: str = "bfd"
+    """Planner name, or `none` for fixed groups of `batch_size` consecutive samples."""
+    batch_size: int = 1
+    buffer_size: int = 256
+    max_patches: int | None = None
+    pad_to_multiple_of: int = 1
+    overlong: str = "error"
+    truncate_fn: TruncateFn | None = None
+    seed: int = 0
+    shuffle: bool = True
+    epochs: int | None = 1
+    account: Accounting = field(default_factory=Accounting)
+
+    def __post_init__(self) -> None:
+        if self.algo != "none":
+            check_algo(self.algo)
+        if self.overlong not in ("error", "truncate", "skip"):
+            raise ValueError(f"overlong={self.overlong!r}: choose error, truncate or skip")
+        if self.overlong == "truncate" and self.truncate_fn is None:
+            raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
+
+    def _admit(self, i: int) -> tuple[SampleSize, int | None] | None:
+        """Size to plan with and truncation cap, or None when the sample is skipped."""
+        size = self.sizes[i]
+        self.account.seen += 1
+        if isinstance(size, BadSampleError):
+            self.account.skipped[size.reason] += 1
+            return None
+        cap = None
+        too_many_patches = self.max_patches is not None and size.patches > self.max_patches
+        if size.tokens > self.seq_len or too_many_patches:
+            what = (
+                f"{size.tokens} tokens > seq_len {self.seq_len}"
+                if size.tokens > self.seq_len
+                else f"{size.patches} ViT patches > max_patches {self.max_patches}"
+            )
+            if self.overlong == "error":
+                raise ValueError(
+                    f"sample #{i} is overlong ({what}); raise data.seq_len / data.max_patches, or "
+                    "set data.overlong=truncate (text-only cut) or data.overlong=skip"
+                )
+            if self.overlong == "skip" or too_many_patches:
+                self.account.skipped["overlong"] += 1
+                return None
+            try:
+                size = self.truncate_fn(i, self.seq_len)
+            except BadSampleError as e:
+                self.account.skipped[e.reason] += 1
+                return None
+            cap = size.tokens
+            self.account.truncated += 1
+        else:
+            self.account.packed += 1
+        return size, cap
+
+    def __iter__(self) -> Iterator[PlannedBin]:
+        planner = (
+            _FixedGroups(self.batch_size)
+            if self.algo == "none"
+            else OnlinePlanner(
+                self.seq_len, self.algo, self.buffer_size, max_patches=self.max_patches, seed=self.seed
+            )
+        )
+        info: dict[int, tuple[SampleSize, int | None]] = {}
+
+        def emit(bins: list[list[int]]) -> Iterator[PlannedBin]:
+            for b in bins:
+                entries = [info.pop(i) for i in b]
+                yield PlannedBin(
+                    items=tuple(b),
+                    truncate=tuple((i, cap) for i, (_, cap) in zip(b, entries, strict=True) if cap),
+                    lengths=tuple(s.tokens for s, _ in entries),
+                    patches=sum(s.patches for s, _ in entries),
+                )
+
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            for i in epoch_order(len(self.sizes), epoch, self.seed, self.shuffle).tolist():
+                admitted = self._admit(i)
+                if admitted is None:
+                    continue
+                if i in info:  # the same sample again while its previous copy is still buffered
+                    yield from emit(planner.flush())
+                info[i] = admitted
+                aligned = _round_up(admitted[0].tokens, self.pad_to_multiple_of)
+                yield from emit(planner.push(i, aligned, admitted[0].patches))
+            epoch += 1
+            if self.epochs is None and self.account.seen and not (
+                self.account.packed + self.account.truncated
+            ):
+                raise ValueError("every sample of the dataset was skipped: nothing to train on")
+        yield from emit(planner.flush())
+
+
+def rank_bins(
+    stream: Iterator[PlannedBin], *, rank: int, world_size: int, per_round: int = 1
+) -> Iterator[PlannedBin]:
+    """This rank's share of a global bin stream: rounds of world_size × per_round bins,
+    balanced by estimated compute, every rank getting per_round bins of each round.
+
+    An incomplete final round (finite streams only) is dropped on every rank alike; the bins
+    and samples it held are what `vlpack pack` reports as `tail_bins`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    n = world_size * per_round
+    round_: list[PlannedBin] = []
+    for b in stream:
+        round_.append(b)
+        if len(round_) < n:
+            continue
+        if world_size == 1:
+            yield from round_
+        else:
+            costs = [estimate_bin_cost(b.lengths, b.patches) for b in round_]
+            for j in assign_bins_to_ranks(costs, world_size)[rank]:
+                yield round_[j]
+        round_ = []

@@ -1,0 +1,171 @@
+"""Bin stream and loader: accounting, overlong policies, exact resume, rank sharding, workers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import PAD, make_sample
+from vlpack.data.loader import PackedLoader
+from vlpack.data.stream import BinStream, rank_bins
+from vlpack.data.types import BadSampleError, EncodedSample, SampleSize
+
+
+class FakeEncoder:
+    """Items are EncodedSamples already (or errors); encode returns them, measure sizes them."""
+
+    class spec:  # noqa: N801 - mimics FamilySpec
+        merge_size = 2
+
+    def measure(self, item: EncodedSample) -> SampleSize:
+        return item.size
+
+    def encode(self, item: EncodedSample) -> EncodedSample:
+        if item.key.startswith("corrupt"):
+            raise BadSampleError("corrupt_image", f"{item.key}: corrupt")
+        return item
+
+    def truncate(self, sample: EncodedSample, max_tokens: int) -> EncodedSample:
+        return EncodedSample(
+            sample.key, sample.input_ids[:max_tokens], sample.labels[:max_tokens],
+            sample.mm_token_type_ids[:max_tokens], sample.image_grid_thw, sample.pixel_values,
+        )
+
+    def truncated_size(self, item: EncodedSample, max_tokens: int) -> SampleSize:
+        img_end = int(np.flatnonzero(item.mm_token_type_ids).max(initial=-1)) + 2
+        if img_end > max_tokens:
+            raise BadSampleError("overlong_image", f"{item.key}: cut would split an image")
+        return SampleSize(max_tokens, item.num_patches)
+
+
+def dataset(n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        kind = i % 5
+        if kind == 0:
+            items.append(make_sample(f"t{i}", rng, text=(int(rng.integers(5, 60)),), grids=()))
+        elif kind == 4:
+            items.append(make_sample(f"m{i}", rng, text=(3, 4, 20), grids=((1, 4, 4), (1, 2, 4))))
+        else:
+            h, w = (int(x) * 2 for x in rng.integers(1, 6, 2))
+            items.append(make_sample(f"s{i}", rng, text=(4, int(rng.integers(5, 40))),
+                                     grids=((1, h, w),)))
+    return items
+
+
+def loader(items, **kw) -> PackedLoader:
+    args = dict(seq_len=128, packing="bfd", buffer_size=16, pad_to_multiple_of=8, overlong="skip",
+                seed=3, epochs=None, pad_token_id=PAD)
+    args.update(kw)
+    return PackedLoader(items, FakeEncoder(), **args)
+
+
+def same(a, b) -> bool:
+    return a.sample_keys == b.sample_keys and torch.equal(a.input_ids, b.input_ids) and \
+        torch.equal(a.position_ids, b.position_ids)
+
+
+@pytest.mark.parametrize("policy", ["skip", "truncate"])
+@pytest.mark.parametrize("algo", ["greedy", "ffd", "bfd", "none"])
+def test_every_sample_is_accounted_for(policy: str, algo: str) -> None:
+    items = dataset(60)
+    items[7] = BadSampleError("missing_image", "x.jpg is missing")
+    items[9] = make_sample("long", np.random.default_rng(0), text=(150,), grids=())
+    items[11] = make_sample("longimg", np.random.default_rng(0), text=(100, 100), grids=((1, 8, 8),))
+    sizes = [it if isinstance(it, BadSampleError) else it.size for it in items]
+    enc = FakeEncoder()
+    stream = BinStream(sizes=sizes, seq_len=128, algo=algo, batch_size=4, buffer_size=16,
+                       overlong=policy, truncate_fn=lambda i, c: enc.truncated_size(items[i], c),
+                       pad_to_multiple_of=8, epochs=1)
+    bins = list(stream)
+    acc = stream.account.as_dict()
+    assert acc["samples"] == 60
+    assert acc["packed"] + acc["truncated"] + sum(acc["skipped"].values()) == 60
+    flat = [i for b in bins for i in b.items]
+    assert len(flat) == len(set(flat)) == acc["packed"] + acc["truncated"]
+    assert acc["skipped"]["missing_image"] == 1
+    if policy == "skip":
+        assert acc["skipped"]["overlong"] == 2 and acc["truncated"] == 0
+    else:
+        assert acc["truncated"] == 1 and acc["skipped"]["overlong_image"] == 1
+        assert dict(b.truncate for b in bins if b.truncate) == {9: 128}
+    for b in bins:
+        aligned = sum(-(-n // 8) * 8 for n in b.lengths)
+        assert algo == "none" or aligned <= 128
+
+
+def test_overlong_error_names_sample_and_options() -> None:
+    items = [make_sample("a", np.random.default_rng(0), text=(300,), grids=())]
+    with pytest.raises(ValueError, match=r"sample #0 is overlong.*data\.overlong=truncate"):
+        list(BinStream(sizes=[items[0].size], seq_len=128, epochs=1))
+
+
+def test_max_patches_budget_holds() -> None:
+    items = dataset(80)
+    stream = BinStream(sizes=[s.size for s in items], seq_len=256, max_patches=64,
+                       overlong="skip", epochs=1)
+    for b in stream:
+        assert b.patches <= 64
+
+
+def test_resume_continues_the_stream_exactly() -> None:
+    items = dataset(40)
+    straight = list(itertools.islice(iter(loader(items)), 30))  # > 1 epoch
+    first = loader(items)
+    it = iter(first)
+    for _ in range(11):
+        next(it)
+    state = first.state_dict()
+    resumed = loader(items)
+    resumed.load_state_dict(state)
+    rest = list(itertools.islice(iter(resumed), 19))
+    assert all(same(a, b) for a, b in zip(straight[11:], rest, strict=True))
+
+
+def test_ranks_get_distinct_balanced_bins_of_the_global_stream() -> None:
+    items = dataset(64)
+    sizes = [s.size for s in items]
+
+    def stream():
+        return iter(BinStream(sizes=sizes, seq_len=128, buffer_size=16, overlong="skip", epochs=1))
+
+    everything = [b.items for b in stream()]
+    per_rank = [[b.items for b in rank_bins(stream(), rank=r, world_size=2, per_round=2)]
+                for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1])
+    got = per_rank[0] + per_rank[1]
+    assert len(set(got)) == len(got)
+    assert set(got) <= set(everything) and len(everything) - len(got) < 4  # tail round only
+    for k in range(0, len(per_rank[0]), 2):
+        round_ = set(everything[2 * k : 2 * k + 4])
+        assert set(per_rank[0][k : k + 2]) | set(per_rank[1][k : k + 2]) == round_
+
+
+def test_encode_time_failure_is_counted_and_bin_still_built() -> None:
+    items = dataset(20)
+    items[3] = make_sample("corrupt3", np.random.default_rng(1), text=(5, 6), grids=((1, 2, 2),))
+    ld = loader(items, epochs=1, shuffle=False)
+    batches = list(ld)
+    keys = [k for b in batches for k in b.sample_keys]
+    assert "corrupt3" not in keys
+    acc = ld.accounting
+    assert acc["skipped"]["corrupt_image"] == 1
+    assert acc["packed"] + acc["truncated"] + sum(acc["skipped"].values()) == 20
+
+
+def test_padded_mode_yields_padded_batches() -> None:
+    items = dataset(12)
+    batches = list(loader(items, packing="none", batch_size=4, epochs=1, shuffle=False))
+    assert [b.num_samples for b in batches] == [4, 4, 4]
+    assert batches[0].input_ids.shape[0] == 4
+
+
+def test_workers_give_the_same_stream() -> None:
+    items = dataset(30)
+    a = list(itertools.islice(iter(loader(items)), 8))
+    b = list(itertools.islice(iter(loader(items, num_workers=2)), 8))
+    assert all(same(x, y) for x, y in zip(a, b, strict=True))
