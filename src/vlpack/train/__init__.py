@@ -1,0 +1,1 @@
+"""Training: the loop, data parallelism (FSDP2), checkpoints, metrics and plots."""

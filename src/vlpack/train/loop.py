@@ -1,0 +1,429 @@
+"""`vlpack train`: the packed SFT loop.
+
+One optimizer step = `train.micro_batches` bins per rank (or as many as `train.tokens_per_step`
+real tokens need, agreed across ranks). The loss of a step is the global token mean: the summed
+cross-entropy over every label token of every micro-batch on every rank, divided by the
+all-reduced label-token count, so packed and unpacked training of the same samples give the
+same gradients (`train.loss_norm=sample` averages per-sample means instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from vlpack.config import Config, load_config, save_config
+from vlpack.data.loader import PackedLoader, measure_all, open_dataset
+from vlpack.train import checkpoint as ckpt
+from vlpack.train.flops import flop_model, peak_flops
+from vlpack.train.metrics import MetricsWriter, format_summary
+from vlpack.train.module import TrainModule, freeze
+from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.parallel import DistInfo, all_reduce, apply_fsdp, init_distributed, shutdown
+from vlpack.train.plot import plot_runs
+
+log = logging.getLogger("vlpack.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    aux_loss: float | None
+    grad_norm: float
+    lr: float
+    label_tokens: int
+    real_tokens: int
+    tokens: int
+    samples: int
+    flops: float
+    seconds: float
+
+
+def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+class Trainer:
+    """Builds model, data, optimizer; runs, checkpoints and resumes."""
+
+    def __init__(self, cfg: Config, info: DistInfo | None = None):
+        from vlpack.data.encode import Encoder
+        from vlpack.model.build import build_model
+
+        self.cfg = cfg
+        self.info = info or init_distributed()
+        torch.manual_seed(cfg.train.seed)
+        backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
+        model, self.spec = build_model(
+            cfg.model.name, backend=backend, dtype=torch.float32, device=self.info.device,
+            seed=cfg.train.seed,
+        )
+        freeze(model, vision=cfg.model.freeze_vision, merger=cfg.model.freeze_merger,
+               llm=cfg.model.freeze_llm)
+        if cfg.model.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model
+        self.flops = flop_model(model)
+        self.autocast = _autocast_dtype(cfg, self.info.device)
+        self.module = TrainModule(
+            model, self.spec, touch_vision=self.info.distributed,
+            loss_method="chunked" if cfg.model.chunked_loss else "plain",
+        )
+        if self.info.distributed:
+            apply_fsdp(self.module, self.info, param_dtype=self.autocast)
+            self.autocast = None  # FSDP's mixed-precision policy casts instead
+        self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
+                                         device_type=self.info.device.type)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+
+        tok_path = cfg.data.tokenizer
+        if tok_path is None and Path(cfg.model.name).is_dir() and any(
+            (Path(cfg.model.name) / f).exists() for f in ("tokenizer.json", "vocab.json")
+        ):
+            tok_path = cfg.model.name
+        self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
+                               min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+        if self.encoder.image_pad_id != self.spec.image_token_id:
+            raise ValueError(
+                f"tokenizer image_pad id {self.encoder.image_pad_id} != model image_token_id "
+                f"{self.spec.image_token_id}: use the tokenizer that belongs to {cfg.model.name} "
+                "(data.tokenizer=FOLDER)"
+            )
+        self.train_loader, self.eval_loader = self._loaders()
+        self.step = 0
+        self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.eval_loss: float | None = None
+        self.last_checkpoint: Path | None = None
+        self._stop = False
+
+    # ------------------------------------------------------------------ data
+
+    def _loaders(self) -> tuple[PackedLoader, PackedLoader | None]:
+        d, t = self.cfg.data, self.cfg.train
+        if d.source == "energon":
+            raise ValueError("data.source=energon is not available yet: use jsonl or synthetic")
+        items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples)
+        if d.eval_samples >= len(items):
+            raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
+                             f"(dataset has {len(items)})")
+        n_train = len(items) - d.eval_samples
+        sizes = measure_all(items, self.encoder, progress=t.progress and self.info.is_main)
+        common = dict(
+            seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
+            buffer_size=d.buffer_size, max_patches=d.max_patches,
+            pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong, seed=t.seed,
+            rank=self.info.rank, world_size=self.info.world_size,
+            pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
+            pin_memory=self.info.device.type == "cuda",
+        )
+        train = PackedLoader(items[:n_train], self.encoder, sizes=sizes[:n_train],
+                             shuffle=d.shuffle, epochs=None, num_workers=d.num_workers,
+                             per_round=t.micro_batches if t.tokens_per_step is None else 1,
+                             **common)
+        evl = None
+        if d.eval_samples:
+            evl = PackedLoader(items[n_train:], self.encoder, sizes=sizes[n_train:],
+                               shuffle=False, epochs=1, per_round=1, **common)
+        return train, evl
+
+    def _next_micro_batches(self, it) -> list:
+        """This step's micro-batches; with a token budget every rank takes another one while
+        any rank is still short (the same count everywhere, or collectives would hang)."""
+        t = self.cfg.train
+        if t.tokens_per_step is None:
+            return [next(it) for _ in range(t.micro_batches)]
+        mbs: list = []
+        while True:
+            mbs.append(next(it))
+            short = sum(b.num_real_tokens for b in mbs) < t.tokens_per_step
+            if not all_reduce([float(short)], self.info, "max")[0]:
+                return mbs
+
+    # ------------------------------------------------------------------ step
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.info.device.type, dtype=self.autocast)
+
+    def train_step(self, mbs: list) -> StepResult:
+        """Forward/backward every micro-batch, clip, step. Loss normalised globally."""
+        t0 = time.perf_counter()
+        cfg, info = self.cfg.train, self.info
+        self.module.train()
+        n_labels, n_samples = all_reduce(
+            [sum(b.num_label_tokens for b in mbs), sum(b.num_samples for b in mbs)], info
+        )
+        if n_labels == 0:
+            raise ValueError("a step has no label tokens: does the data have assistant turns?")
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = 0.0
+        has_aux = False
+        for i, b in enumerate(mbs):
+            if hasattr(self.module, "set_requires_gradient_sync"):
+                self.module.set_requires_gradient_sync(i == len(mbs) - 1)
+            with self._autocast():
+                out = self.module(b)
+            # FSDP averages gradients over ranks: scale by world_size so the result is the
+            # global sum divided by the global count.
+            if cfg.loss_norm == "token":
+                obj = out.loss_sum * (info.world_size / n_labels)
+            else:
+                obj = self._sample_mean_objective(out, b) * (info.world_size / n_samples)
+            if out.aux_loss is not None:
+                has_aux = True
+                obj = obj + cfg.aux_loss_coef * out.aux_loss / len(mbs)
+                aux_sum += float(out.aux_loss.detach()) / len(mbs)
+            obj.backward()
+            loss_sum += out.loss_sum.detach().double().cpu()
+        loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
+        loss = loss_total / n_labels
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        clip = self.cfg.optim.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; "
+                f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
+                "optim.lr or check the data, then resume with train.resume=auto"
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        real, tokens, flops = all_reduce([
+            sum(b.num_real_tokens for b in mbs),
+            sum(b.num_tokens for b in mbs),
+            sum(self._batch_flops(b) for b in mbs),
+        ], info)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        return StepResult(
+            loss=loss, aux_loss=aux_total / info.world_size if has_aux else None,
+            grad_norm=grad_norm, lr=lr, label_tokens=int(n_labels), real_tokens=int(real),
+            tokens=int(tokens), samples=int(n_samples), flops=flops,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _sample_mean_objective(self, out, batch) -> torch.Tensor:
+        raise ValueError("train.loss_norm=sample is not implemented yet: use train.loss_norm=token")
+
+    def _batch_flops(self, b) -> float:
+        from vlpack.data.batch import ThdBatch
+
+        grids = b.image_grid_thw.tolist()
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        patches = sum(frames)
+        if isinstance(b, ThdBatch):
+            segs = b.seq_lengths
+        else:
+            segs = b.attention_mask.sum(1).tolist()
+        return self.flops.batch_flops(segs, patches, frames)
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Token-mean loss over the held-out split (same packing)."""
+        if self.eval_loader is None:
+            return None
+        self.module.eval()
+        loss_sum, n = 0.0, 0
+        self.eval_loader.load_state_dict({"consumed": 0})
+        for b in self.eval_loader:
+            with self._autocast():
+                out = self.module(b)
+            loss_sum += float(out.loss_sum)
+            n += out.num_label_tokens
+        loss_sum, n = all_reduce([loss_sum, n], self.info)
+        return loss_sum / n if n else None
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.train_loader.state_dict(),
+            "totals": dict(self.totals),
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+        }
+
+    def save(self) -> Path:
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(), self.info
+        )
+        return self.last_checkpoint
+
+    def maybe_resume(self) -> Path | None:
+        r = self.cfg.train.resume
+        if r == "none":
+            return None
+        path = ckpt.latest_checkpoint(self.cfg.train.output_dir) if r == "auto" else Path(r)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise ValueError(f"train.resume={r}: {path} is not a checkpoint folder")
+        st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.info)
+        self.step = st["step"]
+        self.scheduler.load_state_dict(st["scheduler"])
+        self.train_loader.load_state_dict(st["loader"])
+        self.totals = st["totals"]
+        self.first_loss, self.last_loss = st["first_loss"], st["last_loss"]
+        self.last_checkpoint = path
+        return path
+
+    # ------------------------------------------------------------------ loop
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._stop:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._stop = True
+        if self.info.is_main:
+            print("\nvlpack: Ctrl-C: finishing this step, saving a checkpoint, exiting "
+                  "(Ctrl-C again to abort without saving)", flush=True)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps`; return the summary."""
+        cfg, info = self.cfg, self.info
+        out_dir = Path(cfg.train.output_dir)
+        resumed = self.maybe_resume()
+        if info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out_dir / "config.yaml")
+            if resumed:
+                print(f"vlpack: resumed from {resumed} at step {self.step}")
+        writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main)
+        peak = peak_flops(info.device)
+        old = signal.signal(signal.SIGINT, self._on_sigint) if info.is_main else None
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (cfg.train.progress and info.is_main), dynamic_ncols=True)
+        it = iter(self.train_loader)
+        try:
+            while self.step < cfg.train.max_steps:
+                t_data = time.perf_counter()
+                mbs = self._next_micro_batches(it)
+                data_wait = time.perf_counter() - t_data
+                if info.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(info.device)
+                r = self.train_step(mbs)
+                self.step += 1
+                self._record(r, data_wait, peak, writer, bar)
+                stop = all_reduce([float(self._stop)], info, "max")[0] > 0
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    self.eval_loss = self.evaluate()
+                    writer.write({"step": self.step, "samples": self.totals["samples"],
+                                  "eval_loss": self.eval_loss})
+                if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
+                    self.save()
+                if stop:
+                    break
+        finally:
+            bar.close()
+            writer.close()
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        if not self._stop:
+            if self.eval_loader is not None and (
+                not cfg.train.eval_every or self.step % cfg.train.eval_every
+            ):
+                self.eval_loss = self.evaluate()
+            if not self.last_checkpoint or not self.last_checkpoint.name.endswith(f"{self.step:08d}"):
+                self.save()
+        return self._finish(out_dir)
+
+    def _record(self, r: StepResult, data_wait: float, peak, writer, bar) -> None:
+        t = self.totals
+        t["samples"] += r.samples
+        t["real_tokens"] += r.real_tokens
+        t["tokens"] += r.tokens
+        t["seconds"] += r.seconds + data_wait
+        self.first_loss = r.loss if self.first_loss is None else self.first_loss
+        self.last_loss = r.loss
+        acc = self.train_loader.accounting
+        mem = (torch.cuda.max_memory_allocated(self.info.device) / 2**30
+               if self.info.device.type == "cuda" else None)
+        row = {
+            "step": self.step, "loss": r.loss, "aux_loss": r.aux_loss, "lr": r.lr,
+            "grad_norm": r.grad_norm, "samples": t["samples"], "label_tokens": r.label_tokens,
+            "real_tokens": r.real_tokens, "padded_tokens": r.tokens - r.real_tokens,
+            "tokens_per_s": r.real_tokens / (r.seconds + data_wait),
+            "packing_efficiency": r.real_tokens / max(r.tokens, 1),
+            "mfu": (r.flops / r.seconds / (peak * self.info.world_size)) if peak else None,
+            "peak_mem_gib": mem, "step_s": r.seconds, "data_wait_s": data_wait,
+            "skipped": sum(acc["skipped"].values()), "truncated": acc["truncated"],
+        }
+        if self.step % self.cfg.train.log_every == 0:
+            writer.write(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                        eff=f"{100 * row['packing_efficiency']:.0f}%", refresh=False)
+
+    def _finish(self, out_dir: Path) -> dict[str, Any]:
+        acc = self.train_loader.accounting
+        summary = {
+            "steps": self.step, "samples": acc["packed"], "truncated": acc["truncated"],
+            "skipped": acc["skipped"], "real_tokens": self.totals["real_tokens"],
+            "tokens": self.totals["tokens"], "first_loss": self.first_loss,
+            "last_loss": self.last_loss, "eval_loss": self.eval_loss,
+            "seconds": self.totals["seconds"],
+            "tokens_per_s": self.totals["real_tokens"] / max(self.totals["seconds"], 1e-9),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "metrics": str(out_dir / "metrics.jsonl"), "plot": None,
+        }
+        if self.cfg.train.export_hf:
+            hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, tokenizer=self.encoder.tokenizer,
+                                processor=self.encoder.image_processor)
+            summary["hf_export"] = str(hf)
+        if self.info.is_main:
+            summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
+        return summary
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
+    info = init_distributed()
+    try:
+        trainer = Trainer(cfg, info)
+        summary = trainer.fit()
+        if info.is_main:
+            print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}")
+        return summary
+    finally:
+        shutdown()
+
+
+def train_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `vlpack train key=value ...`: no config file
+        config, overrides = None, [config, *overrides]
+    cfg = load_config(config or "tiny", overrides)
+    try:
+        run(cfg)
+    except NonFiniteLossError as e:
+        print(f"vlpack: error: {e}")
+        return 1
+    return 0

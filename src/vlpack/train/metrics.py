@@ -1,0 +1,67 @@
+"""Per-step metrics: one JSON line per step in `output_dir/metrics.jsonl`, plus the end summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per step. On resume, lines past the resumed step are dropped so
+    the file reads as one uninterrupted run."""
+
+    def __init__(self, path: str | Path, *, resume_step: int = 0, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if line.strip()
+                    and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self._f = self.path.open("a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in row.items()}
+        self._f.write(json.dumps(clean) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._f.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (ValueError naming the file when missing)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: pass a run folder written by `vlpack train`")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run summary as aligned lines."""
+    skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped"].items()) or "none"
+    rows = [
+        ("steps", s["steps"]),
+        ("samples", f"{s['samples']} packed/trained, {s['truncated']} truncated, "
+                    f"{sum(s['skipped'].values())} skipped ({skipped})"),
+        ("tokens", f"{s['real_tokens']:,} real of {s['tokens']:,} processed "
+                   f"({100 * s['real_tokens'] / max(s['tokens'], 1):.1f}% real)"),
+        ("loss", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}"),
+        ("eval loss", "—" if s.get("eval_loss") is None else f"{s['eval_loss']:.4f}"),
+        ("time", f"{s['seconds']:.1f}s ({s['tokens_per_s']:.0f} real tokens/s)"),
+        ("checkpoint", s.get("checkpoint") or "—"),
+        ("metrics", s["metrics"]),
+        ("plot", s.get("plot") or "—"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

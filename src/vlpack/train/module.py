@@ -1,0 +1,82 @@
+"""The trainable root module: one forward per micro-batch, packed or padded.
+
+Wrapping the HF model lets FSDP2 shard it as a single root (the packed forward calls the base
+model and the lm_head separately, so the root's pre-forward hook must sit above both).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlpack.data.batch import ThdBatch
+from vlpack.data.padded import PaddedBatch
+from vlpack.model.build import ModelSpec
+from vlpack.model.forward import ForwardOut, packed_forward
+from vlpack.model.padded import padded_forward
+
+
+def module_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Parameters by group: `vision` (tower without merger), `merger`, `llm` (incl. lm_head)."""
+    visual = model.model.visual
+    merger_ids = {
+        id(p)
+        for name, m in visual.named_children()
+        if "merger" in name
+        for p in m.parameters()
+    }
+    groups = {
+        "vision": [p for p in visual.parameters() if id(p) not in merger_ids],
+        "merger": [p for p in visual.parameters() if id(p) in merger_ids],
+        "llm": list(model.model.language_model.parameters()),
+    }
+    seen = {id(p) for g in groups.values() for p in g}
+    groups["llm"] += [p for p in model.lm_head.parameters() if id(p) not in seen]
+    return groups
+
+
+def freeze(model: nn.Module, *, vision: bool, merger: bool, llm: bool) -> None:
+    """Turn off gradients of the chosen groups."""
+    groups = module_groups(model)
+    for name, frozen in (("vision", vision), ("merger", merger), ("llm", llm)):
+        for p in groups[name] if frozen else []:
+            p.requires_grad_(False)
+
+
+class TrainModule(nn.Module):
+    """forward(batch) → ForwardOut for a ThdBatch (packed) or a PaddedBatch (baseline)."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, *, touch_vision: bool = False,
+                 loss_method: str = "auto"):
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.touch_vision = touch_vision
+        self.loss_method = loss_method
+
+    def _dummy_vision(self) -> torch.Tensor:
+        """Run the vision tower on one tiny blank image and return 0 × its output.
+
+        Under FSDP every rank must run the same blocks in the same order; a rank whose bin has
+        no image would otherwise skip the vision blocks and hang the others' all-gathers.
+        """
+        m, t = self.spec.merge_size, self.spec.temporal_patch_size
+        device = self.model.lm_head.weight.device
+        grid = torch.tensor([[1, m, m]], device=device)
+        pixels = torch.zeros(m * m, self.spec.patch_dim, device=device)
+        out = self.model.model.visual(pixels, grid_thw=grid)
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        assert t >= 1
+        return first.float().sum() * 0.0
+
+    def forward(self, batch: ThdBatch | PaddedBatch) -> ForwardOut:
+        zero = None
+        if self.touch_vision and (batch.pixel_values is None or batch.image_grid_thw.shape[0] == 0):
+            zero = self._dummy_vision()
+        if isinstance(batch, ThdBatch):
+            out = packed_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method)
+        else:
+            out = padded_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method)
+        if zero is not None:
+            out.loss_sum = out.loss_sum + zero
+        return out

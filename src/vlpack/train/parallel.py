@@ -1,0 +1,93 @@
+"""Data parallelism: process group from torchrun's environment, FSDP2 sharding, reductions.
+
+`torchrun --nproc-per-node N -m vlpack train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; multi-node
+runs add `--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT` (torchrun's standard
+rendezvous). NCCL on GPUs, gloo on CPUs. Model code never imports torch.distributed: sharding is
+applied from here, one `fully_shard` per decoder block and per vision block, then the root.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistInfo:
+    """Join the process group torchrun describes (or run alone); pick this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[float]:
+    """Reduce a few host scalars across ranks in one collective (float64 for exact counts)."""
+    if not info.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                           "min": dist.ReduceOp.MIN}[op])
+    return t.tolist()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's `obj` on every rank."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def apply_fsdp(model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dtype | None) -> None:
+    """FSDP2: shard each decoder block and each vision block, then the root module.
+
+    With `param_dtype` (bf16 on GPU) parameters are all-gathered in that dtype and gradients are
+    reduced in float32; the master weights stay float32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    inner = model.model
+    blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
