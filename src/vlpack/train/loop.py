@@ -165,69 +165,29 @@ class Trainer:
         return torch.autocast(self.info.device.type, dtype=self.autocast)
 
     def train_step(self, mbs: list) -> StepResult:
-        """Forward/backward every micro-batch, clip, step. Loss normalised globally."""
+        """One optimizer step over this rank's micro-batches (see `optimizer_step`)."""
         t0 = time.perf_counter()
-        cfg, info = self.cfg.train, self.info
-        self.module.train()
-        n_labels, n_samples = all_reduce(
-            [sum(b.num_label_tokens for b in mbs), sum(b.num_samples for b in mbs)], info
+        r = optimizer_step(
+            self.module, self.optimizer, self.scheduler, mbs, info=self.info,
+            loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
+            grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
         )
-        if n_labels == 0:
-            raise ValueError("a step has no label tokens: does the data have assistant turns?")
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        aux_sum = 0.0
-        has_aux = False
-        for i, b in enumerate(mbs):
-            if hasattr(self.module, "set_requires_gradient_sync"):
-                self.module.set_requires_gradient_sync(i == len(mbs) - 1)
-            with self._autocast():
-                out = self.module(b)
-            # FSDP averages gradients over ranks: scale by world_size so the result is the
-            # global sum divided by the global count.
-            if cfg.loss_norm == "token":
-                obj = out.loss_sum * (info.world_size / n_labels)
-            else:
-                obj = self._sample_mean_objective(out, b) * (info.world_size / n_samples)
-            if out.aux_loss is not None:
-                has_aux = True
-                obj = obj + cfg.aux_loss_coef * out.aux_loss / len(mbs)
-                aux_sum += float(out.aux_loss.detach()) / len(mbs)
-            obj.backward()
-            loss_sum += out.loss_sum.detach().double().cpu()
-        loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
-        loss = loss_total / n_labels
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.cfg.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)):
             raise NonFiniteLossError(
-                f"step {self.step + 1}: loss {loss} / grad norm {grad_norm} is not finite; "
+                f"step {self.step + 1}: loss {r.loss} / grad norm {r.grad_norm} is not finite; "
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         real, tokens, flops = all_reduce([
             sum(b.num_real_tokens for b in mbs),
             sum(b.num_tokens for b in mbs),
             sum(self._batch_flops(b) for b in mbs),
-        ], info)
-        if info.device.type == "cuda":
-            torch.cuda.synchronize(info.device)
-        return StepResult(
-            loss=loss, aux_loss=aux_total / info.world_size if has_aux else None,
-            grad_norm=grad_norm, lr=lr, label_tokens=int(n_labels), real_tokens=int(real),
-            tokens=int(tokens), samples=int(n_samples), flops=flops,
-            seconds=time.perf_counter() - t0,
-        )
-
-    def _sample_mean_objective(self, out, batch) -> torch.Tensor:
-        raise ValueError("train.loss_norm=sample is not implemented yet: use train.loss_norm=token")
+        ], self.info)
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)
+        r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
+        r.seconds = time.perf_counter() - t0
+        return r
 
     def _batch_flops(self, b) -> float:
         from vlpack.data.batch import ThdBatch
@@ -400,6 +360,88 @@ class Trainer:
         if self.info.is_main:
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary
+
+
+def optimizer_step(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    mbs: list,
+    *,
+    info: DistInfo,
+    loss_norm: str = "token",
+    aux_coef: float = 0.0,
+    grad_clip: float = 0.0,
+    autocast: torch.dtype | None = None,
+) -> StepResult:
+    """Forward/backward every micro-batch, clip, step; the loss normalised globally.
+
+    `token`: Σ CE over all label tokens of the step on all ranks / their all-reduced count.
+    `sample`: mean over all samples of the step of each sample's token-mean CE.
+    The optimizer is not stepped when the loss or gradient norm is not finite.
+    """
+    ws = info.world_size
+    n_labels, n_samples = all_reduce(
+        [sum(b.num_label_tokens for b in mbs), sum(b.num_samples for b in mbs)], info
+    )
+    if n_labels == 0:
+        raise ValueError("a step has no label tokens: does the data have assistant turns?")
+    module.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    aux_sum, has_aux = 0.0, False
+    for i, b in enumerate(mbs):
+        if hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(i == len(mbs) - 1)
+        ctx = torch.autocast(info.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        with ctx:
+            weights = None if loss_norm == "token" else sample_mean_weights(b)
+            out = module(b) if weights is None else module(b, token_weights=weights)
+        # FSDP averages gradients over ranks, so scale by world size: the gradient is then the
+        # global sum divided by the global count.
+        denom = n_labels if loss_norm == "token" else n_samples
+        obj = (out.loss_sum if weights is None else out.weighted_loss_sum) * (ws / denom)
+        if out.aux_loss is not None:
+            has_aux = True
+            obj = obj + aux_coef * out.aux_loss / len(mbs)
+            aux_sum += float(out.aux_loss.detach()) / len(mbs)
+        obj.backward()
+        loss_sum += out.loss_sum.detach().double().cpu()
+    loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
+    params = [p for p in module.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = float(grad_norm)
+    loss = loss_total / n_labels
+    lr = scheduler.get_last_lr()[0]
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=loss, aux_loss=aux_total / ws if has_aux else None, grad_norm=grad_norm, lr=lr,
+        label_tokens=int(n_labels), real_tokens=0, tokens=0, samples=int(n_samples), flops=0.0,
+        seconds=0.0,
+    )
+
+
+def sample_mean_weights(batch) -> torch.Tensor:
+    """Per-token loss weights [T] (or [B·L]) giving each sample's token mean: 1 / (its label
+    tokens) on label positions, 0 elsewhere."""
+    from vlpack.data.batch import ThdBatch
+    from vlpack.data.types import IGNORE_INDEX
+
+    labels = batch.labels.reshape(-1)
+    is_label = (labels != IGNORE_INDEX).double()
+    if isinstance(batch, ThdBatch):
+        seg = torch.repeat_interleave(
+            torch.arange(batch.num_samples), torch.diff(batch.cu_seqlens_padded.long())
+        )
+    else:
+        L = batch.labels.shape[1]
+        seg = torch.arange(batch.labels.shape[0]).repeat_interleave(L)
+    counts = torch.zeros(int(seg.max()) + 1, dtype=torch.float64).index_add_(0, seg, is_label)
+    return (is_label / counts[seg].clamp(min=1)).float()
 
 
 def run(cfg: Config) -> dict[str, Any]:
