@@ -155,6 +155,8 @@ class Encoder:
         """Cut `sample` to at most `max_tokens` tokens, never through an image: a cut inside an
         image span moves before its `<|vision_start|>`, and that image and later ones lose their
         grid and pixel rows. Raises BadSampleError when no supervised token remains."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if len(sample) <= max_tokens:
             return sample
         cut, kept = self._safe_cut(sample, max_tokens)

@@ -1,0 +1,244 @@
+"""Encoder: the chat template per family, labels, pixels, measure == encode, truncation, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlpack.data.encode import Encoder
+from vlpack.data.sources import parse_record, read_jsonl
+from vlpack.data.synth import write_synthetic
+from vlpack.data.tokenizer import load_image_processor
+from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, ImageRef, Message
+
+SMALL = 128 * 28 * 28  # small max_pixels where the exact size does not matter
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("synth"), n=16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def receipt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("img") / "r.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (200, 150, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _conv(image: Path, first_user: str = "What is the total?") -> Conversation:
+    return Conversation("k", (
+        Message("user", (ImageRef(image), first_user)),
+        Message("assistant", ("12.50",)),
+        Message("user", ("And the tax?",)),
+        Message("assistant", ("0.80",)),
+    ))  # fmt: skip
+
+
+# What the released chat templates render for `_conv` (hand-transcribed: the Qwen2-VL template
+# adds the default system turn; Qwen3-VL adds none; Qwen3.5 trims each message's content and
+# puts an empty think block before answers after the last user turn). Each image is one
+# <|image_pad|> here, which the processor expands to N copies before tokenising the whole text
+# (the reference below does the same with the HF tokenizer on the full string).
+TURNS = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is the total?"
+         "<|im_end|>\n<|im_start|>assistant\n12.50<|im_end|>\n"
+         "<|im_start|>user\nAnd the tax?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+EXPECTED = {
+    "qwen2_vl": ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + TURNS
+                 + "0.80<|im_end|>\n", ["12.50<|im_end|>", "0.80<|im_end|>"]),
+    "qwen3_vl": (TURNS + "0.80<|im_end|>\n", ["12.50<|im_end|>", "0.80<|im_end|>"]),
+    "qwen3_5": (TURNS + "<think>\n\n</think>\n\n0.80<|im_end|>\n",
+                ["12.50<|im_end|>", "<think>\n\n</think>\n\n0.80<|im_end|>"]),
+}  # fmt: skip
+
+
+def _label_runs(enc: Encoder, sample) -> list[str]:
+    sup = np.flatnonzero(sample.labels != IGNORE_INDEX)
+    runs = np.split(sup, np.flatnonzero(np.diff(sup) > 1) + 1)
+    return [enc.tokenizer.decode(sample.input_ids[r]) for r in runs]
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_matches_template_and_processor(family, receipt):
+    enc = Encoder(family)
+    # qwen3_5 trims content, so trailing whitespace must not change anything there.
+    text = "What is the total?\n  " if family == "qwen3_5" else "What is the total?"
+    sample = enc.encode(_conv(receipt, text))
+    rendered, supervised = EXPECTED[family]
+    reference = load_image_processor(family)(images=[Image.open(receipt)])
+    n = int(reference["image_grid_thw"].prod()) // 4
+    expanded = rendered.replace("<|image_pad|>", "<|image_pad|>" * n)
+    assert sample.input_ids.tolist() == enc.tokenizer.encode(expanded, add_special_tokens=False)
+    assert _label_runs(enc, sample) == supervised
+    np.testing.assert_array_equal(sample.image_grid_thw, reference["image_grid_thw"])
+    np.testing.assert_array_equal(sample.pixel_values, reference["pixel_values"])
+    assert sample.pixel_values.dtype == np.float32
+    assert sample.input_ids.dtype == np.int64 and sample.labels.dtype == np.int64
+    assert sample.mm_token_type_ids.dtype == np.int8
+    assert (sample.mm_token_type_ids == 1).sum() == n
+    assert ((sample.input_ids == enc.image_pad_id) == (sample.mm_token_type_ids == 1)).all()
+
+
+def test_system_prompt_replaces_default(receipt):
+    conv = Conversation("k", (Message("system", ("Be brief.",)), *_conv(receipt).messages))
+    for family in ("qwen2_vl", "qwen3_vl"):
+        enc = Encoder(family, max_pixels=SMALL)
+        text = enc.tokenizer.decode(enc.encode(conv).input_ids)
+        assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+        assert "helpful assistant" not in text
+
+
+def test_qwen3_5_reasoning_and_history():
+    enc = Encoder("qwen3_5")
+    conv = Conversation("k", (
+        Message("user", ("q1",)), Message("assistant", ("<think>old</think>a1",)),
+        Message("user", ("q2",)), Message("assistant", ("<think>\nwhy\n</think>\n\na2 ",)),
+    ))  # fmt: skip
+    text = enc.tokenizer.decode(enc.encode(conv).input_ids)
+    assert text == ("<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n"
+                    "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n"
+                    "<think>\nwhy\n</think>\n\na2<|im_end|>\n")  # fmt: skip
+
+
+def test_both_shapes_encode_identically(tmp_path, receipt):
+    messages = {"messages": [
+        {"role": "system", "content": "Read receipts."},
+        {"role": "user", "content": [{"type": "image", "image": receipt.name},
+                                     {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "12.50"},
+        {"role": "user", "content": "Tax?"}, {"role": "assistant", "content": "0.80"}]}  # fmt: skip
+    sharegpt = {"conversations": [
+        {"from": "system", "value": "Read receipts."}, {"from": "human", "value": "<image>Total?"},
+        {"from": "gpt", "value": "12.50"}, {"from": "human", "value": "Tax?"},
+        {"from": "gpt", "value": "0.80"}], "image": receipt.name}  # fmt: skip
+    enc = Encoder("qwen3_vl", max_pixels=SMALL)
+    a = enc.encode(parse_record(messages, base_dir=receipt.parent, key="k"))
+    b = enc.encode(parse_record(sharegpt, base_dir=receipt.parent, key="k"))
+    for field in ("input_ids", "labels", "mm_token_type_ids", "image_grid_thw", "pixel_values"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+@pytest.mark.parametrize("family,max_pixels", [("qwen3_vl", None), ("qwen2_5_vl", SMALL),
+                                               ("qwen3_5", SMALL)])  # fmt: skip
+def test_measure_equals_encode_on_synthetic(family, max_pixels, synth):
+    enc = Encoder(family, max_pixels=max_pixels)
+    for conv in read_jsonl(synth):
+        sample = enc.encode(conv)
+        assert enc.measure(conv) == sample.size, conv.key
+        assert sample.pixel_values is None or len(sample.pixel_values) == sample.num_patches
+        # labels only on assistant turns; image tokens never supervised
+        assert (sample.labels[sample.mm_token_type_ids == 1] == IGNORE_INDEX).all()
+        sup = sample.labels != IGNORE_INDEX
+        assert (sample.labels[sup] == sample.input_ids[sup]).all()
+        runs = _label_runs(enc, sample)
+        assert len(runs) == sum(m.role == "assistant" for m in conv.messages)
+        assert all(r.endswith("<|im_end|>") for r in runs)
+
+
+@pytest.mark.parametrize("size", [(29, 57), (3000, 500), (500, 3000), (37, 1200), (2, 3),
+                                  (4000, 4000)])  # fmt: skip
+def test_measure_equals_encode_odd_sizes(size, tmp_path):
+    path = tmp_path / "odd.png"
+    Image.new("RGB", size, (90, 20, 200)).save(path)
+    conv = Conversation("odd", (Message("user", (ImageRef(path), "hi")),
+                                Message("assistant", ("ok",))))  # fmt: skip
+    for family in ("qwen2_vl", "qwen3_vl"):
+        enc = Encoder(family)
+        sample = enc.encode(conv)
+        assert enc.measure(conv) == sample.size
+        h, w = sample.image_grid_thw[0, 1:] * enc.spec.patch_size
+        assert h * w <= enc.max_pixels  # above max_pixels: resized, not an error
+        assert enc.grid(*size) == tuple(sample.image_grid_thw[0])
+
+
+def _two_image_sample(enc: Encoder, receipt: Path):
+    conv = Conversation("two", (
+        Message("user", ("Look: ", ImageRef(receipt), " and ", ImageRef(receipt), " now.")),
+        Message("assistant", ("Both read 12.50.",)),
+    ))  # fmt: skip
+    return conv, enc.encode(conv)
+
+
+def test_truncate_never_cuts_an_image(receipt):
+    enc = Encoder("qwen3_vl", max_pixels=SMALL)
+    conv, full = _two_image_sample(enc, receipt)
+    vs = np.flatnonzero(full.input_ids == enc.vision_start_id)
+    ve = np.flatnonzero(full.input_ids == enc.vision_end_id)
+    assert len(vs) == len(ve) == 2
+    per_image = int(full.image_grid_thw[0].prod())
+    # Cut inside the second image: nothing of the answer is left.
+    with pytest.raises(BadSampleError) as info:
+        enc.truncate(full, int(vs[1]) + 3)
+    assert info.value.reason == "overlong_image" and "two" in str(info.value)
+    # Enough room for the answer: keep everything up to the cut.
+    assert enc.truncate(full, len(full)) is full
+    cut = enc.truncate(full, len(full) - 2)
+    assert len(cut) == len(full) - 2 and cut.num_patches == 2 * per_image
+    assert (cut.labels != IGNORE_INDEX).any()
+    assert enc.truncated_size(conv, len(full) - 2) == cut.size
+    assert enc.truncated_size(full, len(full) - 2) == cut.size
+    # A cut right after the first image's <|vision_end|> keeps exactly that image.
+    assert enc._safe_cut(full, int(ve[0]) + 1) == (int(ve[0]) + 1, 1)
+    assert enc._safe_cut(full, int(ve[0])) == (int(vs[0]), 0)
+
+
+def test_truncate_drops_trailing_image_keeps_answer(receipt):
+    enc = Encoder("qwen3_vl", max_pixels=SMALL)
+    conv = Conversation("t", (
+        Message("user", ("Total?",)), Message("assistant", ("12.50",)),
+        Message("user", (ImageRef(receipt), "And this one?")), Message("assistant", ("3.00",)),
+    ))  # fmt: skip
+    full = enc.encode(conv)
+    vs = int(np.flatnonzero(full.input_ids == enc.vision_start_id)[0])
+    for max_tokens in (vs + 1, vs + 5, vs + full.num_patches // 4):
+        cut = enc.truncate(full, max_tokens)
+        assert len(cut) == vs and len(cut.image_grid_thw) == 0
+        assert cut.pixel_values is not None and cut.pixel_values.shape == (0, full.pixel_values.shape[1])
+        assert enc.tokenizer.decode(cut.input_ids[cut.labels != IGNORE_INDEX]) == "12.50<|im_end|>"
+        assert enc.truncated_size(conv, max_tokens) == cut.size
+
+
+def test_truncate_text_only_prompt_too_long():
+    enc = Encoder("qwen3_vl")
+    conv = Conversation("p", (Message("user", ("word " * 50,)), Message("assistant", ("ok",))))
+    with pytest.raises(BadSampleError) as info:
+        enc.truncated_size(conv, 20)
+    assert info.value.reason == "overlong_prompt"
+
+
+def test_missing_and_corrupt_images(tmp_path):
+    enc = Encoder("qwen3_vl", max_pixels=SMALL)
+    garbage = tmp_path / "garbage.jpg"
+    garbage.write_bytes(b"definitely not an image")
+    truncated = tmp_path / "truncated.jpg"
+    noise = np.random.default_rng(0).integers(0, 255, (400, 300, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "full.jpg")
+    data = (tmp_path / "full.jpg").read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+
+    def conv(path):
+        return Conversation("key7", (Message("user", (ImageRef(path), "hi")),
+                                     Message("assistant", ("ok",))))  # fmt: skip
+
+    for fn in (enc.encode, enc.measure):
+        with pytest.raises(BadSampleError) as info:
+            fn(conv(tmp_path / "nope.jpg"))
+        assert info.value.reason == "missing_image"
+        assert "key7" in str(info.value) and "nope.jpg" in str(info.value)
+        with pytest.raises(BadSampleError) as info:
+            fn(conv(garbage))
+        assert info.value.reason == "corrupt_image" and "garbage.jpg" in str(info.value)
+    # A truncated body passes the header read (measure) but fails to decode (encode).
+    assert enc.measure(conv(truncated)).patches > 0
+    with pytest.raises(BadSampleError) as info:
+        enc.encode(conv(truncated))
+    assert info.value.reason == "corrupt_image"
+
+
+def test_bad_pixel_range():
+    with pytest.raises(ValueError, match="min_pixels"):
+        Encoder("qwen3_vl", min_pixels=10_000, max_pixels=100)
