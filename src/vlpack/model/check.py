@@ -70,9 +70,12 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {g: torch.cat(v) for g, v in flat.items() if v}
 
 
-def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int) -> Run:
+def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
+               total_len: int | None = None) -> Run:
+    """vlpack's side: the samples packed into one row (aligned to `pad_to`, optionally padded
+    to `total_len`), forward + backward of the summed loss."""
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=pad_to,
-                            spatial_merge_size=spec.merge_size)
+                            total_len=total_len, spatial_merge_size=spec.merge_size)
     batch = batch.to(next(model.parameters()).device)
     out = packed_forward(model, batch, spec=spec, return_logits=True)
     out.loss_sum.backward()
@@ -97,6 +100,7 @@ def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Te
 
 
 def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
+    """The reference: stock transformers (SDPA) on each sample alone, gradients summed."""
     from vlpack.model.moe import RouterCapture
 
     saved = model.config._attn_implementation

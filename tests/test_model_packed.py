@@ -1,0 +1,159 @@
+"""Packed == separate for every family (CPU, float32), MoE statistics, GDN leak regression.
+
+One module-scoped fixture per family builds the tiny model once and runs the same bin both ways:
+vlpack's packed row (alignment padding to 8 plus tail padding) and stock transformers on each
+sample alone. The bin mixes a two-image sample, a text-only sample and single-image samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vlpack.data.batch import build_thd_batch
+from vlpack.model import build_model, packed_forward
+from vlpack.model.build import MODEL_CLASSES
+from vlpack.model.check import compare, run_packed, run_unpacked
+from vlpack.model.moe import RouterCapture, router_stats
+from vlpack.model.synthetic import default_mix
+
+TINY = [f"tiny-{f}" for f in MODEL_CLASSES]
+
+
+@pytest.fixture(scope="module", params=TINY)
+def family_run(request):
+    torch.manual_seed(0)
+    model, spec = build_model(request.param, device="cpu", dtype=torch.float32)
+    model.train()
+    samples = default_mix(spec, 4, seed=1)
+    aligned = sum(-(-len(s) // 8) * 8 for s in samples)
+    packed = run_packed(model, spec, samples, pad_to=8, total_len=aligned + 13)
+    ref = run_unpacked(model, spec, samples)
+    return dict(model=model, spec=spec, samples=samples, packed=packed, ref=ref,
+                diff=compare(packed, ref))
+
+
+def test_bin_mixes_sample_kinds(family_run):
+    kinds = {len(s.image_grid_thw) for s in family_run["samples"]}
+    assert {0, 1, 2} <= kinds
+    assert any(len(s) % 8 for s in family_run["samples"]), "no alignment padding in the bin"
+
+
+def test_logits_equal(family_run):
+    assert max(family_run["diff"]["logits"]) <= 1e-5
+
+
+def test_loss_equal(family_run):
+    p, r = family_run["packed"], family_run["ref"]
+    n = [int((s.labels != -100).sum()) - (s.labels[0] != -100) for s in family_run["samples"]]
+    for lp, lr, k in zip(p.losses, r.losses, n, strict=True):
+        assert abs(lp - lr) / max(k, 1) <= 1e-5  # per-token mean loss
+    assert abs(sum(p.losses) - sum(r.losses)) <= 1e-5 * abs(sum(r.losses))
+
+
+def test_grads_equal(family_run):
+    grads = family_run["diff"]["grad"]
+    assert {"vision", "merger", "llm"} <= set(grads)
+    assert max(grads.values()) <= 1e-4, grads
+
+
+def test_paths_named(family_run):
+    paths = family_run["packed"].paths
+    assert paths["attention.text"] == "per-segment SDPA"
+    assert paths["attention.vision"] == "per-segment SDPA"
+    if family_run["spec"].has_gdn:
+        assert "per-segment" in paths["gdn.conv"] and "per-segment" in paths["gdn.delta_rule"]
+
+
+# --- MoE statistics --------------------------------------------------------------------------
+def _padded_router_logits(model, spec, samples):
+    """Stock forward of the samples as one right-padded batch with a 2-D mask."""
+    L = max(len(s) for s in samples)
+    S = len(samples)
+    ids = torch.full((S, L), spec.pad_token_id)
+    mask = torch.zeros(S, L, dtype=torch.long)
+    types = torch.zeros(S, L, dtype=torch.int32)
+    for i, s in enumerate(samples):
+        ids[i, : len(s)] = torch.as_tensor(s.input_ids)
+        mask[i, : len(s)] = 1
+        types[i, : len(s)] = torch.as_tensor(s.mm_token_type_ids.astype(np.int32))
+    pix = [s.pixel_values for s in samples if s.pixel_values is not None]
+    grids = np.concatenate([s.image_grid_thw for s in samples if len(s.image_grid_thw)])
+    from vlpack.model.build import set_attn_implementation
+
+    set_attn_implementation(model, "sdpa")
+    model.model.rope_deltas = None
+    try:
+        with torch.no_grad(), RouterCapture(model) as cap:
+            model.model(input_ids=ids, attention_mask=mask, mm_token_type_ids=types,
+                        pixel_values=torch.as_tensor(np.concatenate(pix)),
+                        image_grid_thw=torch.as_tensor(grids), use_cache=False)
+    finally:
+        set_attn_implementation(model, spec.attn_implementation)
+    return tuple(cap.logits), mask
+
+
+def test_moe_aux_equals_hf_padded(family_run):
+    spec, model = family_run["spec"], family_run["model"]
+    if not spec.is_moe:
+        pytest.skip("dense model")
+    import importlib
+
+    hf = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    logits, mask = _padded_router_logits(model, spec, family_run["samples"])
+    want = float(hf(logits, spec.num_experts, spec.num_experts_per_tok, attention_mask=mask))
+    assert abs(family_run["packed"].aux - want) <= 1e-5
+    # Our function on the padded batch equals transformers' masked value too.
+    ours = router_stats(list(logits), mask.bool(), spec.num_experts, spec.num_experts_per_tok)
+    assert abs(float(ours.aux_loss) - want) <= 1e-6
+
+
+def test_moe_counts_exclude_padding(family_run):
+    spec, model = family_run["spec"], family_run["model"]
+    if not spec.is_moe:
+        pytest.skip("dense model")
+    samples = family_run["samples"]
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                            total_len=sum(len(s) for s in samples) + 64,
+                            spatial_merge_size=spec.merge_size)
+    with torch.no_grad():
+        out = packed_forward(model, batch, spec=spec)
+    stats = out.router_stats
+    real = sum(len(s) for s in samples)
+    assert stats.num_tokens == real < batch.num_tokens
+    assert stats.tokens_per_expert.shape[1] == spec.num_experts
+    assert (stats.tokens_per_expert.sum(1) == real * spec.num_experts_per_tok).all()
+    logits, mask = _padded_router_logits(model, spec, samples)
+    want = router_stats(list(logits), mask.bool(), spec.num_experts, spec.num_experts_per_tok)
+    assert torch.equal(stats.tokens_per_expert, want.tokens_per_expert)
+
+
+# --- the GDN leak that stock transformers has ---------------------------------------------------
+def test_stock_qwen3_5_leaks_vlpack_does_not():
+    model, spec = build_model("tiny-qwen3_5", device="cpu", dtype=torch.float32)
+    import transformers
+
+    stock = getattr(transformers, MODEL_CLASSES["qwen3_5"])._from_config(
+        model.config, attn_implementation="sdpa", dtype=torch.float32)
+    stock.load_state_dict(model.state_dict())
+    stock.config.use_cache = False
+    samples = default_mix(spec, 2, seed=3)[::-1]  # text-only first, then two images
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id,
+                            spatial_merge_size=spec.merge_size)
+    seg = batch.segment(1)
+    with torch.no_grad():
+        alone = stock(input_ids=torch.as_tensor(samples[1].input_ids)[None],
+                      mm_token_type_ids=torch.as_tensor(samples[1].mm_token_type_ids)[None],
+                      pixel_values=torch.as_tensor(samples[1].pixel_values),
+                      image_grid_thw=torch.as_tensor(samples[1].image_grid_thw),
+                      use_cache=False).logits[0]
+        # Stock packing: 4-row positions, no mask, no cache. Attention is isolated; GDN is not.
+        stock_packed = stock(input_ids=batch.input_ids[None],
+                             position_ids=batch.position_ids[:, None],
+                             mm_token_type_ids=batch.mm_token_type_ids[None],
+                             pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
+                             use_cache=False).logits[0]
+        ours = packed_forward(model, batch, spec=spec, return_logits=True).logits
+    assert (stock_packed[seg] - alone).abs().max() > 1e-3  # the leak
+    assert (ours[seg] - alone).abs().max() <= 1e-5
