@@ -1,0 +1,594 @@
+"""Bin planning: pure functions from sample lengths to bins of sample indices.
+
+Lengths in, groups out; no tensors (see `plan_online.py` for the bounded-buffer planner). Every
+item lands in exactly one bin; a bin's token sum is ≤ `capacity` and, when `max_patches` is
+given, its ViT-patch sum is ≤ `max_patches`. An item that cannot fit an empty bin raises
+`ValueError`: apply the overlong policy (truncate or drop) before planning, never here.
+
+Algorithms (all deterministic; items of equal length keep a fixed, index-based order):
+
+- `greedy_knapsack` — Megatron-Bridge/Energon's packing recipe: sort ascending; fill one bin at
+  a time, repeatedly taking the largest remaining item that still fits (binary search).
+- `first_fit_decreasing` — items longest first, each into the lowest-numbered bin it fits,
+  else a new bin; a prefix-maximum "record" list makes the search a bisect.
+- `best_fit_decreasing` — items longest first, each into the bin it fits with the least room
+  left (ties: lowest bin number), else a new bin; bins kept in one sorted list of int keys.
+
+Within a bin, items appear in the order they were placed. Output bins appear in the order they
+were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
+so that a stream of bins does not run from the longest items to the shortest. Bins themselves
+are identical with or without a seed.
+
+Also here: `bin_stats` (fill efficiency), `estimate_bin_cost` (a compute model for one bin) and
+`assign_bins_to_ranks` (data-parallel balancing with an equal number of bins per rank).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+__all__ = [
+    "ALGORITHMS",
+    "Algo",
+    "assign_bins_to_ranks",
+    "best_fit_decreasing",
+    "bin_stats",
+    "estimate_bin_cost",
+    "first_fit_decreasing",
+    "greedy_knapsack",
+    "plan_bins",
+]
+
+Algo = Literal["greedy", "ffd", "bfd"]
+Bins = list[list[int]]
+
+_INF = float("inf")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _as_int_list(values: Sequence[int], name: str) -> list[int]:
+    """A plain list of Python ints (fast path for numpy arrays via `.tolist()`)."""
+    tolist = getattr(values, "tolist", None)
+    out = tolist() if callable(tolist) else list(values)
+    if out and not all(type(v) is int for v in out):
+        if not all(float(v).is_integer() for v in out):
+            raise ValueError(f"{name} must be integers; got {out[:8]}...")
+        out = [int(v) for v in out]
+    return out
+
+
+def _first_index(values: list[int], bad: Callable[[int], bool]) -> int:
+    return next(i for i, v in enumerate(values) if bad(v))
+
+
+def _validate(
+    lengths: Sequence[int],
+    capacity: int,
+    patches: Sequence[int] | None,
+    max_patches: int | None,
+) -> tuple[list[int], list[int] | None]:
+    """Checks the inputs; returns (lengths, patches or None when patches are not budgeted)."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be ≥ 1 token; got {capacity}")
+    lens = _as_int_list(lengths, "lengths")
+    if lens and min(lens) < 1:
+        i = _first_index(lens, lambda v: v < 1)
+        raise ValueError(
+            f"item {i} has length {lens[i]}; every item needs ≥ 1 token "
+            "(drop empty samples before planning)"
+        )
+    if lens and max(lens) > capacity:
+        i = _first_index(lens, lambda v: v > capacity)
+        raise ValueError(
+            f"item {i} has {lens[i]} tokens > capacity {capacity}; apply the overlong policy "
+            "(truncate or drop the sample) before planning, or raise the bin capacity"
+        )
+    if max_patches is None:
+        return lens, None
+    if patches is None:
+        raise ValueError("max_patches is set but patches is None; pass patches= per item")
+    if max_patches < 0:
+        raise ValueError(f"max_patches must be ≥ 0; got {max_patches}")
+    pats = _as_int_list(patches, "patches")
+    if len(pats) != len(lens):
+        raise ValueError(f"patches has {len(pats)} entries but lengths has {len(lens)}")
+    if pats and min(pats) < 0:
+        i = _first_index(pats, lambda v: v < 0)
+        raise ValueError(f"item {i} has {pats[i]} patches; patch counts must be ≥ 0")
+    if pats and max(pats) > max_patches:
+        i = _first_index(pats, lambda v: v > max_patches)
+        raise ValueError(
+            f"item {i} has {pats[i]} ViT patches > max_patches {max_patches}; apply the "
+            "overlong policy (downscale the images or drop the sample) before planning, "
+            "or raise max_patches"
+        )
+    return lens, pats
+
+
+def _shuffled(bins: Bins, seed: int | None) -> Bins:
+    if seed is not None:
+        random.Random(seed).shuffle(bins)
+    return bins
+
+
+# --------------------------------------------------------------------------- greedy knapsack
+
+
+def _greedy_tokens(lens: list[int], capacity: int) -> Bins:
+    """Greedy knapsack, one budget. Items of one length form a stack (highest index on top,
+    as a stable ascending sort plus a rightmost bisect would pick); `vals` holds the lengths
+    still present, so each pick is one bisect over ≤ capacity distinct values."""
+    stacks: dict[int, list[int]] = {}
+    for i, v in enumerate(lens):
+        st = stacks.get(v)
+        if st is None:
+            stacks[v] = [i]
+        else:
+            st.append(i)
+    vals = sorted(stacks)
+    bins: Bins = []
+    while vals:
+        room = capacity
+        b: list[int] = []
+        while True:
+            k = bisect_right(vals, room)
+            if not k:
+                break
+            v = vals[k - 1]
+            st = stacks[v]
+            b.append(st.pop())
+            room -= v
+            if not st:
+                del vals[k - 1]
+        bins.append(b)
+    return bins
+
+
+def _greedy_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
+    """Greedy knapsack, tokens and patches. Items sorted by (length, index); a min-segment
+    tree over their patch counts (taken items = ∞) finds the rightmost item among those whose
+    tokens fit that also fits the patch budget."""
+    n = len(lens)
+    order = sorted(range(n), key=lens.__getitem__)
+    slens = [lens[i] for i in order]
+    size = 1 << max(n - 1, 0).bit_length()
+    tree: list[float] = [_INF] * (2 * size)
+    tree[size : size + n] = [pats[i] for i in order]
+    for node in range(size - 1, 0, -1):
+        tree[node] = min(tree[2 * node], tree[2 * node + 1])
+
+    def rightmost(end: int, budget: int) -> int:
+        """Rightmost position < end whose patch count ≤ budget, else -1."""
+        if end <= 0:
+            return -1
+        node = end - 1 + size
+        while tree[node] > budget:
+            while not node & 1:
+                node >>= 1
+            if node == 1:
+                return -1
+            node -= 1
+        while node < size:
+            node = 2 * node + 1 if tree[2 * node + 1] <= budget else 2 * node
+        return node - size
+
+    bins: Bins = []
+    left = n
+    while left:
+        room, proom = capacity, max_p
+        b: list[int] = []
+        while True:
+            pos = rightmost(bisect_right(slens, room), proom)
+            if pos < 0:
+                break
+            i = order[pos]
+            b.append(i)
+            room -= lens[i]
+            proom -= pats[i]
+            node = pos + size
+            tree[node] = _INF
+            node >>= 1
+            while node:
+                tree[node] = min(tree[2 * node], tree[2 * node + 1])
+                node >>= 1
+        assert b, "an empty bin must accept the largest remaining item"
+        left -= len(b)
+        bins.append(b)
+    return bins
+
+
+def greedy_knapsack(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    patches: Sequence[int] | None = None,
+    max_patches: int | None = None,
+    seed: int | None = None,
+) -> Bins:
+    """Energon/Megatron-Bridge greedy knapsack: fill bins one at a time, each time taking the
+    largest remaining item that still fits. Returns bins of item indices."""
+    lens, pats = _validate(lengths, capacity, patches, max_patches)
+    if pats is None:
+        bins = _greedy_tokens(lens, capacity)
+    else:
+        assert max_patches is not None
+        bins = _greedy_two_budgets(lens, pats, capacity, max_patches)
+    return _shuffled(bins, seed)
+
+
+# --------------------------------------------------------------------------- first fit
+
+
+_FFD_RECORDS_MAX_ITEMS = 4096
+"""Above this many items FFD uses the segment tree: the record scan can degrade on long inputs
+(many nearly full bins in one gap), the tree cannot; below it the records are faster."""
+
+
+def _ffd_tokens(lens: list[int], capacity: int) -> Bins:
+    """First-fit decreasing, one budget.
+
+    `room[j]` is bin j's free space. The first bin that fits s is the first prefix maximum
+    ("record") of `room` that is ≥ s; records are increasing in both bin number (`rb`) and
+    room (`rv`), so one bisect finds it. After the bin shrinks, only the records between it
+    and the next record can change; they are rebuilt by a scan of that gap.
+    """
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    room: list[int] = []
+    bins: Bins = []
+    rv: list[int] = []
+    rb: list[int] = []
+    for i in order:
+        s = lens[i]
+        p = bisect_left(rv, s)
+        if p == len(rv):
+            r = capacity - s
+            if not rv or r > rv[-1]:
+                rv.append(r)
+                rb.append(len(room))
+            room.append(r)
+            bins.append([i])
+            continue
+        j = rb[p]
+        r = rv[p] - s
+        room[j] = r
+        bins[j].append(i)
+        low = rv[p - 1] if p else -1
+        end = rb[p + 1] if p + 1 < len(rb) else len(room)
+        if j + 1 == end:
+            if r > low:
+                rv[p] = r
+            else:
+                del rv[p], rb[p]
+            continue
+        new_v: list[int] = []
+        new_b: list[int] = []
+        m = low
+        if r > m:
+            new_v.append(r)
+            new_b.append(j)
+            m = r
+        for k in range(j + 1, end):
+            x = room[k]
+            if x > m:
+                new_v.append(x)
+                new_b.append(k)
+                m = x
+        rv[p : p + 1] = new_v
+        rb[p : p + 1] = new_b
+    return bins
+
+
+def _ffd_tree(lens: list[int], capacity: int) -> Bins:
+    """First-fit decreasing, one budget, for long inputs: a max-segment tree over bins (free
+    tokens; unopened bins are full) and a leftmost descent. O(n log n) with no bad cases."""
+    n = len(lens)
+    order = sorted(range(n), key=lens.__getitem__, reverse=True)
+    size = 1 << max(n - 1, 0).bit_length()
+    tree = [capacity] * (2 * size)
+    bins: Bins = []
+    for i in order:
+        s = lens[i]
+        node = 1
+        while node < size:
+            node <<= 1
+            if tree[node] < s:
+                node += 1
+        j = node - size
+        if j == len(bins):
+            bins.append([i])
+        else:
+            bins[j].append(i)
+        tree[node] -= s
+        node >>= 1
+        while node:
+            a = tree[2 * node]
+            b = tree[2 * node + 1]
+            m = a if a > b else b
+            if tree[node] == m:
+                break
+            tree[node] = m
+            node >>= 1
+    return bins
+
+
+def _ffd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
+    """First-fit decreasing, tokens and patches: a segment tree over bins holding the max
+    free tokens and max free patches of each subtree; a pruned depth-first search finds the
+    leftmost bin that fits both. Unopened bins are leaves with full room, so "no open bin
+    fits" naturally opens the next one."""
+    n = len(lens)
+    order = sorted(range(n), key=lens.__getitem__, reverse=True)
+    size = 1 << max(n - 1, 0).bit_length()
+    tt = [capacity] * (2 * size)
+    tp = [max_p] * (2 * size)
+    bins: Bins = []
+    for i in order:
+        s, q = lens[i], pats[i]
+        stack = [1]
+        node = 0
+        while stack:
+            node = stack.pop()
+            if tt[node] < s or tp[node] < q:
+                continue
+            if node >= size:
+                break
+            stack.append(2 * node + 1)
+            stack.append(2 * node)
+        j = node - size
+        assert 0 <= j <= len(bins), "an unopened bin always fits a validated item"
+        if j == len(bins):
+            bins.append([])
+        bins[j].append(i)
+        tt[node] -= s
+        tp[node] -= q
+        node >>= 1
+        while node:
+            a, b = 2 * node, 2 * node + 1
+            tt[node] = tt[a] if tt[a] > tt[b] else tt[b]
+            tp[node] = tp[a] if tp[a] > tp[b] else tp[b]
+            node >>= 1
+    return bins
+
+
+def first_fit_decreasing(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    patches: Sequence[int] | None = None,
+    max_patches: int | None = None,
+    seed: int | None = None,
+) -> Bins:
+    """First-fit decreasing: longest item first (ties: lower index first), each into the
+    lowest-numbered open bin that fits, else a new bin. Returns bins of item indices."""
+    lens, pats = _validate(lengths, capacity, patches, max_patches)
+    if pats is None:
+        small = len(lens) <= _FFD_RECORDS_MAX_ITEMS
+        bins = _ffd_tokens(lens, capacity) if small else _ffd_tree(lens, capacity)
+    else:
+        assert max_patches is not None
+        bins = _ffd_two_budgets(lens, pats, capacity, max_patches)
+    return _shuffled(bins, seed)
+
+
+# --------------------------------------------------------------------------- best fit
+
+
+def _bfd_tokens(lens: list[int], capacity: int) -> Bins:
+    """Best-fit decreasing, one budget. Open bins live in one sorted list of keys room·K + bin
+    (K > bins), so `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin."""
+    n = len(lens)
+    K = n + 1
+    order = sorted(range(n), key=lens.__getitem__, reverse=True)
+    keys: list[int] = []
+    bins: Bins = []
+    for i in order:
+        s = lens[i]
+        p = bisect_left(keys, s * K)
+        if p == len(keys):
+            insort(keys, (capacity - s) * K + len(bins))
+            bins.append([i])
+        else:
+            r, j = divmod(keys.pop(p), K)
+            bins[j].append(i)
+            insort(keys, (r - s) * K + j)
+    return bins
+
+
+def _bfd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
+    """Best-fit decreasing, tokens and patches. Leaf r of a max-segment tree over token room
+    (0..capacity) holds the largest patch room among bins with exactly r free tokens (-1: no
+    bin); "leftmost r ≥ s with value ≥ q" is the tightest bin that fits both budgets, and the
+    lowest-numbered such bin in that leaf wins the tie."""
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    size = 1 << (capacity + 1).bit_length()
+    tree = [-1] * (2 * size)
+    at: dict[int, list[int]] = {}
+    proom: list[int] = []
+    bins: Bins = []
+
+    def refresh(r: int) -> None:
+        members = at.get(r)
+        node = r + size
+        tree[node] = max(proom[b] for b in members) if members else -1
+        node >>= 1
+        while node:
+            a, b = tree[2 * node], tree[2 * node + 1]
+            m = a if a > b else b
+            if tree[node] == m:
+                break
+            tree[node] = m
+            node >>= 1
+
+    def tightest(s: int, q: int) -> int:
+        node = s + size
+        while tree[node] < q:
+            while node & 1:
+                node >>= 1
+            if not node:
+                return -1
+            node += 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= q else 2 * node + 1
+        return node - size
+
+    for i in order:
+        s, q = lens[i], pats[i]
+        r = tightest(s, q)
+        if r < 0:
+            j = len(bins)
+            bins.append([i])
+            proom.append(max_p - q)
+        else:
+            members = at[r]
+            j = min(b for b in members if proom[b] >= q)
+            members.remove(j)
+            refresh(r)
+            bins[j].append(i)
+            proom[j] -= q
+        left = (r if r >= 0 else capacity) - s
+        at.setdefault(left, []).append(j)
+        refresh(left)
+    return bins
+
+
+def best_fit_decreasing(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    patches: Sequence[int] | None = None,
+    max_patches: int | None = None,
+    seed: int | None = None,
+) -> Bins:
+    """Best-fit decreasing: longest item first (ties: lower index first), each into the open
+    bin with the least token room that still fits it (ties: lowest bin number), else a new
+    bin. Returns bins of item indices."""
+    lens, pats = _validate(lengths, capacity, patches, max_patches)
+    if pats is None:
+        bins = _bfd_tokens(lens, capacity)
+    else:
+        assert max_patches is not None
+        bins = _bfd_two_budgets(lens, pats, capacity, max_patches)
+    return _shuffled(bins, seed)
+
+
+# --------------------------------------------------------------------------- dispatcher
+
+ALGORITHMS: dict[str, Callable[..., Bins]] = {
+    "greedy": greedy_knapsack,
+    "ffd": first_fit_decreasing,
+    "bfd": best_fit_decreasing,
+}
+"""Planner name → offline function."""
+
+
+def check_algo(algo: str) -> None:
+    """Raises ValueError naming the choices when `algo` is not a known planner."""
+    if algo not in ALGORITHMS:
+        raise ValueError(f"unknown packing algo {algo!r}; choose one of {sorted(ALGORITHMS)}")
+
+
+def plan_bins(
+    lengths: Sequence[int],
+    capacity: int,
+    algo: Algo = "ffd",
+    *,
+    patches: Sequence[int] | None = None,
+    max_patches: int | None = None,
+    seed: int | None = None,
+) -> Bins:
+    """Plans `lengths` into bins with the named algorithm ("greedy", "ffd" or "bfd")."""
+    check_algo(algo)
+    return ALGORITHMS[algo](
+        lengths, capacity, patches=patches, max_patches=max_patches, seed=seed
+    )
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def bin_stats(bins: Sequence[Sequence[int]], lengths: Sequence[int], capacity: int) -> dict:
+    """Fill statistics: `efficiency` = real tokens / (bins × capacity); fills are per bin."""
+    lens = _as_int_list(lengths, "lengths")
+    fills = [sum(lens[i] for i in b) / capacity for b in bins]
+    tokens = sum(sum(lens[i] for i in b) for b in bins)
+    n = len(fills)
+    return {
+        "bins": n,
+        "items": sum(len(b) for b in bins),
+        "tokens": tokens,
+        "efficiency": tokens / (n * capacity) if n else 0.0,
+        "mean_fill": sum(fills) / n if n else 0.0,
+        "min_fill": min(fills) if n else 0.0,
+        "max_fill": max(fills) if n else 0.0,
+    }
+
+
+# --------------------------------------------------------------------------- data parallel
+
+TOKEN_COST = 1.0
+"""Cost of one LLM token's linear layers (the unit)."""
+
+ATTN_COST = 1.0 / (12 * 2048)
+"""Cost per unit of Σ len² (causal attention). Per token, causal attention over L keys costs
+≈ 2·d·L FLOPs against ≈ 24·d² for a layer's linear maps, so the ratio is L / (12·d); the
+default takes d = 2048 (Qwen3-VL-2B); use 1/(12·d) for another hidden size."""
+
+PATCH_COST = 0.25
+"""Cost of one ViT patch relative to one LLM token: ≈ vision-tower params / LLM params
+(≈ 0.4 B / 1.7 B for Qwen3-VL-2B; ≈ 0.1 for 7B models)."""
+
+
+def estimate_bin_cost(
+    seg_lengths: Sequence[int],
+    patches: int,
+    *,
+    token_cost: float = TOKEN_COST,
+    attn_cost: float = ATTN_COST,
+    patch_cost: float = PATCH_COST,
+) -> float:
+    """Relative compute of one bin: token_cost·Σ len + attn_cost·Σ len² + patch_cost·patches.
+
+    `seg_lengths` are the samples' token counts (attention stays inside a sample, so the
+    quadratic term is per segment); `patches` is the bin's total of ViT patches.
+    """
+    if patches < 0 or any(v < 0 for v in seg_lengths):
+        raise ValueError("seg_lengths and patches must be ≥ 0")
+    return (
+        token_cost * sum(seg_lengths)
+        + attn_cost * sum(v * v for v in seg_lengths)
+        + patch_cost * patches
+    )
+
+
+def assign_bins_to_ranks(bin_costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """Splits bins over data-parallel ranks: same NUMBER of bins per rank (unequal step counts
+    hang collectives), compute balanced by LPT (costliest bin to the least-loaded rank that
+    still has a free slot; ties: lower bin index, lower rank).
+
+    Each rank's list is ordered by descending cost, so step k on every rank runs a bin of
+    similar rank in cost (FSDP synchronises every micro-batch, not only per optimizer step).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be ≥ 1; got {world_size}")
+    n = len(bin_costs)
+    if n % world_size:
+        raise ValueError(
+            f"{n} bins cannot be split evenly over {world_size} ranks; plan a multiple of "
+            f"world_size bins (carry {n % world_size} to the next step or add filler bins)"
+        )
+    slots = n // world_size
+    order = sorted(range(n), key=lambda i: (-bin_costs[i], i))
+    heap = [(0.0, r) for r in range(world_size)]
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        if len(out[r]) < slots:
+            heapq.heappush(heap, (load + bin_costs[i], r))
+    return out
