@@ -1,0 +1,38 @@
+"""`vlpack check` end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlpack.cli import main
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl_moe", "tiny-qwen3_5"])
+def test_check_json_passes(name, capsys):
+    assert main(["check", "--model", name, "--samples", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("max_logit_diff", "max_loss_diff", "max_grad_rel_diff", "passed"):
+        assert key in r
+    assert r["passed"] and r["dtype"] == "float32" and r["attn_implementation"] == "vlpack_varlen"
+    assert r["paths"]["attention.text"]
+    if name.endswith("moe"):
+        assert r["moe_aux_diff"] is not None and r["moe_aux_diff"] <= 1e-5
+
+
+def test_check_text_report_names_backend(capsys):
+    assert main(["check", "--model", "tiny-qwen2_vl", "--samples", "2", "--backend", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    assert "backend sdpa -> sdpa" in out and "PASSED" in out
+
+
+def test_check_bf16_rule_on_cpu(capsys):
+    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "2", "--dtype", "bfloat16",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "rule" in r and r["passed"]
+
+
+def test_check_unknown_model_is_a_user_error(capsys):
+    assert main(["check", "--model", "nope"]) == 2

@@ -1,0 +1,234 @@
+"""Unit tests of the model side: presets/build, attention guards, vision varlen, GDN, loss."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlpack.data.batch import build_thd_batch
+from vlpack.model import attention, build_model, gdn
+from vlpack.model.loss import chunked_linear_ce_sum, linear_ce_sum, plain_ce_sum
+from vlpack.model.presets import PRESETS, get_preset
+from vlpack.model.synthetic import default_mix
+
+
+# --- presets and build -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
+def test_tiny_presets_use_real_token_ids(name):
+    from vlpack.model.build import _spec, preset_config
+
+    p = get_preset(name)
+    cfg = preset_config(p)
+    spec = _spec(name, cfg, "sdpa")
+    if p.family.startswith("qwen3_5"):
+        assert (spec.vocab_size, spec.image_token_id, spec.vision_start_token_id) == \
+            (248320, 248056, 248053)
+        assert {"linear_attention", "full_attention"} <= set(cfg.text_config.layer_types)
+    else:
+        assert (spec.vocab_size, spec.image_token_id, spec.vision_start_token_id,
+                spec.vision_end_token_id, spec.video_token_id, spec.eos_token_id,
+                spec.pad_token_id) == (151936, 151655, 151652, 151653, 151656, 151645, 151643)
+    assert 2 <= cfg.text_config.num_hidden_layers <= 4 and cfg.text_config.hidden_size <= 128
+    assert cfg.vision_config.depth == 2 and cfg.tie_word_embeddings
+    if spec.is_moe:
+        assert spec.num_experts >= 4
+
+
+def test_real_presets_name_their_source():
+    for name in ("qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-35b-a3b"):
+        assert get_preset(name).source
+
+
+def test_unknown_preset_says_what_to_do():
+    with pytest.raises(ValueError, match="preset"):
+        build_model("tiny-nope", device="cpu")
+
+
+def test_build_from_folder(tmp_path):
+    model, spec = build_model("tiny-qwen3_vl", device="cpu")
+    model.save_pretrained(tmp_path / "full")
+    again, spec2 = build_model(str(tmp_path / "full"), device="cpu", seed=123)
+    assert spec2.family == "qwen3_vl" and spec2.image_token_id == spec.image_token_id
+    w = "model.language_model.layers.0.mlp.gate_proj.weight"
+    assert torch.equal(dict(model.named_parameters())[w], dict(again.named_parameters())[w])
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_model(str(tmp_path / "cfg"), device="cpu")
+    assert any("RANDOM" in str(w.message) for w in caught)
+
+
+# --- attention ------------------------------------------------------------------------------------
+def _qkv(T=40, H=4, K=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, H, T, D, generator=g), torch.randn(1, K, T, D, generator=g),
+            torch.randn(1, K, T, D, generator=g))
+
+
+class _Causal(torch.nn.Module):
+    is_causal = True
+
+
+def _mask_reference(q, k, v, cu, causal):
+    T = q.shape[2]
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(cu))
+    allowed = doc[:, None] == doc[None, :]
+    if causal:
+        allowed &= torch.ones(T, T, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", ["vlpack_varlen", "vlpack_flex"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_backends_equal_masked_sdpa(name, causal):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 7, 8, 24, 40], dtype=torch.int32)
+    token = attention._IN_VISION_VARLEN.set(not causal)
+    try:
+        out, _ = ALL_ATTENTION_FUNCTIONS[name](_Causal(), q, k, v, None, scaling=8**-0.5,
+                                               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=16,
+                                               max_length_k=16, is_causal=causal)
+    finally:
+        attention._IN_VISION_VARLEN.reset(token)
+    assert (out - _mask_reference(q, k, v, cu.long(), causal)).abs().max() < 1e-5
+
+
+def test_attention_rejects_boundaries_not_covering_the_row():
+    q, k, v = _qkv()
+    bad = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_padded"):
+        attention.varlen_attention_forward(_Causal(), q, k, v, None, cu_seq_lens_q=bad)
+
+
+def test_attention_refuses_padded_batches_and_windows():
+    q, k, v = (t.expand(2, -1, -1, -1) for t in _qkv())
+    with pytest.raises(ValueError, match="sdpa"):
+        attention.varlen_attention_forward(_Causal(), q, k, v, torch.ones(2, 1, 40, 40))
+    with pytest.raises(ValueError, match="sliding"):
+        attention.varlen_attention_forward(_Causal(), *_qkv(), None, sliding_window=16)
+
+
+def test_vision_call_outside_wrapper_ignores_text_cu_kwargs():
+    """transformers 5.17 hands the TEXT cu kwargs to per-image vision calls: ignore them."""
+    q, k, v = _qkv(K=4)
+    vis = _Causal()
+    vis.is_causal = False
+    text_cu = torch.tensor([0, 100, 300], dtype=torch.int32)  # would read out of bounds
+    out, _ = attention.varlen_attention_forward(vis, q, k, v, None, cu_seq_lens_q=text_cu,
+                                                cu_seq_lens_k=text_cu, max_length_q=200,
+                                                is_causal=False)
+    ref = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen2_5_vl"])
+def test_vision_tower_guard_and_one_call_per_layer(name, monkeypatch):
+    """Text cu kwargs reaching the ViT (as in 5.17) change nothing; each layer makes one call."""
+    model, spec = build_model(name, device="cpu")
+    samples = default_mix(spec, 4, seed=0)
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                            spatial_merge_size=spec.merge_size)
+    calls = []
+    real = attention._run_kernel
+
+    def spy(name_, stream, q, k, v, cu, *a):
+        calls.append((stream, cu.tolist()))
+        return real(name_, stream, q, k, v, cu, *a)
+
+    monkeypatch.setattr(attention, "_run_kernel", spy)
+    visual = model.model.visual
+    with torch.no_grad():
+        clean = visual(batch.pixel_values, grid_thw=batch.image_grid_thw)
+        n_clean = len(calls)
+        cu = batch.cu_seqlens_padded
+        dirty = visual(batch.pixel_values, grid_thw=batch.image_grid_thw, cu_seq_lens_q=cu,
+                       cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
+                       max_length_k=batch.max_seqlen)
+    get = (lambda o: o.pooler_output) if hasattr(clean, "pooler_output") else (lambda o: o)
+    assert torch.equal(get(clean), get(dirty))
+    depth = model.config.vision_config.depth
+    assert n_clean == depth and all(s == "vision" for s, _ in calls)
+    full = [c for _, c in calls[:depth] if c == batch.vision_cu_seqlens.tolist()]
+    assert full, "no vision layer saw the per-image boundaries of the batch"
+    if spec.family == "qwen2_5_vl":  # windowed layers see finer (window) boundaries
+        assert any(len(c) > len(batch.vision_cu_seqlens) for _, c in calls[:depth])
+
+
+# --- GDN ------------------------------------------------------------------------------------------
+def test_segment_conv_restarts_at_boundaries():
+    x = torch.randn(1, 6, 20)
+    w, b = torch.randn(6, 4), torch.randn(6)
+    cu = torch.tensor([0, 3, 11, 20])
+    y = gdn.segment_conv1d(x, w, b, "silu", cu)
+    for s, e in [(0, 3), (3, 11), (11, 20)]:
+        ref = F.silu(F.conv1d(x[:, :, s:e], w[:, None], b, padding=3, groups=6)[:, :, : e - s])
+        assert (y[:, :, s:e] - ref).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="cu_seqlens_padded"):
+        gdn.segment_conv1d(x, w, b, "silu", torch.tensor([0, 5, 5, 20]))
+
+
+def test_gdn_dispatch_is_inactive_outside_vlpack_modules():
+    """Stock models in the same process keep stock kernels (they raise on cu_seqlens)."""
+    build_model("tiny-qwen3_5", device="cpu")  # installs the module-level dispatchers
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="packed"):
+        m.torch_chunk_gated_delta_rule(q, q, torch.randn(1, 8, 4, 16), g=torch.randn(1, 8, 4),
+                                       beta=torch.rand(1, 8, 4), use_qk_l2norm_in_kernel=True,
+                                       cu_seqlens=torch.tensor([0, 4, 8]))
+
+
+# --- loss -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_chunked_loss_equals_plain(chunk):
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 37, 16, 3001
+    h1 = torch.randn(T, H, generator=g, requires_grad=True)
+    w1 = torch.randn(V, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::3] = -100
+    h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
+    want = plain_ce_sum(h1 @ w1.T, labels)
+    got = chunked_linear_ce_sum(h2, w2, labels, chunk_size=chunk)
+    (2.0 * want).backward()
+    (2.0 * got).backward()
+    assert abs(float(got.detach()) - float(want.detach())) <= 1e-5 * abs(float(want.detach()))
+    for a, b in ((h2.grad, h1.grad), (w2.grad, w1.grad)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_loss_counts_labels_and_never_shifts():
+    lm = torch.nn.Linear(8, 50, bias=False)
+    h = torch.randn(6, 8)
+    labels = torch.tensor([3, -100, 7, 7, -100, -100])
+    for method in ("plain", "chunked"):
+        s, n = linear_ce_sum(h, lm, labels, method=method)
+        assert n == 3
+        want = F.cross_entropy(lm(h), labels, ignore_index=-100, reduction="sum")
+        assert abs(float(s) - float(want)) < 1e-5
+    s, n = linear_ce_sum(h, lm, torch.full((6,), -100), method="chunked")
+    assert n == 0 and float(s) == 0.0
+
+
+def test_frozen_lm_head_gets_no_grad():
+    lm = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    h = torch.randn(6, 8, requires_grad=True)
+    s, _ = linear_ce_sum(h, lm, torch.tensor([1, 2, 3, 4, 5, 6]), method="chunked")
+    s.backward()
+    assert lm.weight.grad is None and h.grad is not None
+
+
+def test_check_samples_are_valid_for_the_batch_builder():
+    _model, spec = build_model("tiny-qwen3_5", device="cpu")
+    for s in default_mix(spec, 8, seed=5):
+        assert s.pixel_values is None or s.pixel_values.shape[1] == spec.patch_dim
+        assert np.all(s.labels[s.mm_token_type_ids != 0] == -100)
