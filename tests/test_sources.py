@@ -167,3 +167,11 @@ def test_empty_assistant_turn(content):
 ])  # fmt: skip
 def test_bad_schema(obj):
     assert _reason(obj) == "bad_schema"
+
+
+def test_not_utf8_and_bom(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n\xff\xfe{}\n")
+    first, second = iter_jsonl(path)
+    assert isinstance(first, Conversation)
+    assert isinstance(second, BadSampleError) and second.reason == "bad_json"

@@ -121,6 +121,8 @@ class Encoder:
     def encode(self, conv: Conversation) -> EncodedSample:
         """Tokens, labels, token types, pixel values and grids of `conv`."""
         images = [_open_image(conv.key, ref) for ref in conv.images]
+        for ref, image in zip(conv.images, images, strict=True):
+            self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
         pixel_values = None
         grids = np.zeros((0, 3), dtype=np.int64)
         if images:
@@ -137,19 +139,25 @@ class Encoder:
 
     def skeleton(self, conv: Conversation) -> EncodedSample:
         """`encode(conv)` without pixels: grids come from the image headers."""
-        grids = np.array([self.grid(*_image_size(conv.key, r)) for r in conv.images], np.int64)
-        return self._assemble(conv, grids.reshape(-1, 3))
+        grids = [self._grid(conv.key, r, *_image_size(conv.key, r)) for r in conv.images]
+        return self._assemble(conv, np.array(grids, np.int64).reshape(-1, 3))
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """(t, h, w) patch grid of a `width`×`height` image after the processor's resize."""
+        """(t, h, w) patch grid of a `width`×`height` image after the processor's resize
+        (transformers' own `smart_resize`); ValueError past an aspect ratio of 200."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-        try:
-            h, w = smart_resize(height, width, factor=self.spec.factor,
-                                min_pixels=self.min_pixels, max_pixels=self.max_pixels)  # fmt: skip
-        except ValueError as e:  # aspect ratio above 200
-            raise BadSampleError("bad_image_size", f"{width}x{height} image: {e}") from None
+        h, w = smart_resize(height, width, factor=self.spec.factor,
+                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)  # fmt: skip
         return 1, h // self.spec.patch_size, w // self.spec.patch_size
+
+    def _grid(self, key: str, ref: ImageRef, width: int, height: int) -> tuple[int, int, int]:
+        try:
+            return self.grid(width, height)
+        except ValueError as e:
+            raise BadSampleError(
+                "bad_image_size", f"{key}: image {ref.path} ({width}x{height}): {e}; crop or pad it"
+            ) from None
 
     def truncate(self, sample: EncodedSample, max_tokens: int) -> EncodedSample:
         """Cut `sample` to at most `max_tokens` tokens, never through an image: a cut inside an

@@ -51,21 +51,23 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
     if not path.is_file():
         raise ValueError(f"data file {path} does not exist: pass the path of a .jsonl file")
     base_dir = path.parent.absolute()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"{path.name}:{lineno}"
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
+                obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
                 yield BadSampleError(
                     "bad_json",
-                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line "
-                    "must hold one JSON object",
+                    f"{path}:{lineno}: not valid UTF-8 JSON ({detail}); each line must hold one "
+                    "JSON object",
                 )
                 continue
-            key = str(obj["id"]) if isinstance(obj, dict) and obj.get("id") is not None else where
+            has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
+            key = str(obj["id"]) if has_id else where
             try:
                 yield parse_record(obj, base_dir=base_dir, key=key)
             except BadSampleError as e:
