@@ -85,8 +85,8 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, cu: torch.T
     if _use_fla(x_BCT):
         PATHS_USED["conv"] = "fla causal_conv1d (cu_seqlens)"
         conv = _fla()[0]
-        y_BTC, _ = conv(x_BCT.transpose(1, 2), weight=weight_CW, bias=bias_C,
-                        activation=activation, cu_seqlens=cu.to(x_BCT.device, torch.int32))
+        y_BTC, _ = conv(x_BCT.transpose(1, 2).contiguous(), weight=weight_CW, bias=bias_C,
+                        activation=activation, cu_seqlens=cu.to(x_BCT.device, torch.long))
         return y_BTC.transpose(1, 2).to(x_BCT.dtype)
     PATHS_USED["conv"] = "per-segment torch conv1d"
     pad = weight_CW.shape[-1] - 1

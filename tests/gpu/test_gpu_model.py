@@ -1,0 +1,117 @@
+"""GPU tests (skipped without CUDA): varlen, flex and fla paths in bf16.
+
+The flash-attention rule: the error of the packed bf16 path against an fp32 reference is at most
+twice the error of a plain bf16 unpacked run against the same reference (+ a tiny floor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlpack.model import attention, gdn
+from vlpack.model.build import MODEL_CLASSES
+from vlpack.model.check import check
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+TINY = [f"tiny-{f}" for f in MODEL_CLASSES]
+
+
+def _docs(T=3000, cuts=(0, 17, 900, 901, 2048, 3000), H=16, K=4, D=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, H, T, D, device="cuda", generator=g)
+    k = torch.randn(1, K, T, D, device="cuda", generator=g)
+    v = torch.randn(1, K, T, D, device="cuda", generator=g)
+    return q, k, v, torch.tensor(cuts, dtype=torch.int32, device="cuda")
+
+
+class _Mod(torch.nn.Module):
+    is_causal = True
+
+
+def _call(fn, q, k, v, cu, causal):
+    token = attention._IN_VISION_VARLEN.set(not causal)
+    try:
+        return fn(_Mod(), q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=int(torch.diff(cu).max()),
+                  max_length_k=int(torch.diff(cu).max()), is_causal=causal)[0]
+    finally:
+        attention._IN_VISION_VARLEN.reset(token)
+
+
+def _ref(q, k, v, cu, causal):
+    out = attention._sdpa_segments(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                   v[0].transpose(0, 1), cu.tolist(), causal, q.shape[-1] ** -0.5)
+    return out[None]
+
+
+@pytest.mark.parametrize("fn", [attention.varlen_attention_forward,
+                                attention.flex_attention_forward], ids=["varlen", "flex"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_kernel_flash_attention_rule(fn, causal):
+    q, k, v, cu = _docs()
+    dout = torch.randn(1, q.shape[2], q.shape[1], q.shape[3], device="cuda")
+    leaves32 = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _ref(*leaves32, cu, causal)
+    (ref * dout).sum().backward()
+    errs = {}
+    for label, f in (("fast", lambda *a: _call(fn, *a)), ("plain", _ref)):
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = f(*leaves, cu, causal)
+        (out.float() * dout).sum().backward()
+        errs[label] = [float((out.float() - ref).abs().max())] + [
+            float((a.grad.float() - b.grad).abs().max()) for a, b in zip(leaves, leaves32,
+                                                                          strict=True)]
+    for fast, plain in zip(errs["fast"], errs["plain"], strict=True):
+        assert fast <= 2 * plain + 1e-5, errs
+    if fn is attention.varlen_attention_forward and attention._torch_varlen() is not None:
+        assert attention.PATHS_USED["text" if causal else "vision"] == "torch varlen_attn"
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_check_varlen_bf16(name):
+    r = check(name, backend="varlen", dtype="bfloat16", samples=4, device="cuda")
+    print(name, r["paths"], r["rule"])
+    assert r["passed"], r
+    if attention._torch_varlen() is not None:
+        assert r["paths"]["attention.text"] == "torch varlen_attn"
+        assert r["paths"]["attention.vision"] == "torch varlen_attn"
+    if "qwen3_5" in name and gdn._fla() is not None:
+        assert r["paths"]["gdn.conv"].startswith("fla")
+        assert r["paths"]["gdn.delta_rule"].startswith("fla")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])
+def test_check_flex_bf16(name):
+    r = check(name, backend="flex", dtype="bfloat16", samples=4, device="cuda")
+    print(name, r["paths"], r["rule"])
+    assert r["passed"], r
+    assert r["paths"]["attention.text"].startswith("flex")
+
+
+@pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
+def test_fla_conv_equals_segment_reference():
+    x = torch.randn(1, 96, 700, device="cuda")
+    w, cu = torch.randn(96, 4, device="cuda"), torch.tensor([0, 3, 300, 301, 700], device="cuda")
+    fast = gdn.segment_conv1d(x, w, None, "silu", cu)
+    assert gdn.PATHS_USED["conv"].startswith("fla")
+    slow = gdn.segment_conv1d(x.cpu(), w.cpu(), None, "silu", cu.cpu())
+    assert (fast.cpu() - slow).abs().max() < 1e-3
+
+
+def test_chunked_and_liger_loss_on_gpu():
+    from vlpack.model.loss import _liger, linear_ce_sum
+
+    lm = torch.nn.Linear(256, 151936, bias=False, device="cuda")
+    h = torch.randn(1000, 256, device="cuda")
+    labels = torch.randint(0, 151936, (1000,), device="cuda")
+    labels[::4] = -100
+    want, n = linear_ce_sum(h, lm, labels, method="plain")
+    got, n2 = linear_ce_sum(h, lm, labels, method="chunked", chunk_size=128)
+    assert n == n2 and abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    if _liger() is not None:
+        lig, _ = linear_ce_sum(h, lm, labels, method="liger")
+        assert abs(float(lig) - float(want)) <= 1e-4 * abs(float(want))
