@@ -218,8 +218,9 @@ def test_two_budget_hand_worked():
 # ----------------------------------------------------------------- fast paths and quality
 
 
-def test_ffd_tree_equals_records():
+def test_long_input_paths_equal_short_ones():
     lens, _ = receipts(3000, seed=1)
+    assert P._greedy_tokens(lens, 8192) == P._greedy_small(lens, 8192)
     assert P._ffd_tree(lens, 8192) == P._ffd_tokens(lens, 8192)
     rng = random.Random(0)
     lens = [rng.randint(1, 100) for _ in range(2000)]

@@ -120,7 +120,32 @@ def _shuffled(bins: Bins, seed: int | None) -> Bins:
 # --------------------------------------------------------------------------- greedy knapsack
 
 
-def _greedy_tokens(lens: list[int], capacity: int) -> Bins:
+_GREEDY_LIST_MAX_ITEMS = 16384
+"""Up to this many items greedy keeps one sorted list and pops from it (fastest for buffers);
+above, list pops cost O(n) each and the per-length stacks take over."""
+
+
+def _greedy_small(lens: Sequence[int], capacity: int) -> Bins:
+    """Greedy knapsack, one budget, short inputs: a stably sorted list; each pick is the
+    rightmost bisect hit (so equal lengths go highest index first), popped."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    slens = [lens[i] for i in order]
+    bins: Bins = []
+    while slens:
+        room = capacity
+        b: list[int] = []
+        while True:
+            k = bisect_right(slens, room)
+            if not k:
+                break
+            k -= 1
+            room -= slens.pop(k)
+            b.append(order.pop(k))
+        bins.append(b)
+    return bins
+
+
+def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
     """Greedy knapsack, one budget. Items of one length form a stack (highest index on top,
     as a stable ascending sort plus a rightmost bisect would pick); `vals` holds the lengths
     still present, so each pick is one bisect over ≤ capacity distinct values."""
@@ -214,12 +239,7 @@ def greedy_knapsack(
     """Energon/Megatron-Bridge greedy knapsack: fill bins one at a time, each time taking the
     largest remaining item that still fits. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    if pats is None:
-        bins = _greedy_tokens(lens, capacity)
-    else:
-        assert max_patches is not None
-        bins = _greedy_two_budgets(lens, pats, capacity, max_patches)
-    return _shuffled(bins, seed)
+    return _shuffled(_plan_lists("greedy", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- first fit
@@ -367,13 +387,7 @@ def first_fit_decreasing(
     """First-fit decreasing: longest item first (ties: lower index first), each into the
     lowest-numbered open bin that fits, else a new bin. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    if pats is None:
-        small = len(lens) <= _FFD_RECORDS_MAX_ITEMS
-        bins = _ffd_tokens(lens, capacity) if small else _ffd_tree(lens, capacity)
-    else:
-        assert max_patches is not None
-        bins = _ffd_two_budgets(lens, pats, capacity, max_patches)
-    return _shuffled(bins, seed)
+    return _shuffled(_plan_lists("ffd", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- best fit
@@ -469,15 +483,33 @@ def best_fit_decreasing(
     bin with the least token room that still fits it (ties: lowest bin number), else a new
     bin. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    if pats is None:
-        bins = _bfd_tokens(lens, capacity)
-    else:
-        assert max_patches is not None
-        bins = _bfd_two_budgets(lens, pats, capacity, max_patches)
-    return _shuffled(bins, seed)
+    return _shuffled(_plan_lists("bfd", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- dispatcher
+
+
+def _plan_lists(
+    algo: str, lens: list[int], pats: list[int] | None, capacity: int, max_patches: int | None
+) -> Bins:
+    """Runs `algo` on validated plain int lists (no checks, no shuffle): the shared core of
+    the offline functions and `OnlinePlanner`."""
+    if pats is None or max_patches is None:
+        if algo == "greedy":
+            if len(lens) <= _GREEDY_LIST_MAX_ITEMS:
+                return _greedy_small(lens, capacity)
+            return _greedy_tokens(lens, capacity)
+        if algo == "ffd":
+            if len(lens) <= _FFD_RECORDS_MAX_ITEMS:
+                return _ffd_tokens(lens, capacity)
+            return _ffd_tree(lens, capacity)
+        return _bfd_tokens(lens, capacity)
+    if algo == "greedy":
+        return _greedy_two_budgets(lens, pats, capacity, max_patches)
+    if algo == "ffd":
+        return _ffd_two_budgets(lens, pats, capacity, max_patches)
+    return _bfd_two_budgets(lens, pats, capacity, max_patches)
+
 
 ALGORITHMS: dict[str, Callable[..., Bins]] = {
     "greedy": greedy_knapsack,
