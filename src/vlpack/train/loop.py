@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,7 +345,7 @@ class Trainer:
     def _finish(self, out_dir: Path) -> dict[str, Any]:
         acc = self.train_loader.accounting
         summary = {
-            "steps": self.step, "samples": acc["packed"], "truncated": acc["truncated"],
+            "steps": self.step, "samples": self.totals["samples"], "truncated": acc["truncated"],
             "skipped": acc["skipped"], "real_tokens": self.totals["real_tokens"],
             "tokens": self.totals["tokens"], "first_loss": self.first_loss,
             "last_loss": self.last_loss, "eval_loss": self.eval_loss,
@@ -446,6 +447,7 @@ def sample_mean_weights(batch) -> torch.Tensor:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     info = init_distributed()
     try:
         trainer = Trainer(cfg, info)

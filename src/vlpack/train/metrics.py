@@ -52,7 +52,7 @@ def format_summary(s: dict[str, Any]) -> str:
     skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped"].items()) or "none"
     rows = [
         ("steps", s["steps"]),
-        ("samples", f"{s['samples']} packed/trained, {s['truncated']} truncated, "
+        ("samples", f"{s['samples']} trained ({s['truncated']} of them truncated); "
                     f"{sum(s['skipped'].values())} skipped ({skipped})"),
         ("tokens", f"{s['real_tokens']:,} real of {s['tokens']:,} processed "
                    f"({100 * s['real_tokens'] / max(s['tokens'], 1):.1f}% real)"),
