@@ -119,7 +119,22 @@ def check_partition(bins, n, lens, cap, pats=None, max_p=None):
 # ----------------------------------------------------------------- properties
 
 
-@settings(max_examples=60, deadline=None)
+SHORT_PATH_LIMITS = ("_GREEDY_LIST_MAX_ITEMS", "_FFD_RECORDS_MAX_ITEMS", "_BFD_KEYS_MAX_ITEMS")
+
+
+def plan_long_path(*args, **kw):
+    """plan_bins with the short-input limits at 0, so the tree-based paths run."""
+    saved = {k: getattr(P, k) for k in SHORT_PATH_LIMITS}
+    try:
+        for k in SHORT_PATH_LIMITS:
+            setattr(P, k, 0)
+        return plan_bins(*args, **kw)
+    finally:
+        for k, v in saved.items():
+            setattr(P, k, v)
+
+
+@settings(max_examples=80, deadline=None)
 @given(items, st.sampled_from(ALGOS), st.booleans())
 def test_partition_budgets_and_reference(data, algo, two_budgets):
     lens = [t for t, _ in data]
@@ -127,6 +142,7 @@ def test_partition_budgets_and_reference(data, algo, two_budgets):
     max_p = 40 if two_budgets else None
     kw = {"patches": pats, "max_patches": max_p} if two_budgets else {}
     bins = plan_bins(lens, CAP, algo, **kw)
+    assert plan_long_path(lens, CAP, algo, **kw) == bins, "short and long paths agree"
     check_partition(bins, len(lens), lens, CAP, pats, max_p)
     args = (lens, CAP, pats, max_p) if two_budgets else (lens, CAP)
     assert bins == REFS[algo](*args)
@@ -221,10 +237,14 @@ def test_two_budget_hand_worked():
 def test_long_input_paths_equal_short_ones():
     lens, _ = receipts(3000, seed=1)
     assert P._greedy_tokens(lens, 8192) == P._greedy_small(lens, 8192)
-    assert P._ffd_tree(lens, 8192) == P._ffd_tokens(lens, 8192)
+    assert P._ffd_tree(lens, 8192) == P._ffd_records(lens, 8192)
+    lens, pats = receipts(2000, seed=2)
+    for algo in ALGOS:  # the patch budget binds often at 16k patches per 8k tokens
+        kw = {"patches": pats, "max_patches": 16384}
+        assert plan_long_path(lens, 8192, algo, **kw) == plan_bins(lens, 8192, algo, **kw)
     rng = random.Random(0)
     lens = [rng.randint(1, 100) for _ in range(2000)]
-    assert P._ffd_tree(lens, 100) == P._ffd_tokens(lens, 100) == ref_fit(lens, 100)
+    assert P._ffd_tree(lens, 100) == P._ffd_records(lens, 100) == ref_fit(lens, 100)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -89,6 +89,24 @@ def test_resume_from_state_dict_continues_identically(stream, cfg, data):
     assert head + run(resumed, stream, start=cut) == full
 
 
+@settings(max_examples=40, deadline=None)
+@given(streams, configs, st.lists(st.integers(0, 40), max_size=8))
+def test_extend_equals_push(stream, cfg, chunks):
+    pl, out, pos = make(cfg), [], 0
+    for c in [*chunks, len(stream)]:
+        part = range(pos, min(pos + c, len(stream)))
+        out += pl.extend(part, [stream[i][0] for i in part], [stream[i][1] for i in part])
+        pos = part.stop
+    assert out + pl.flush() == run(make(cfg), stream)
+
+
+def test_extend_checks_everything_first():
+    pl = OnlinePlanner(10, "ffd", 4)
+    with pytest.raises(ValueError, match="item 12 has 11 tokens"):
+        pl.extend([10, 11, 12], [3, 4, 11])
+    assert len(pl) == 0
+
+
 @settings(max_examples=25, deadline=None)
 @given(streams, configs)
 def test_seed_changes_order_not_bins(stream, cfg):

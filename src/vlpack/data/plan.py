@@ -120,25 +120,33 @@ def _shuffled(bins: Bins, seed: int | None) -> Bins:
 # --------------------------------------------------------------------------- greedy knapsack
 
 
-_GREEDY_LIST_MAX_ITEMS = 16384
+_GREEDY_LIST_MAX_ITEMS = 4096
 """Up to this many items greedy keeps one sorted list and pops from it (fastest for buffers);
-above, list pops cost O(n) each and the per-length stacks take over."""
+above, list pops cost O(n) each and per-length stacks (or, with patches, a tree) take over."""
 
 
-def _greedy_small(lens: Sequence[int], capacity: int) -> Bins:
-    """Greedy knapsack, one budget, short inputs: a stably sorted list; each pick is the
-    rightmost bisect hit (so equal lengths go highest index first), popped."""
+def _greedy_small(
+    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
+) -> Bins:
+    """Greedy knapsack, short inputs: a stably sorted list; each pick is the rightmost bisect
+    hit (equal lengths go highest index first), popped. With a patch budget the pick walks left
+    to the first item whose patches fit (worst case O(n) per pick; fine for a buffer)."""
     order = sorted(range(len(lens)), key=lens.__getitem__)
     slens = [lens[i] for i in order]
+    spats = None if pats is None else [pats[i] for i in order]
     bins: Bins = []
     while slens:
-        room = capacity
+        room, proom = capacity, max_p
         b: list[int] = []
         while True:
-            k = bisect_right(slens, room)
-            if not k:
+            k = bisect_right(slens, room) - 1
+            if spats is not None:
+                while k >= 0 and spats[k] > proom:
+                    k -= 1
+                if k >= 0:
+                    proom -= spats.pop(k)
+            if k < 0:
                 break
-            k -= 1
             room -= slens.pop(k)
             b.append(order.pop(k))
         bins.append(b)
@@ -146,7 +154,7 @@ def _greedy_small(lens: Sequence[int], capacity: int) -> Bins:
 
 
 def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
-    """Greedy knapsack, one budget. Items of one length form a stack (highest index on top,
+    """Greedy knapsack, one budget, long inputs. Items of one length form a stack (highest index on top,
     as a stable ascending sort plus a rightmost bisect would pick); `vals` holds the lengths
     still present, so each pick is one bisect over ≤ capacity distinct values."""
     stacks: dict[int, list[int]] = {}
@@ -246,26 +254,44 @@ def greedy_knapsack(
 
 
 _FFD_RECORDS_MAX_ITEMS = 4096
-"""Above this many items FFD uses the segment tree: the record scan can degrade on long inputs
-(many nearly full bins in one gap), the tree cannot; below it the records are faster."""
+"""Above this many items FFD uses segment trees: the record scan (and, with patches, the bin
+scan) can degrade on long inputs (many nearly full bins in one gap); below, records are
+faster."""
 
 
-def _ffd_tokens(lens: list[int], capacity: int) -> Bins:
-    """First-fit decreasing, one budget.
+def _ffd_records(
+    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
+) -> Bins:
+    """First-fit decreasing for short inputs.
 
     `room[j]` is bin j's free space. The first bin that fits s is the first prefix maximum
     ("record") of `room` that is ≥ s; records are increasing in both bin number (`rb`) and
     room (`rv`), so one bisect finds it. After the bin shrinks, only the records between it
-    and the next record can change; they are rebuilt by a scan of that gap.
+    and the next record can change; they are rebuilt by a scan of that gap. With a patch
+    budget, when that bin lacks patch room the bins after it are scanned in order.
     """
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     room: list[int] = []
+    proom: list[int] = []
     bins: Bins = []
     rv: list[int] = []
     rb: list[int] = []
     for i in order:
         s = lens[i]
         p = bisect_left(rv, s)
+        if pats is not None:
+            q = pats[i]
+            if p < len(rv) and proom[rb[p]] < q:
+                j = next(
+                    (k for k in range(rb[p] + 1, len(room)) if room[k] >= s and proom[k] >= q),
+                    -1,
+                )
+                p = len(rv) if j < 0 else bisect_left(rb, j)
+                if j >= 0 and (p == len(rb) or rb[p] != j):  # a non-record bin: no record moves
+                    room[j] -= s
+                    proom[j] -= q
+                    bins[j].append(i)
+                    continue
         if p == len(rv):
             r = capacity - s
             if not rv or r > rv[-1]:
@@ -273,11 +299,15 @@ def _ffd_tokens(lens: list[int], capacity: int) -> Bins:
                 rb.append(len(room))
             room.append(r)
             bins.append([i])
+            if pats is not None:
+                proom.append(max_p - pats[i])
             continue
         j = rb[p]
         r = rv[p] - s
         room[j] = r
         bins[j].append(i)
+        if pats is not None:
+            proom[j] -= pats[i]
         low = rv[p - 1] if p else -1
         end = rb[p + 1] if p + 1 < len(rb) else len(room)
         if j + 1 == end:
@@ -392,18 +422,36 @@ def first_fit_decreasing(
 
 # --------------------------------------------------------------------------- best fit
 
+_BFD_KEYS_MAX_ITEMS = 4096
+"""With a patch budget and more items than this, BFD uses the room-indexed tree: the key
+list's upward scan for patch room is O(bins) per item in the worst case."""
 
-def _bfd_tokens(lens: list[int], capacity: int) -> Bins:
-    """Best-fit decreasing, one budget. Open bins live in one sorted list of keys room·K + bin
-    (K > bins), so `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin."""
+
+
+def _bfd_keys(
+    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
+) -> Bins:
+    """Best-fit decreasing. Open bins live in one sorted list of keys room·K + bin (K > bins),
+    so `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. With a patch
+    budget the scan walks up from there to the first bin whose patches fit (worst case O(bins)
+    per item: used for short inputs only)."""
     n = len(lens)
     K = n + 1
     order = sorted(range(n), key=lens.__getitem__, reverse=True)
     keys: list[int] = []
     bins: Bins = []
+    proom: list[int] = []
     for i in order:
         s = lens[i]
         p = bisect_left(keys, s * K)
+        if pats is not None:
+            q = pats[i]
+            while p < len(keys) and proom[keys[p] % K] < q:
+                p += 1
+            if p == len(keys):
+                proom.append(max_p - q)
+            else:
+                proom[keys[p] % K] -= q
         if p == len(keys):
             insort(keys, (capacity - s) * K + len(bins))
             bins.append([i])
@@ -415,21 +463,20 @@ def _bfd_tokens(lens: list[int], capacity: int) -> Bins:
 
 
 def _bfd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
-    """Best-fit decreasing, tokens and patches. Leaf r of a max-segment tree over token room
-    (0..capacity) holds the largest patch room among bins with exactly r free tokens (-1: no
-    bin); "leftmost r ≥ s with value ≥ q" is the tightest bin that fits both budgets, and the
-    lowest-numbered such bin in that leaf wins the tie."""
+    """Best-fit decreasing, tokens and patches, long inputs. Leaf r of a max-segment tree over
+    token room (0..capacity) holds the largest patch room among bins with exactly r free tokens
+    (-1: none); "leftmost r ≥ s with value ≥ q" is the tightest bin that fits both budgets, and
+    the lowest-numbered bin of that leaf with enough patch room wins the tie."""
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     size = 1 << (capacity + 1).bit_length()
     tree = [-1] * (2 * size)
-    at: dict[int, list[int]] = {}
+    at: dict[int, list[int]] = {}  # token room → its bins, ascending
     proom: list[int] = []
     bins: Bins = []
 
-    def refresh(r: int) -> None:
-        members = at.get(r)
+    def set_leaf(r: int, value: int) -> None:
         node = r + size
-        tree[node] = max(proom[b] for b in members) if members else -1
+        tree[node] = value
         node >>= 1
         while node:
             a, b = tree[2 * node], tree[2 * node + 1]
@@ -458,16 +505,19 @@ def _bfd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int
             j = len(bins)
             bins.append([i])
             proom.append(max_p - q)
+            r = capacity
         else:
             members = at[r]
-            j = min(b for b in members if proom[b] >= q)
+            j = next(b for b in members if proom[b] >= q)
             members.remove(j)
-            refresh(r)
+            if proom[j] == tree[r + size]:  # it may have held the leaf's maximum
+                set_leaf(r, max(map(proom.__getitem__, members)) if members else -1)
             bins[j].append(i)
             proom[j] -= q
-        left = (r if r >= 0 else capacity) - s
-        at.setdefault(left, []).append(j)
-        refresh(left)
+        members = at.setdefault(r - s, [])
+        insort(members, j)
+        if proom[j] > tree[r - s + size]:
+            set_leaf(r - s, proom[j])
     return bins
 
 
@@ -490,25 +540,33 @@ def best_fit_decreasing(
 
 
 def _plan_lists(
-    algo: str, lens: list[int], pats: list[int] | None, capacity: int, max_patches: int | None
+    algo: str,
+    lens: Sequence[int],
+    pats: Sequence[int] | None,
+    capacity: int,
+    max_patches: int | None,
 ) -> Bins:
-    """Runs `algo` on validated plain int lists (no checks, no shuffle): the shared core of
-    the offline functions and `OnlinePlanner`."""
-    if pats is None or max_patches is None:
-        if algo == "greedy":
-            if len(lens) <= _GREEDY_LIST_MAX_ITEMS:
-                return _greedy_small(lens, capacity)
-            return _greedy_tokens(lens, capacity)
-        if algo == "ffd":
-            if len(lens) <= _FFD_RECORDS_MAX_ITEMS:
-                return _ffd_tokens(lens, capacity)
-            return _ffd_tree(lens, capacity)
-        return _bfd_tokens(lens, capacity)
+    """Runs `algo` on validated int sequences (no checks, no shuffle): the shared core of the
+    offline functions and `OnlinePlanner`. Short inputs (a buffer) take the list-based paths,
+    long ones the tree-based paths; both give identical bins."""
+    if max_patches is None:
+        pats = None
+    n, mp = len(lens), max_patches or 0
     if algo == "greedy":
-        return _greedy_two_budgets(lens, pats, capacity, max_patches)
+        if n <= _GREEDY_LIST_MAX_ITEMS:
+            return _greedy_small(lens, capacity, pats, mp)
+        if pats is None:
+            return _greedy_tokens(lens, capacity)
+        return _greedy_two_budgets(lens, pats, capacity, mp)
     if algo == "ffd":
-        return _ffd_two_budgets(lens, pats, capacity, max_patches)
-    return _bfd_two_budgets(lens, pats, capacity, max_patches)
+        if n <= _FFD_RECORDS_MAX_ITEMS:
+            return _ffd_records(lens, capacity, pats, mp)
+        if pats is None:
+            return _ffd_tree(lens, capacity)
+        return _ffd_two_budgets(lens, pats, capacity, mp)
+    if n <= _BFD_KEYS_MAX_ITEMS or pats is None:
+        return _bfd_keys(lens, capacity, pats, mp)
+    return _bfd_two_budgets(lens, pats, capacity, mp)
 
 
 ALGORITHMS: dict[str, Callable[..., Bins]] = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import repeat
 
 from vlpack.data.plan import Algo, _plan_lists, check_algo
 
@@ -123,13 +124,31 @@ class OnlinePlanner:
     def extend(
         self, item_ids: Sequence[int], tokens: Sequence[int], patches: Sequence[int] | None = None
     ) -> Bins:
-        """`push` for many items; returns all bins that became ready, in order."""
+        """Pushes many items (the same bins as `push` one by one); returns every bin that became
+        ready, in order. All items are checked first: on an error nothing is pushed."""
+        ids, tok = list(item_ids), list(tokens)
+        pat = [0] * len(ids) if patches is None else list(patches)
+        if not len(ids) == len(tok) == len(pat):
+            raise ValueError(
+                f"item_ids, tokens and patches differ in length: {len(ids)}, {len(tok)}, "
+                f"{len(pat)}"
+            )
+        if tok and (min(tok) < 1 or max(tok) > self.capacity):
+            k = next(k for k, t in enumerate(tok) if not 1 <= t <= self.capacity)
+            self._check(ids[k], tok[k], 0)
+        if self.max_patches is not None and pat and (min(pat) < 0 or max(pat) > self.max_patches):
+            k = next(k for k, p in enumerate(pat) if not 0 <= p <= self.max_patches)
+            self._check(ids[k], 1, pat[k])
         out: Bins = []
-        pats = patches if patches is not None else [0] * len(item_ids)
-        for i, t, p in zip(item_ids, tokens, pats, strict=True):
-            got = self.push(i, t, p)
-            if got:
-                out += got
+        start = 0
+        while start < len(ids):
+            stop = start + self.buffer_size - len(self._buf)
+            self._buf += zip(
+                ids[start:stop], tok[start:stop], pat[start:stop], repeat(self._round)
+            )
+            start = stop
+            if len(self._buf) >= self.buffer_size:
+                out += self._plan(final=False)
         return out
 
     def flush(self) -> Bins:
