@@ -266,50 +266,51 @@ def _ffd_records(
 
     `room[j]` is bin j's free space. The first bin that fits s is the first prefix maximum
     ("record") of `room` that is ≥ s; records are increasing in both bin number (`rb`) and
-    room (`rv`), so one bisect finds it. After the bin shrinks, only the records between it
-    and the next record can change; they are rebuilt by a scan of that gap. With a patch
-    budget, when that bin lacks patch room the bins after it are scanned in order.
+    room (`rv`), so one bisect finds it. A sentinel record (room capacity + 1, bin = the next
+    bin to open) ends the list. After a bin shrinks, only the records between it and the next
+    record can change; a scan of that gap rebuilds them. With a patch budget, when the found
+    bin lacks patch room the bins after it are scanned in order.
     """
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     room: list[int] = []
     proom: list[int] = []
     bins: Bins = []
-    rv: list[int] = []
-    rb: list[int] = []
+    rv: list[int] = [capacity + 1]
+    rb: list[int] = [0]
+    nb = 0
     for i in order:
         s = lens[i]
         p = bisect_left(rv, s)
+        j = rb[p]
         if pats is not None:
             q = pats[i]
-            if p < len(rv) and proom[rb[p]] < q:
-                j = next(
-                    (k for k in range(rb[p] + 1, len(room)) if room[k] >= s and proom[k] >= q),
-                    -1,
-                )
-                p = len(rv) if j < 0 else bisect_left(rb, j)
-                if j >= 0 and (p == len(rb) or rb[p] != j):  # a non-record bin: no record moves
+            if j != nb and proom[j] < q:
+                j = next((k for k in range(j + 1, nb) if room[k] >= s and proom[k] >= q), nb)
+                p = bisect_left(rb, j)
+                if rb[p] != j:  # a bin that is not a record: no record changes
                     room[j] -= s
                     proom[j] -= q
                     bins[j].append(i)
                     continue
-        if p == len(rv):
+            if j == nb:
+                proom.append(max_p - q)
+            else:
+                proom[j] -= q
+        if j == nb:  # the sentinel: open a bin
             r = capacity - s
-            if not rv or r > rv[-1]:
-                rv.append(r)
-                rb.append(len(room))
             room.append(r)
             bins.append([i])
-            if pats is not None:
-                proom.append(max_p - pats[i])
+            nb += 1
+            if not p or r > rv[p - 1]:
+                rv.insert(p, r)
+                rb.insert(p, j)
+            rb[-1] = nb
             continue
-        j = rb[p]
         r = rv[p] - s
         room[j] = r
         bins[j].append(i)
-        if pats is not None:
-            proom[j] -= pats[i]
         low = rv[p - 1] if p else -1
-        end = rb[p + 1] if p + 1 < len(rb) else len(room)
+        end = rb[p + 1]
         if j + 1 == end:
             if r > low:
                 rv[p] = r

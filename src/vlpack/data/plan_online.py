@@ -54,6 +54,8 @@ class OnlinePlanner:
       max_wait_rounds: an item carried this many rounds is emitted in its bin regardless.
     """
 
+    __slots__ = (*_CONFIG_KEYS, "_buf", "_round")
+
     def __init__(
         self,
         capacity: int,
@@ -172,7 +174,8 @@ class OnlinePlanner:
         order = sorted(range(len(ready)), key=keys.__getitem__)
         self._buf = [buf[i] for i in sorted(i for b in carried for i in b)]
         self._round += 1
-        return [[ids[i] for i in ready[j]] for j in order]
+        get = ids.__getitem__
+        return [list(map(get, ready[j])) for j in order]
 
     def _split(
         self, bins: Bins, tok: list[int], pat: list[int], born: list[int]
