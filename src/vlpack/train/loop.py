@@ -87,7 +87,7 @@ class Trainer:
             loss_method="chunked" if cfg.model.chunked_loss else "plain",
         )
         if self.info.distributed:
-            apply_fsdp(self.module, self.info, param_dtype=self.autocast)
+            apply_fsdp(self.module, model, self.info, param_dtype=self.autocast)
             self.autocast = None  # FSDP's mixed-precision policy casts instead
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type)

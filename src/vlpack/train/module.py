@@ -43,6 +43,17 @@ def freeze(model: nn.Module, *, vision: bool, merger: bool, llm: bool) -> None:
             p.requires_grad_(False)
 
 
+def _tensors(obj) -> list[torch.Tensor]:
+    """All tensors in a nested output (tensor, tuple/list, dict or ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        return [t for x in obj for t in _tensors(x)]
+    return []
+
+
 class TrainModule(nn.Module):
     """forward(batch) → ForwardOut for a ThdBatch (packed) or a PaddedBatch (baseline)."""
 
@@ -65,9 +76,10 @@ class TrainModule(nn.Module):
         grid = torch.tensor([[1, m, m]], device=device)
         pixels = torch.zeros(m * m, self.spec.patch_dim, device=device)
         out = self.model.model.visual(pixels, grid_thw=grid)
-        first = out if isinstance(out, torch.Tensor) else out[0]
         assert t >= 1
-        return first.float().sum() * 0.0
+        # Touch every output (deepstack features too) so every parameter gets a gradient, as
+        # on the ranks that saw real images: FSDP reduces the same tensors everywhere.
+        return sum(x.float().sum() for x in _tensors(out)) * 0.0
 
     def forward(self, batch: ThdBatch | PaddedBatch) -> ForwardOut:
         zero = None

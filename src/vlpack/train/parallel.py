@@ -75,8 +75,11 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
-def apply_fsdp(model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dtype | None) -> None:
-    """FSDP2: shard each decoder block and each vision block, then the root module.
+def apply_fsdp(
+    root: torch.nn.Module, model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dtype | None
+) -> None:
+    """FSDP2: shard each decoder block and each vision block of the HF `model`, then `root` (the
+    module whose forward runs a whole micro-batch).
 
     With `param_dtype` (bf16 on GPU) parameters are all-gathered in that dtype and gradients are
     reduced in float32; the master weights stay float32.
@@ -90,4 +93,4 @@ def apply_fsdp(model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dty
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(root, mesh=mesh, mp_policy=mp)

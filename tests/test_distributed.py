@@ -1,0 +1,124 @@
+"""Data parallelism on CPU (gloo): 2 processes == 1 process with the same global batch, and a
+rank whose bin holds no image does not hang the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_train import SMALL
+from vlpack.config import load_config
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+    args = [*SMALL, "train.max_steps=3"]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "vlpack", "train",
+         f"train.output_dir={tmp_path / 'two'}", *args],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "vlpack", "train", f"train.output_dir={tmp_path / 'one'}",
+         "train.micro_batches=2", *args],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 trains on a text-only bin, rank 1 on a bin with images (FSDP2 over gloo)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from vlpack.train.parallel import apply_fsdp, init_distributed, shutdown
+
+    info = init_distributed()
+    model, module, batches = _setup()
+    apply_fsdp(module, model, info, param_dtype=None)
+    module.touch_vision = True
+    opt, sched = _optimizer(module)  # after sharding: FSDP2 swaps in DTensor parameters
+    from vlpack.train.loop import optimizer_step
+
+    losses = [optimizer_step(module, opt, sched, [batches[rank]], info=info).loss for _ in range(2)]
+    if rank == 0:
+        Path(out).write_text(json.dumps(losses))
+    shutdown()
+
+
+def _setup():
+    import numpy as np
+
+    from tests.helpers import make_sample
+    from vlpack.data.batch import build_thd_batch
+    from vlpack.model.build import build_model
+    from vlpack.train.module import TrainModule
+    model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    module = TrainModule(model, spec, loss_method="plain")
+    rng = np.random.default_rng(0)
+    text_only = [make_sample("t0", rng, text=(30,), grids=(), patch_dim=spec.patch_dim)]
+    with_images = [make_sample("i0", rng, text=(6, 12), grids=((1, 4, 4),), patch_dim=spec.patch_dim)]
+    batches = [build_thd_batch(s, pad_token_id=spec.pad_token_id) for s in (text_only, with_images)]
+    return model, module, batches
+
+
+def _optimizer(module):
+    from vlpack.train.optim import build_optimizer, build_scheduler
+
+    cfg = load_config("tiny")
+    opt = build_optimizer(module.parameters(), cfg.optim, device_type="cpu")
+    return opt, build_scheduler(opt, cfg.optim, 10)
+
+
+def test_text_only_rank_does_not_hang_and_matches_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "losses.json"
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, "a rank hung: the vision tower must run on every rank"
+    assert all(p.exitcode == 0 for p in procs)
+    # One process, both bins as micro-batches of one step: the same global token mean.
+    from vlpack.train.loop import optimizer_step
+    from vlpack.train.parallel import DistInfo
+
+    _, module, batches = _setup()
+    opt, sched = _optimizer(module)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    single = [optimizer_step(module, opt, sched, batches, info=info).loss for _ in range(2)]
+    assert max(abs(a - b) for a, b in zip(json.loads(out.read_text()), single, strict=True)) < 1e-5
