@@ -164,10 +164,14 @@ def test_errors():
     with pytest.raises(ValueError, match="max_carry"):
         OnlinePlanner(10, "ffd", 4, max_carry=4)
     pl = OnlinePlanner(10, "ffd", 4, max_patches=5)
+    pl.push(1, 4)
+    pl.push(2, 5, 5)
     with pytest.raises(ValueError, match=r"item 77 has 11 tokens.*overlong policy"):
         pl.push(77, 11)
     with pytest.raises(ValueError, match="item 78 has 6 ViT patches"):
         pl.push(78, 3, 6)
+    assert len(pl) == 2, "one bad item never costs the buffer (Energon drops the whole buffer)"
+    assert sorted(i for b in pl.flush() for i in b) == [1, 2]
     other = OnlinePlanner(10, "ffd", 8, max_patches=5)
     with pytest.raises(ValueError, match="buffer_size=4 but this planner has buffer_size=8"):
         other.load_state_dict(pl.state_dict())

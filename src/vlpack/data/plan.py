@@ -10,9 +10,12 @@ Algorithms (all deterministic; items of equal length keep a fixed, index-based o
 - `greedy_knapsack` — Megatron-Bridge/Energon's packing recipe: sort ascending; fill one bin at
   a time, repeatedly taking the largest remaining item that still fits (binary search).
 - `first_fit_decreasing` — items longest first, each into the lowest-numbered bin it fits,
-  else a new bin; a prefix-maximum "record" list makes the search a bisect.
+  else a new bin; a prefix-maximum "record" list (short inputs) or a segment tree finds it.
 - `best_fit_decreasing` — items longest first, each into the bin it fits with the least room
   left (ties: lowest bin number), else a new bin; bins kept in one sorted list of int keys.
+
+With a patch budget "fits" means both budgets. Short inputs (≤ 4,096 items: a buffer) take
+list-based paths, long ones tree-based paths with no quadratic cases; both give the same bins.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
 were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
@@ -593,7 +596,11 @@ def plan_bins(
     max_patches: int | None = None,
     seed: int | None = None,
 ) -> Bins:
-    """Plans `lengths` into bins with the named algorithm ("greedy", "ffd" or "bfd")."""
+    """Plans `lengths` into bins with the named algorithm ("greedy", "ffd" or "bfd").
+
+    `patches` only count when `max_patches` is given. `seed` shuffles the order of the bins
+    (not their contents); None keeps the order in which bins were opened.
+    """
     check_algo(algo)
     return ALGORITHMS[algo](
         lengths, capacity, patches=patches, max_patches=max_patches, seed=seed
