@@ -169,3 +169,21 @@ def test_workers_give_the_same_stream() -> None:
     a = list(itertools.islice(iter(loader(items)), 8))
     b = list(itertools.islice(iter(loader(items, num_workers=2)), 8))
     assert all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_consecutive_bad_samples_fail_the_run() -> None:
+    sizes = [BadSampleError("missing_image", f"img{i}.jpg is missing") for i in range(5)]
+    sizes += [SampleSize(10, 0)] * 5
+    ok = BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_consecutive_bad=5)
+    assert sum(len(b.items) for b in ok) == 5
+    bad = BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_consecutive_bad=4)
+    with pytest.raises(ValueError, match=r"5 bad samples in a row.*data\.max_consecutive_bad"):
+        list(bad)
+
+
+def test_bad_fraction_fails_the_run() -> None:
+    sizes = [BadSampleError("corrupt_image", "x") if i % 4 == 0 else SampleSize(10, 0)
+             for i in range(200)]
+    with pytest.raises(ValueError, match=r"data\.max_bad_fraction=0\.2"):
+        list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.2))
+    assert list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.3))

@@ -146,6 +146,8 @@ class PackedLoader:
         pad_to_multiple_of: int = 1,
         total_len: int | None = None,
         overlong: str = "error",
+        max_consecutive_bad: int | None = None,
+        max_bad_fraction: float | None = None,
         seed: int = 0,
         shuffle: bool = True,
         epochs: int | None = None,
@@ -166,6 +168,7 @@ class PackedLoader:
             seq_len=seq_len, algo=packing, batch_size=batch_size, buffer_size=buffer_size,
             max_patches=max_patches, pad_to_multiple_of=pad_to_multiple_of, overlong=overlong,
             truncate_fn=self._truncated_size, seed=seed, shuffle=shuffle, epochs=epochs,
+            max_consecutive_bad=max_consecutive_bad, max_bad_fraction=max_bad_fraction,
         )
         self.rank, self.world_size, self.per_round = rank, world_size, per_round
         self.num_workers, self.pin_memory = num_workers, pin_memory

@@ -12,6 +12,7 @@ world_size × micro_batches bins balanced by estimated compute → this rank's b
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ import numpy as np
 from vlpack.data.plan import assign_bins_to_ranks, check_algo, estimate_bin_cost
 from vlpack.data.plan_online import OnlinePlanner
 from vlpack.data.types import BadSampleError, SampleSize
+
+log = logging.getLogger(__name__)
 
 SizeOrError = SampleSize | BadSampleError
 TruncateFn = Callable[[int, int], SampleSize]
@@ -111,7 +114,12 @@ class BinStream:
     seed: int = 0
     shuffle: bool = True
     epochs: int | None = 1
+    max_consecutive_bad: int | None = None
+    """Fail after this many skipped samples in a row (a broken dataset, not a bad sample)."""
+    max_bad_fraction: float | None = None
+    """Fail when more than this share of the samples seen was skipped (checked after 100)."""
     account: Accounting = field(default_factory=Accounting)
+    _run: int = 0
 
     def __post_init__(self) -> None:
         if self.algo != "none":
@@ -121,12 +129,35 @@ class BinStream:
         if self.overlong == "truncate" and self.truncate_fn is None:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
 
+    def _skip(self, i: int, reason: str, message: str) -> None:
+        """Count a skipped sample; fail when the dataset looks broken rather than noisy."""
+        acc = self.account
+        acc.skipped[reason] += 1
+        self._run += 1
+        total = sum(acc.skipped.values())
+        if total <= 10 or total % 100 == 0:
+            log.warning("skipping sample #%d (%s): %s [%d skipped so far]", i, reason, message, total)
+        if self.max_consecutive_bad is not None and self._run > self.max_consecutive_bad:
+            raise ValueError(
+                f"{self._run} bad samples in a row (last: #{i}, {reason}: {message}); skipped so "
+                f"far: {dict(acc.skipped)}. Fix the data, or raise data.max_consecutive_bad"
+            )
+        if (
+            self.max_bad_fraction is not None
+            and acc.seen >= 100
+            and total > self.max_bad_fraction * acc.seen
+        ):
+            raise ValueError(
+                f"{total} of {acc.seen} samples were skipped ({dict(acc.skipped)}), more than "
+                f"data.max_bad_fraction={self.max_bad_fraction}. Fix the data or raise the limit"
+            )
+
     def _admit(self, i: int) -> tuple[SampleSize, int | None] | None:
         """Size to plan with and truncation cap, or None when the sample is skipped."""
         size = self.sizes[i]
         self.account.seen += 1
         if isinstance(size, BadSampleError):
-            self.account.skipped[size.reason] += 1
+            self._skip(i, size.reason, str(size))
             return None
         cap = None
         too_many_patches = self.max_patches is not None and size.patches > self.max_patches
@@ -142,17 +173,18 @@ class BinStream:
                     "set data.overlong=truncate (text-only cut) or data.overlong=skip"
                 )
             if self.overlong == "skip" or too_many_patches:
-                self.account.skipped["overlong"] += 1
+                self._skip(i, "overlong", what)
                 return None
             try:
                 size = self.truncate_fn(i, self.seq_len)
             except BadSampleError as e:
-                self.account.skipped[e.reason] += 1
+                self._skip(i, e.reason, str(e))
                 return None
             cap = size.tokens
             self.account.truncated += 1
         else:
             self.account.packed += 1
+        self._run = 0
         return size, cap
 
     def __iter__(self) -> Iterator[PlannedBin]:

@@ -131,6 +131,7 @@ class Trainer:
             seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
             buffer_size=d.buffer_size, max_patches=d.max_patches,
             pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong, seed=t.seed,
+            max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
             rank=self.info.rank, world_size=self.info.world_size,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
             pin_memory=self.info.device.type == "cuda",
