@@ -152,7 +152,7 @@ def main() -> None:
         return
     print(f"{args.n:,} lengths (mean {result['mean_tokens']} tokens, {result['mean_patches']} "
           f"patches), capacity {args.capacity}, buffer {args.buffer}")  # fmt: skip
-    print(f"\n| algo | mode | budgets | s | lengths/s |\n| --- | --- | --- | ---: | ---: |")
+    print("\n| algo | mode | budgets | s | lengths/s |\n| --- | --- | --- | ---: | ---: |")
     for r in result["throughput"]:
         print(f"| {r['algo']} | {r['mode']} | {r['budgets']} | {r['seconds']:.2f} "
               f"| {r['lengths_per_s']:,} |")  # fmt: skip
