@@ -169,8 +169,10 @@ class BinStream:
             )
             if self.overlong == "error":
                 raise ValueError(
-                    f"sample #{i} is overlong ({what}); raise data.seq_len / data.max_patches, or "
-                    "set data.overlong=truncate (text-only cut) or data.overlong=skip"
+                    f"sample #{i} is overlong ({what}); raise the sequence length / patch budget "
+                    "(data.seq_len, data.max_patches; `vlpack pack --seq-len`), or choose the "
+                    "overlong policy truncate (text-only cut) or skip (data.overlong=truncate|skip; "
+                    "`vlpack pack --overlong`)"
                 )
             if self.overlong == "skip" or too_many_patches:
                 self._skip(i, "overlong", what)
