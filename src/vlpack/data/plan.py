@@ -157,9 +157,9 @@ def _greedy_small(
 
 
 def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
-    """Greedy knapsack, one budget, long inputs. Items of one length form a stack (highest index on top,
-    as a stable ascending sort plus a rightmost bisect would pick); `vals` holds the lengths
-    still present, so each pick is one bisect over ≤ capacity distinct values."""
+    """Greedy knapsack, one budget, long inputs. Items of one length form a stack (highest
+    index on top, as a stable ascending sort plus a rightmost bisect would pick); `vals` holds
+    the lengths still present, so each pick is one bisect over ≤ capacity distinct values."""
     stacks: dict[int, list[int]] = {}
     for i, v in enumerate(lens):
         st = stacks.get(v)
@@ -187,9 +187,9 @@ def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
 
 
 def _greedy_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
-    """Greedy knapsack, tokens and patches. Items sorted by (length, index); a min-segment
-    tree over their patch counts (taken items = ∞) finds the rightmost item among those whose
-    tokens fit that also fits the patch budget."""
+    """Greedy knapsack, tokens and patches, long inputs. Items sorted by (length, index); a
+    min-segment tree over their patch counts (taken items = ∞) finds, among the items whose
+    tokens fit, the rightmost one whose patches fit too."""
     n = len(lens)
     order = sorted(range(n), key=lens.__getitem__)
     slens = [lens[i] for i in order]
@@ -231,7 +231,11 @@ def _greedy_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: 
             tree[node] = _INF
             node >>= 1
             while node:
-                tree[node] = min(tree[2 * node], tree[2 * node + 1])
+                a, c = tree[2 * node], tree[2 * node + 1]
+                m = a if a < c else c
+                if tree[node] == m:
+                    break
+                tree[node] = m
                 node >>= 1
         assert b, "an empty bin must accept the largest remaining item"
         left -= len(b)
