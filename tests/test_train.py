@@ -166,3 +166,51 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
         torch.testing.assert_close(reloaded.get_parameter(n), p, rtol=0, atol=0)
     again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}"), CPU)
     assert again.fit()["steps"] == 1
+
+
+def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:
+    """train.loss_norm=sample: packed and padded steps equal the mean of per-sample token means
+    computed one sample at a time with stock transformers."""
+    from vlpack.model.forward import unpacked_forward
+
+    group = samples[:4]
+    model, spec = build_model("tiny-qwen3_vl", backend="sdpa", dtype=torch.float32, device="cpu",
+                              seed=0)
+    per_sample = []
+    for s in group:
+        out = unpacked_forward(model, s, spec=spec)
+        per_sample.append(float(out.loss_sum.detach()) / out.num_label_tokens)
+    want = sum(per_sample) / len(per_sample)
+    cfg = load_config("tiny")
+    for mode in ("packed", "padded"):
+        m, _ = build_model("tiny-qwen3_vl", backend="auto" if mode == "packed" else "sdpa",
+                           dtype=torch.float32, device="cpu", seed=0)
+        module = TrainModule(m, spec, loss_method="chunked")
+        opt = torch.optim.SGD(module.parameters(), lr=0.0)
+        batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+                 if mode == "packed" else build_padded_batch(group, pad_token_id=spec.pad_token_id))
+        r = optimizer_step(module, opt, build_scheduler(opt, cfg.optim, 5), [batch], info=CPU,
+                           loss_norm="sample")
+        assert r.samples == 4
+        assert abs(r.loss - want) < 1e-5, (mode, r.loss, want)
+
+
+def test_weighted_chunked_loss_matches_plain() -> None:
+    """Per-token weights (sample-mean path): chunked loss and gradients == plain computation."""
+    from vlpack.model.loss import linear_ce_sum
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    h = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (40,))
+    labels[::3] = -100
+    w = torch.rand(40)
+    grads = []
+    for method in ("plain", "chunked"):
+        head.zero_grad()
+        h.grad = None
+        total, _ = linear_ce_sum(h, head, labels, method=method, chunk_size=7, token_weight_T=w)
+        total.backward()
+        grads.append((total.detach(), h.grad.clone(), head.weight.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -82,8 +82,10 @@ def packed_forward(
     return_logits: bool = False,
     loss_method: str = "auto",
     chunk_size: int = 1024,
+    token_weights: torch.Tensor | None = None,
 ) -> ForwardOut:
-    """Forward one packed row; loss summed over its label tokens (labels already shifted)."""
+    """Forward one packed row; loss summed over its label tokens (labels already shifted),
+    weighted per token when `token_weights` [T] is given."""
     device = _device(model)
     if batch.input_ids.device != device:
         batch = batch.to(device)
@@ -99,8 +101,9 @@ def packed_forward(
         if capture is not None:
             capture.__exit__()
     hidden_TH = out.last_hidden_state[0]
+    weight_T = None if token_weights is None else token_weights.to(hidden_TH.device)
     loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, batch.labels, method=loss_method,
-                                     chunk_size=chunk_size)
+                                     chunk_size=chunk_size, token_weight_T=weight_T)
     stats = _moe_stats(spec, capture, ~batch.padding_mask)
     return ForwardOut(
         loss_sum=loss_sum,

@@ -31,21 +31,28 @@ LOSS_METHODS = ("auto", "plain", "chunked", "liger")
 PATHS_USED: dict[str, str] = {}
 
 
-def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor):
+def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None):
     keep_T = labels_T != IGNORE_INDEX
-    return hidden_TH[keep_T], labels_T[keep_T]
+    w_N = None if weight_T is None else weight_T.reshape(-1)[keep_T].float()
+    return hidden_TH[keep_T], labels_T[keep_T], w_N
 
 
-def plain_ce_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """Summed CE of full logits against already-shifted labels (fp32 math)."""
-    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+def plain_ce_sum(
+    logits_TV: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Summed (optionally per-token weighted) CE of full logits against already-shifted labels
+    (fp32 math)."""
+    if weight_T is None:
+        return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    ce_T = F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="none")
+    return (ce_T * weight_T.float()).sum()
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_n CE(h_n @ W^T, y_n), computed and differentiated chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h_NH, w_VH, y_N, chunk: int, need_w_grad: bool):
+    def forward(ctx, h_NH, w_VH, y_N, chunk: int, need_w_grad: bool, r_N=None):
         loss = torch.zeros((), dtype=torch.float32, device=h_NH.device)
         gh_NH = torch.empty_like(h_NH)
         gw_VH = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if need_w_grad else None
@@ -53,10 +60,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
             h_CH, y_C = h_NH[s : s + chunk], y_N[s : s + chunk]
             logits_CV = (h_CH @ w_VH.T).float()
             lse_C = torch.logsumexp(logits_CV, dim=-1)
-            loss += (lse_C - logits_CV.gather(1, y_C[:, None]).squeeze(1)).sum()
-            # d loss / d logits = softmax - onehot, reusing the logits buffer
+            ce_C = lse_C - logits_CV.gather(1, y_C[:, None]).squeeze(1)
+            r_C = None if r_N is None else r_N[s : s + chunk]
+            loss += ce_C.sum() if r_C is None else (ce_C * r_C).sum()
+            # d loss / d logits = (softmax - onehot) · row weight, reusing the logits buffer
             grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
             grad_CV[torch.arange(len(y_C), device=y_C.device), y_C] -= 1.0
+            if r_C is not None:
+                grad_CV.mul_(r_C[:, None])
             gh_NH[s : s + chunk] = (grad_CV.to(w_VH.dtype) @ w_VH).to(h_NH.dtype)
             if gw_VH is not None:
                 gw_VH.addmm_(grad_CV.T, h_CH.float())
@@ -67,15 +78,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, g):
         gh_NH, gw_VH = ctx.saved_tensors
         return gh_NH * g.to(gh_NH.dtype), (None if gw_VH is None else gw_VH * g.to(gw_VH.dtype)), \
-            None, None, None
+            None, None, None, None
 
 
-def chunked_linear_ce_sum(hidden_TH, weight_VH, labels_T, *, chunk_size: int = 1024) -> torch.Tensor:
-    """Summed CE of lm_head(hidden) without materialising [T, vocab] logits."""
-    h_NH, y_N = _label_rows(hidden_TH, labels_T)
+def chunked_linear_ce_sum(
+    hidden_TH, weight_VH, labels_T, *, chunk_size: int = 1024, token_weight_T=None
+) -> torch.Tensor:
+    """Summed (optionally per-token weighted) CE of lm_head(hidden) without materialising
+    [T, vocab] logits."""
+    h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
     if h_NH.shape[0] == 0:
         return (hidden_TH.sum() * 0.0).float() + (weight_VH.sum() * 0.0).float()
-    return _ChunkedLinearCE.apply(h_NH, weight_VH, y_N, chunk_size, weight_VH.requires_grad)
+    return _ChunkedLinearCE.apply(h_NH, weight_VH, y_N, chunk_size, weight_VH.requires_grad, r_N)
 
 
 @functools.cache
@@ -94,25 +108,34 @@ def linear_ce_sum(
     *,
     method: str = "auto",
     chunk_size: int = 1024,
+    token_weight_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """(summed CE over label tokens, number of label tokens) from hidden states and lm_head."""
+    """(summed CE over label tokens, number of label tokens) from hidden states and lm_head.
+
+    With `token_weight_T` the sum is weighted per token (e.g. 1/label tokens of the token's
+    sample, for a per-sample mean); liger has no weights, so the chunked path runs then.
+    """
     if method not in LOSS_METHODS:
         raise ValueError(f"unknown loss method {method!r}: use one of {', '.join(LOSS_METHODS)}")
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head with a bias is not supported by vlpack's loss")
     n = int((labels_T != IGNORE_INDEX).sum())
     if method == "auto":
-        method = "liger" if hidden_TH.is_cuda and _liger() is not None else "chunked"
+        usable = hidden_TH.is_cuda and _liger() is not None and token_weight_T is None
+        method = "liger" if usable else "chunked"
+    if method == "liger" and token_weight_T is not None:
+        method = "chunked"
     if method == "liger" and (not hidden_TH.is_cuda or _liger() is None):
         logger.warning("vlpack: liger-kernel is not usable here; using the chunked loss")
         method = "chunked"
     PATHS_USED["loss"] = method
     if method == "plain":
-        h_NH, y_N = _label_rows(hidden_TH, labels_T)
-        return plain_ce_sum(lm_head(h_NH), y_N), n
+        h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
+        return plain_ce_sum(lm_head(h_NH), y_N, r_N), n
     if method == "liger":
-        h_NH, y_N = _label_rows(hidden_TH, labels_T)
+        h_NH, y_N, _ = _label_rows(hidden_TH, labels_T)
         if n == 0:
             return (hidden_TH.sum() * 0.0).float(), 0
         return _liger()(lm_head.weight, h_NH, y_N).float(), n
-    return chunked_linear_ce_sum(hidden_TH, lm_head.weight, labels_T, chunk_size=chunk_size), n
+    return chunked_linear_ce_sum(hidden_TH, lm_head.weight, labels_T, chunk_size=chunk_size,
+                                 token_weight_T=token_weight_T), n

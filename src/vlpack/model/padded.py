@@ -19,9 +19,15 @@ from vlpack.model.moe import RouterCapture, router_stats
 
 
 def padded_forward(
-    model: nn.Module, batch: PaddedBatch, *, spec: ModelSpec, loss_method: str = "auto"
+    model: nn.Module,
+    batch: PaddedBatch,
+    *,
+    spec: ModelSpec,
+    loss_method: str = "auto",
+    token_weights=None,
 ) -> ForwardOut:
-    """Forward a padded batch; loss summed over its label tokens (labels already shifted)."""
+    """Forward a padded batch; loss summed over its label tokens (labels already shifted),
+    weighted per token when `token_weights` [B·L] is given."""
     device = next(model.parameters()).device
     if batch.input_ids.device != device:
         batch = batch.to(device)
@@ -46,6 +52,7 @@ def padded_forward(
     loss_sum, n = loss.linear_ce_sum(
         hidden_BLH.reshape(-1, hidden_BLH.shape[-1]), model.lm_head, batch.labels.reshape(-1),
         method=loss_method,
+        token_weight_T=None if token_weights is None else token_weights.to(hidden_BLH.device),
     )
     stats = None
     if capture is not None:

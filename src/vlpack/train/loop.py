@@ -379,15 +379,20 @@ def optimizer_step(
     """Forward/backward every micro-batch, clip, step; the loss normalised globally.
 
     `token`: Σ CE over all label tokens of the step on all ranks / their all-reduced count.
-    `sample`: mean over all samples of the step of each sample's token-mean CE.
+    `sample`: mean over all samples of the step of each sample's token-mean CE (the reported
+    loss is then that mean too).
     The optimizer is not stepped when the loss or gradient norm is not finite.
     """
     ws = info.world_size
-    n_labels, n_samples = all_reduce(
-        [sum(b.num_label_tokens for b in mbs), sum(b.num_samples for b in mbs)], info
-    )
+    weights = [sample_mean_weights(b) if loss_norm == "sample" else (None, 0) for b in mbs]
+    n_labels, n_samples, n_supervised = all_reduce([
+        sum(b.num_label_tokens for b in mbs),
+        sum(b.num_samples for b in mbs),
+        sum(n for _, n in weights),
+    ], info)
     if n_labels == 0:
         raise ValueError("a step has no label tokens: does the data have assistant turns?")
+    denom = n_labels if loss_norm == "token" else n_supervised
     module.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
     aux_sum, has_aux = 0.0, False
@@ -396,12 +401,11 @@ def optimizer_step(
             module.set_requires_gradient_sync(i == len(mbs) - 1)
         ctx = torch.autocast(info.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
         with ctx:
-            weights = None if loss_norm == "token" else sample_mean_weights(b)
-            out = module(b) if weights is None else module(b, token_weights=weights)
+            w = weights[i][0]
+            out = module(b) if w is None else module(b, token_weights=w)
         # FSDP averages gradients over ranks, so scale by world size: the gradient is then the
         # global sum divided by the global count.
-        denom = n_labels if loss_norm == "token" else n_samples
-        obj = (out.loss_sum if weights is None else out.weighted_loss_sum) * (ws / denom)
+        obj = out.loss_sum * (ws / denom)
         if out.aux_loss is not None:
             has_aux = True
             obj = obj + aux_coef * out.aux_loss / len(mbs)
@@ -414,7 +418,7 @@ def optimizer_step(
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     grad_norm = float(grad_norm)
-    loss = loss_total / n_labels
+    loss = loss_total / denom
     lr = scheduler.get_last_lr()[0]
     if math.isfinite(loss) and math.isfinite(grad_norm):
         optimizer.step()
@@ -427,9 +431,10 @@ def optimizer_step(
     )
 
 
-def sample_mean_weights(batch) -> torch.Tensor:
-    """Per-token loss weights [T] (or [B·L]) giving each sample's token mean: 1 / (its label
-    tokens) on label positions, 0 elsewhere."""
+def sample_mean_weights(batch) -> tuple[torch.Tensor, int]:
+    """Per-token loss weights [T] (or [B·L]) that turn a summed CE into the sum of per-sample
+    token means: 1 / (the sample's label tokens) on label positions, 0 elsewhere; and the
+    number of samples that have label tokens."""
     from vlpack.data.batch import ThdBatch
     from vlpack.data.types import IGNORE_INDEX
 
@@ -443,7 +448,7 @@ def sample_mean_weights(batch) -> torch.Tensor:
         L = batch.labels.shape[1]
         seg = torch.arange(batch.labels.shape[0]).repeat_interleave(L)
     counts = torch.zeros(int(seg.max()) + 1, dtype=torch.float64).index_add_(0, seg, is_label)
-    return (is_label / counts[seg].clamp(min=1)).float()
+    return (is_label / counts[seg].clamp(min=1)).float(), int((counts > 0).sum())
 
 
 def run(cfg: Config) -> dict[str, Any]:

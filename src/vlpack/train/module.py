@@ -81,14 +81,17 @@ class TrainModule(nn.Module):
         # on the ranks that saw real images: FSDP reduces the same tensors everywhere.
         return sum(x.float().sum() for x in _tensors(out)) * 0.0
 
-    def forward(self, batch: ThdBatch | PaddedBatch) -> ForwardOut:
+    def forward(self, batch: ThdBatch | PaddedBatch, token_weights=None) -> ForwardOut:
+        """Loss of one micro-batch: summed CE (weighted per token when `token_weights`)."""
         zero = None
         if self.touch_vision and (batch.pixel_values is None or batch.image_grid_thw.shape[0] == 0):
             zero = self._dummy_vision()
         if isinstance(batch, ThdBatch):
-            out = packed_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method)
+            fwd = packed_forward
         else:
-            out = padded_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method)
+            fwd = padded_forward
+        out = fwd(self.model, batch, spec=self.spec, loss_method=self.loss_method,
+                  token_weights=token_weights)
         if zero is not None:
             out.loss_sum = out.loss_sum + zero
         return out
