@@ -100,20 +100,22 @@ def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Te
 
 
 def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
-    """The reference: stock transformers (SDPA) on each sample alone, gradients summed."""
+    """The reference: stock transformers (SDPA attention, transformers' torch GDN kernels) on
+    each sample alone, gradients summed."""
     from vlpack.model.moe import RouterCapture
 
     saved = model.config._attn_implementation
     set_attn_implementation(model, "sdpa")
     try:
         logits, losses, routers = [], [], []
-        for s in samples:
-            with RouterCapture(model) as cap:
-                out = unpacked_forward(model, s, spec=spec)
-            out.loss_sum.backward()
-            logits.append(out.logits.detach().float().cpu())
-            losses.append(float(out.loss_sum.detach()))
-            routers.append([r.detach() for r in cap.logits])
+        with gdn.torch_reference():
+            for s in samples:
+                with RouterCapture(model) as cap:
+                    out = unpacked_forward(model, s, spec=spec)
+                out.loss_sum.backward()
+                logits.append(out.logits.detach().float().cpu())
+                losses.append(float(out.loss_sum.detach()))
+                routers.append([r.detach() for r in cap.logits])
         aux = _hf_aux(model, spec, routers) if spec.is_moe else None
     finally:
         set_attn_implementation(model, saved)

@@ -11,12 +11,19 @@ behaviour. Inside, with boundaries given, both restart at every segment:
   otherwise           → the torch reference run once per segment (exact, slower; said once).
 Without boundaries the row is one sequence (an unpacked sample) and the stock kernels run.
 
+fla 0.6.0 refuses the backward of its gated delta rule on Hopper with Triton 3.4-3.7.0 (wrong
+results, fla #640) unless tilelang is installed; vlpack then runs the delta rule with the
+per-segment torch reference when gradients are needed (the conv still uses fla), and says so.
+`torch_reference()` makes even stock GDN modules use transformers' torch kernels (the reference
+side of `vlpack check`, independent of optional kernels).
+
 Legend: B = batch (1 when packed), C = conv channels, T = tokens, W = conv width,
 Hk/Hv = key/value heads, Dk/Dv = head dims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import importlib
@@ -32,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _GDN_MODULES = ("qwen3_5", "qwen3_5_moe")
 _ACTIVE = contextvars.ContextVar("vlpack_gdn_active", default=False)
+_TORCH_REFERENCE = contextvars.ContextVar("vlpack_gdn_torch_reference", default=False)
 PATHS_USED: dict[str, str] = {}
 _WARNED: set[str] = set()
 
@@ -51,6 +59,40 @@ def _fla() -> tuple[Callable, Callable] | None:
     except Exception:
         return None
     return conv, gdr
+
+
+@functools.cache
+def fla_delta_rule_backward_ok() -> bool:
+    """False where fla's gated-delta-rule backward refuses to run (Hopper + Triton < 3.7.1
+    without tilelang, fla #640)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except Exception:
+        return True
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return True
+    try:
+        importlib.import_module("tilelang")
+    except Exception:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def torch_reference():
+    """Inside, GDN modules that vlpack did not wrap run transformers' torch kernels."""
+    token = _TORCH_REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_REFERENCE.reset(token)
+
+
+def _stock(original: Callable) -> Callable:
+    """The stock kernel, or its pure-torch fallback in `torch_reference()` mode."""
+    if _TORCH_REFERENCE.get():
+        return getattr(original, "__wrapped__", original)
+    return original
 
 
 def _use_fla(x: torch.Tensor) -> bool:
@@ -106,7 +148,7 @@ def _conv_dispatch(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
         if not _ACTIVE.get() or cu is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+            return _stock(original)(hidden_states, weight, bias, activation=activation, **kwargs)
         if kwargs.get("seq_idx") is not None:
             raise ValueError("pass boundaries as cu_seq_lens_q, not seq_idx")
         return segment_conv1d(hidden_states, weight, bias, activation, cu)
@@ -126,8 +168,8 @@ def _gdr_dispatch(original: Callable) -> Callable:
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         if not _ACTIVE.get() or cu_seqlens is None:
-            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
-                            cu_seqlens=cu_seqlens, **common, **kwargs)
+            return _stock(original)(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                                    cu_seqlens=cu_seqlens, **common, **kwargs)
         B, T = query.shape[:2]
         if B != 1:
             raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
@@ -135,7 +177,13 @@ def _gdr_dispatch(original: Callable) -> Callable:
             raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
                              "use_cache=False")
         bounds = _bounds(cu_seqlens, T)
-        if _use_fla(query):
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, g, beta))
+        if _use_fla(query) and needs_grad and not fla_delta_rule_backward_ok():
+            _say_once("flabwd", "vlpack: fla's gated-delta-rule backward is disabled on this "
+                      "GPU/Triton (Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
+                      ">= 3.7.1); the delta rule runs per segment in torch")
+        elif _use_fla(query):
             PATHS_USED["delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
             out, _ = _fla()[1](query, key, value, g=g, beta=beta,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
