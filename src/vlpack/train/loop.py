@@ -78,7 +78,10 @@ class Trainer:
         freeze(model, vision=cfg.model.freeze_vision, merger=cfg.model.freeze_merger,
                llm=cfg.model.freeze_llm)
         if cfg.model.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:  # older transformers (the H200 has 5.17)
+                model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model = model
         self.flops = flop_model(model)
         self.autocast = _autocast_dtype(cfg, self.info.device)

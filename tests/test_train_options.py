@@ -1,0 +1,54 @@
+"""Trainer switches: freezing, activation checkpointing, token-budget accumulation, recipes, plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import CPU, small_cfg
+from vlpack.cli import main
+from vlpack.config import RECIPES, load_config
+from vlpack.model.presets import PRESETS
+from vlpack.train.loop import Trainer
+from vlpack.train.module import module_groups
+
+
+def test_freeze_vision_and_merger_keeps_them_fixed(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=2", "model.freeze_vision=true",
+                          "model.freeze_merger=true"), CPU)
+    groups = module_groups(t.model)
+    before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
+    t.fit()
+    for g in ("vision", "merger"):
+        assert all(torch.equal(a, p) for a, p in zip(before[g], groups[g], strict=True)), g
+    assert any(not torch.equal(a, p) for a, p in zip(before["llm"], groups["llm"], strict=True))
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
+    plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=2"), CPU).fit()
+    ckpt = Trainer(small_cfg(tmp_path / "b", "train.max_steps=2",
+                             "model.activation_checkpointing=true"), CPU).fit()
+    assert abs(plain["last_loss"] - ckpt["last_loss"]) < 1e-5
+
+
+def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.tokens_per_step=1200"), CPU)
+    mbs = t._next_micro_batches(iter(t.train_loader))
+    assert sum(b.num_real_tokens for b in mbs) >= 1200 > sum(b.num_real_tokens for b in mbs[:-1])
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipes_name_known_presets(path: Path) -> None:
+    assert load_config(path).model.name in PRESETS
+
+
+def test_plot_overlays_runs(tmp_path: Path) -> None:
+    for name in ("packed", "nopack"):
+        packing = "bfd" if name == "packed" else "none"
+        Trainer(small_cfg(tmp_path / name, "train.max_steps=2", f"data.packing={packing}"), CPU).fit()
+    out = tmp_path / "overlay.png"
+    assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    assert main(["plot", str(tmp_path / "missing")]) == 2
