@@ -1,0 +1,279 @@
+"""Side-by-side training throughput: vlpack packed / vlpack padded / stock transformers padded /
+stock transformers padding-free, on the same model shape and the same samples.
+
+    python bench/train_throughput.py --model qwen3-vl-2b --steps 8 --out throughput.json
+
+Each mode builds the model (random init, fp32 master weights, bf16 autocast on GPU), runs
+`--warmup` steps, then times `--steps` forward+backward steps and (separately) the optimizer.
+Real tokens/s counts only non-padding tokens. MFU = model FLOPs (vision/flops.py: text + vision +
+attention) / time / peak, over the 989 TFLOP/s dense bf16 peak and over a measured bf16 matmul
+rate. The step-time breakdown (vision forward, text forward, loss, backward, optimizer, data) is
+measured with CUDA events around the vision tower, the language model and the loss.
+
+Modes:
+  vlpack_packed     THD bins of --seq-len (BFD), vlpack varlen attention, chunked/fused loss
+  vlpack_padded     right-padded batches of --batch samples, sdpa, vlpack loss
+  hf_padded         right-padded batches, sdpa, stock `model(**inputs, labels=...)` loss
+  hf_padding_free   stock transformers packing: 4-row position ids, no mask, sdpa, stock loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlpack.data.batch import build_thd_batch
+from vlpack.data.encode import Encoder
+from vlpack.data.loader import open_dataset
+from vlpack.data.padded import build_padded_batch
+from vlpack.data.plan import plan_bins
+from vlpack.data.types import IGNORE_INDEX
+from vlpack.model.build import build_model
+from vlpack.model.presets import PRESETS, get_preset
+from vlpack.train.flops import flop_model
+from vlpack.train.module import TrainModule
+from vlpack.train.optim import build_optimizer
+
+MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
+PEAK = 989e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device) -> float | None:
+    """Measured dense bf16 matmul FLOP/s (8192³), the practical ceiling."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    sync(device)
+    return 20 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+class Timer:
+    """CUDA-event (or wall-clock) timing of named regions, summed over steps."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.open, self.done = device, {}, []
+
+    def start(self, name: str) -> None:
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.open[name] = e
+        else:
+            self.open[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        s = self.open.pop(name)
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.done.append((name, s, e))
+        else:
+            self.done.append((name, time.perf_counter() - s, None))
+
+    def totals(self) -> dict[str, float]:
+        sync(self.device)
+        out: dict[str, float] = {}
+        for name, s, e in self.done:
+            out[name] = out.get(name, 0.0) + (s.elapsed_time(e) / 1e3 if e is not None else s)
+        return out
+
+
+def hook_regions(model, timer: Timer) -> list:
+    """Forward timing of the vision tower and the language model."""
+    handles = []
+    for name, mod in (("vision_fwd", model.model.visual), ("text_fwd", model.model.language_model)):
+        handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: timer.start(n)))
+        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: timer.stop(n)))
+    return handles
+
+
+def model_name(args) -> str:
+    """The preset to build: `--model`, or a registered copy with `--layers` text layers."""
+    if not args.layers:
+        return args.model
+    base = get_preset(args.model)
+    text = dict(base.text, num_hidden_layers=args.layers)
+    if "layer_types" in text:
+        text["layer_types"] = list(text["layer_types"])[: args.layers]
+    name = f"{base.name}-{args.layers}L"
+    PRESETS[name] = dataclasses.replace(base, name=name, text=text)
+    return name
+
+
+def hf_padded_loss(model, b):
+    out = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                mm_token_type_ids=b.mm_token_type_ids, pixel_values=b.pixel_values,
+                image_grid_thw=b.image_grid_thw if b.pixel_values is not None else None,
+                use_cache=False)
+    return torch.nn.functional.cross_entropy(
+        out.logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=IGNORE_INDEX,
+        reduction="sum")
+
+
+def hf_padding_free_loss(model, b):
+    """Stock transformers packing: 4-row position ids, no attention mask, no cu kwargs."""
+    model.model.rope_deltas = None
+    out = model(input_ids=b.input_ids[None], position_ids=b.position_ids[:, None],
+                mm_token_type_ids=b.mm_token_type_ids[None], pixel_values=b.pixel_values,
+                image_grid_thw=b.image_grid_thw if b.pixel_values is not None else None,
+                use_cache=False)
+    return torch.nn.functional.cross_entropy(
+        out.logits[0].float(), b.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def make_batches(samples, mode: str, spec, seq_len: int, batch: int):
+    if mode in ("vlpack_padded", "hf_padded"):
+        return [build_padded_batch(samples[i : i + batch], pad_token_id=spec.pad_token_id)
+                for i in range(0, len(samples) - batch + 1, batch)]
+    bins = plan_bins([len(s) for s in samples], seq_len, "bfd")
+    return [build_thd_batch([samples[i] for i in b], pad_token_id=spec.pad_token_id,
+                            spatial_merge_size=spec.merge_size) for b in bins]
+
+
+def run_mode(mode: str, args, samples, device) -> dict:
+    backend = "auto" if mode == "vlpack_packed" else "sdpa"
+    model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
+                              device=device, seed=0)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    module = TrainModule(model, spec)
+    opt = build_optimizer(model.parameters(), argparse.Namespace(
+        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type)
+    flops = flop_model(model)
+    batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
+    need = args.warmup + args.steps
+    batches = (batches * (need // len(batches) + 1))[:need]
+    timer = Timer(device)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+    real = tokens = 0
+    flop_total = 0.0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_start = 0.0
+    for i, b in enumerate(batches):
+        if i == args.warmup:
+            sync(device)
+            timer.done.clear()
+            handles = hook_regions(model, timer)
+            t_start = time.perf_counter()
+        measuring = i >= args.warmup
+        timer.start("data") if measuring else None
+        b = b.to(device, non_blocking=True)
+        timer.stop("data") if measuring else None
+        with autocast:
+            if mode.startswith("vlpack"):
+                out = module(b)
+                loss, n = out.loss_sum, out.num_label_tokens
+            else:
+                loss = (hf_padded_loss if mode == "hf_padded" else hf_padding_free_loss)(model, b)
+                n = int((b.labels != IGNORE_INDEX).sum())
+        timer.start("backward") if measuring else None
+        (loss / n).backward()
+        timer.stop("backward") if measuring else None
+        timer.start("optimizer") if measuring else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timer.stop("optimizer") if measuring else None
+        if measuring:
+            real += b.num_real_tokens
+            tokens += b.num_tokens
+            grids = b.image_grid_thw.tolist()
+            frames = [h * w for t, h, w in grids for _ in range(t)]
+            segs = b.seq_lengths if hasattr(b, "seq_lengths") else b.attention_mask.sum(1).tolist()
+            flop_total += flops.batch_flops(segs, sum(frames), frames)
+    sync(device)
+    wall = time.perf_counter() - t_start
+    for h in handles:
+        h.remove()
+    parts = timer.totals()
+    opt_s = parts.get("optimizer", 0.0)
+    train_s = wall - opt_s  # forward + backward (+ data), the anchor's definition
+    res = {
+        "real_tokens_per_s": real / train_s,
+        "real_tokens_per_s_with_optimizer": real / wall,
+        "padding_share": 1 - real / tokens,
+        "mfu": flop_total / train_s / PEAK,
+        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
+                         if device.type == "cuda" else None),
+        "tokens_per_step": tokens / args.steps,
+        "real_tokens_per_step": real / args.steps,
+        "step_s": wall / args.steps,
+        "breakdown_s_per_step": {k: v / args.steps for k, v in parts.items()},
+        "flops_per_step": flop_total / args.steps,
+    }
+    del model, module, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny-qwen3_vl")
+    p.add_argument("--layers", type=int, default=None, help="reduce text depth (big MoE shapes)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument("--out", default=None, help="merge results into this JSON file")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    family = get_preset(args.model).family
+    enc = Encoder(family, max_pixels=args.max_pixels)
+    items = [c for c in open_dataset("synthetic", None, synthetic_samples=args.samples)
+             if not isinstance(c, Exception)]
+    samples = [enc.encode(c) for c in items]
+    samples = [s for s in samples if len(s) <= args.seq_len]
+    mean = sum(len(s) for s in samples) / len(samples)
+    image_share = sum(int((s.mm_token_type_ids > 0).sum()) for s in samples) / sum(map(len, samples))
+    rate = matmul_rate(device)
+    result = {
+        "model": args.model, "layers": args.layers, "device": torch.cuda.get_device_name(0)
+        if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "command": "python " + " ".join(sys.argv), "samples": len(samples),
+        "mean_tokens_per_sample": mean, "image_token_share": image_share,
+        "matmul_bf16_tflops": rate / 1e12 if rate else None, "modes": {},
+    }
+    for mode in args.modes.split(","):
+        r = run_mode(mode, args, samples, device)
+        if rate:
+            r["mfu_vs_matmul"] = r["mfu"] * PEAK / rate
+        result["modes"][mode] = r
+        print(f"{mode:>16}: {r['real_tokens_per_s']:9.0f} real tok/s  MFU {100 * r['mfu']:5.1f}%  "
+              f"peak {r['peak_mem_gib'] or 0:5.1f} GiB  step {r['step_s']:.3f}s  "
+              f"{ {k: round(v, 4) for k, v in r['breakdown_s_per_step'].items()} }", flush=True)
+    if args.out:
+        path = Path(args.out)
+        allres = json.loads(path.read_text()) if path.exists() else {}
+        allres[args.model + (f"-{args.layers}L" if args.layers else "")] = result
+        path.write_text(json.dumps(allres, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
