@@ -40,7 +40,8 @@ class DataConfig:
     """`synthetic`: the built-in receipts (generated once, cached); `jsonl`: `path` is a JSONL file;
     `energon`: `path` is a prepared Megatron-Energon dataset folder."""
     path: str | None = None
-    """DATA.jsonl for source=jsonl (image paths relative to it)."""
+    """DATA.jsonl for source=jsonl (image paths relative to it); for source=energon the folder
+    written by `vlpack data energon-prepare`."""
     synthetic_samples: int = 512
     """Size of the built-in synthetic dataset."""
     packing: Literal["bfd", "ffd", "greedy", "none"] = "bfd"
@@ -51,6 +52,12 @@ class DataConfig:
     """Samples per padded batch (packing=none only)."""
     buffer_size: int = 256
     """Samples the online planner sees at once."""
+    packing_buffer_size: int | None = None
+    """Energon batch-level packing (source=energon only): samples Energon collects before
+    vlpack's planner packs them; each buffer is planned on its own (None: data.buffer_size)."""
+    shuffle_buffer_size: int | None = None
+    """Energon's sample shuffle buffer before encoding (source=energon only; None: shards and
+    slices are still shuffled, samples within them are not)."""
     max_patches: int | None = None
     """Optional cap on ViT patches per bin."""
     pad_to_multiple_of: int = 8
@@ -63,7 +70,7 @@ class DataConfig:
     tokenizer: str | None = None
     """Local HF folder holding the tokenizer (None: the model folder, else built-in)."""
     num_workers: int = 0
-    """DataLoader worker processes."""
+    """DataLoader worker processes (source=energon: Energon's workers per rank)."""
     shuffle: bool = True
     """Shuffle sample order each epoch (seeded by train.seed)."""
     eval_samples: int = 0
@@ -82,6 +89,9 @@ class DataConfig:
         for k in ("seq_len", "batch_size", "buffer_size", "pad_to_multiple_of", "synthetic_samples"):
             _positive(f"data.{k}", getattr(self, k))
         _positive("data.max_patches", self.max_patches)
+        _positive("data.packing_buffer_size", self.packing_buffer_size)
+        _positive("data.shuffle_buffer_size", self.shuffle_buffer_size)
+        self._check_energon()
         _positive("data.num_workers", self.num_workers, allow_zero=True)
         _positive("data.eval_samples", self.eval_samples, allow_zero=True)
         if self.seq_len % self.pad_to_multiple_of:
@@ -91,6 +101,29 @@ class DataConfig:
             )
         if not 0 <= self.max_bad_fraction <= 1:
             raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+
+    def _check_energon(self) -> None:
+        """Batch-level packing (Energon) excludes the other packing modes."""
+        if self.source != "energon":
+            for key in ("packing_buffer_size", "shuffle_buffer_size"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"data.{key} is for Energon batch-level packing (data.source=energon), "
+                        f"but data.source={self.source} packs with the online planner "
+                        "(data.buffer_size): the two are mutually exclusive; drop "
+                        f"data.{key} or set data.source=energon"
+                    )
+            return
+        if self.packing == "none":
+            raise ValueError(
+                "data.packing=none (padded batches) and data.source=energon's batch-level packing "
+                "(data.packing_buffer_size) are mutually exclusive: set data.packing to greedy, "
+                "ffd or bfd, or use data.source=jsonl"
+            )
+        if self.shuffle_buffer_size is not None and not self.shuffle:
+            raise ValueError(
+                "data.shuffle=false contradicts data.shuffle_buffer_size: drop one of them"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,6 +183,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    save_final: bool = True
+    """Checkpoint at the end of the run (off for throughput runs that need no checkpoint)."""
     resume: str = "auto"
     """`auto` (latest checkpoint in output_dir, if any) | a checkpoint folder | `none`."""
     seed: int = 0

@@ -122,8 +122,22 @@ class Trainer:
 
     def _loaders(self) -> tuple[PackedLoader, PackedLoader | None]:
         d, t = self.cfg.data, self.cfg.train
-        if d.source == "energon":
-            raise ValueError("data.source=energon is not available yet: use jsonl or synthetic")
+        if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
+            from vlpack.data.energon.loader import EnergonLoader
+
+            if d.eval_samples and self.info.is_main:
+                log.warning("data.eval_samples=%d is ignored with data.source=energon (no "
+                            "held-out split)", d.eval_samples)
+            return EnergonLoader(
+                d.path, self.encoder, seq_len=d.seq_len, packing=d.packing,
+                packing_buffer_size=d.packing_buffer_size or d.buffer_size,
+                max_patches=d.max_patches, pad_to_multiple_of=d.pad_to_multiple_of,
+                overlong=d.overlong, seed=t.seed, shuffle=d.shuffle,
+                shuffle_buffer_size=d.shuffle_buffer_size, num_workers=d.num_workers,
+                rank=self.info.rank, world_size=self.info.world_size,
+                pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
+                max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
+            ), None
         items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples)
         if d.eval_samples >= len(items):
             raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
@@ -315,7 +329,8 @@ class Trainer:
                 not cfg.train.eval_every or self.step % cfg.train.eval_every
             ):
                 self.eval_loss = self.evaluate()
-            if not self.last_checkpoint or not self.last_checkpoint.name.endswith(f"{self.step:08d}"):
+            saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
+            if cfg.train.save_final and not saved:
                 self.save()
         return self._finish(out_dir)
 
