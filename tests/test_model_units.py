@@ -176,15 +176,24 @@ def test_segment_conv_restarts_at_boundaries():
 
 
 def test_gdn_dispatch_is_inactive_outside_vlpack_modules():
-    """Stock models in the same process keep stock kernels (they raise on cu_seqlens)."""
+    """Stock models in the same process keep the stock kernel (5.23+: it raises on cu_seqlens;
+    5.17: it computes without boundaries): vlpack's dispatcher must not change that."""
     build_model("tiny-qwen3_5", device="cpu")  # installs the module-level dispatchers
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(ValueError, match="packed"):
-        m.torch_chunk_gated_delta_rule(q, q, torch.randn(1, 8, 4, 16), g=torch.randn(1, 8, 4),
-                                       beta=torch.rand(1, 8, 4), use_qk_l2norm_in_kernel=True,
-                                       cu_seqlens=torch.tensor([0, 4, 8]))
+    dispatcher = m.torch_chunk_gated_delta_rule
+    assert getattr(dispatcher, "_vlpack", False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
+    kw = dict(g=-torch.rand(1, 8, 2, generator=g), beta=torch.rand(1, 8, 2, generator=g),
+              use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, 4, 8]))
+    try:
+        want = dispatcher.__wrapped__(q, k, v, **kw)[0]
+    except ValueError:
+        with pytest.raises(ValueError):
+            dispatcher(q, k, v, **kw)
+        return
+    assert torch.equal(dispatcher(q, k, v, **kw)[0], want)
 
 
 # --- loss -----------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_fla_delta_rule_forward_rule():
 
     raw = m.torch_chunk_gated_delta_rule.__wrapped__.__wrapped__
     g = torch.Generator(device="cuda").manual_seed(0)
-    T, Hk, Hv, D = 700, 2, 4, 64
+    T, Hk, Hv, D = 700, 4, 4, 64  # the GDN module repeats key heads to the value heads
     q, k = (torch.randn(1, T, Hk, D, device="cuda", generator=g) for _ in range(2))
     v = torch.randn(1, T, Hv, D, device="cuda", generator=g)
     decay = -torch.rand(1, T, Hv, device="cuda", generator=g)
