@@ -24,6 +24,25 @@ def _run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_energon_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("energon-prepare",
+                       help="write WebDataset shards of a JSONL dataset and prepare them for Energon")
+    p.add_argument("data", help="DATA.jsonl (image paths relative to it)")
+    p.add_argument("out", help="new or empty folder for the Energon dataset")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard")
+    p.set_defaults(func=_run_energon_prepare)
+
+
+def _run_energon_prepare(args: argparse.Namespace) -> int:
+    from vlpack.data.energon.prepare import prepare_energon
+
+    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False)
+    left_out = f"; left out: {r['skipped']}" if r["skipped"] else ""
+    print(f"wrote {r['samples']} samples in {r['shards']} shards to {args.out} and prepared them "
+          f"for Energon{left_out}; train with data.source=energon data.path={args.out}")
+    return 0
+
+
 def _add_pack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="pack a dataset into bins and report how well it packs")
     p.add_argument("data", nargs="?", default=None,
@@ -96,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset tools")
     data = data.add_subparsers(dest="data_cmd", required=True)
     _add_synth(data)
+    _add_energon_prepare(data)
     _add_pack(sub)
     _add_check(sub)
     _add_train(sub)

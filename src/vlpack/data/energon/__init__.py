@@ -1,0 +1,10 @@
+"""Megatron-Energon data path: WebDataset shards read by Energon, packed by vlpack.
+
+- `prepare.py`: JSONL conversations → tar shards (record JSON + image bytes per sample), then
+  `energon prepare` (index, split, dataset.yaml for a crude dataset).
+- `task_encoder.py`: the Qwen-VL `TaskEncoder`: cooker → `encode_sample` (vlpack's Encoder) →
+  `select_samples_to_pack` (vlpack's planner) → `pack_selected_samples` (`build_thd_batch`) →
+  `batch` (one packed row).
+- `loader.py`: `EnergonLoader`, the trainer-facing iterable of `ThdBatch` with exact resume and
+  the same accounting as the JSONL `PackedLoader`.
+"""

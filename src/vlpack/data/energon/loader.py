@@ -1,0 +1,195 @@
+"""`EnergonLoader`: this rank's packed rows from a prepared Energon dataset.
+
+The trainer-facing contract of `PackedLoader`: iterating yields `ThdBatch`, `state_dict()` /
+`load_state_dict()` continue the stream exactly (Energon's savable loader state, workers
+included), `accounting` says where every sample went.
+
+Ranks: Energon splits the dataset's samples over data-parallel ranks and their workers through
+its `WorkerConfig` (built from torch.distributed's data-parallel group, or from rank/world_size
+given), so each rank reads a distinct stream; no planning is shared across ranks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+
+from vlpack.data.batch import ThdBatch
+from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
+
+
+def energon_worker_config(
+    num_workers: int,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+) -> WorkerConfig:
+    """Energon's WorkerConfig for this data-parallel rank: `rank`/`world_size` when given, else
+    the rank in `group` (default: the world) of an initialised torch.distributed, else 0 of 1."""
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank and world_size, or neither (to read torch.distributed)")
+    if rank is None:
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            rank, world_size = 0, 1
+    assert world_size is not None
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be ≥ 0, got {num_workers}")
+    return WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers,
+                        data_parallel_group=group, seed_offset=seed)  # fmt: skip
+
+
+class EnergonLoader:
+    """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
+
+    Packing options match `PackedLoader`'s; Energon-specific ones: `packing_buffer_size`
+    (samples planned together), `shuffle_buffer_size` (Energon's sample shuffle buffer; None:
+    none) and `shuffle` (False also keeps shard order: no shuffling at all).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        encoder,
+        *,
+        seq_len: int,
+        packing: str = "bfd",
+        packing_buffer_size: int = 256,
+        max_patches: int | None = None,
+        pad_to_multiple_of: int = 1,
+        total_len: int | None = None,
+        overlong: str = "error",
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer_size: int | None = None,
+        num_workers: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        pad_token_id: int,
+        spatial_merge_size: int = 2,
+        max_consecutive_bad: int | None = None,
+        max_bad_fraction: float | None = None,
+    ):
+        self.path = Path(path)
+        if not (self.path / ".nv-meta" / "dataset.yaml").is_file():
+            raise ValueError(
+                f"{self.path} is not a prepared Energon dataset (no .nv-meta/dataset.yaml): "
+                "run `vlpack data energon-prepare DATA.jsonl DIR` and pass DIR"
+            )
+        if packing == "none":
+            raise ValueError(
+                "data.source=energon packs at batch level (data.packing_buffer_size) and cannot "
+                "also use data.packing=none (padded batches): set data.packing to greedy, ffd or bfd"
+            )
+        if packing_buffer_size < 1:
+            raise ValueError(f"packing_buffer_size must be ≥ 1, got {packing_buffer_size}")
+        if shuffle_buffer_size is not None and not shuffle:
+            raise ValueError("shuffle=False contradicts shuffle_buffer_size: drop one of them")
+        self.task_encoder = QwenVLTaskEncoder(
+            encoder, seq_len=seq_len, algo=packing, max_patches=max_patches,
+            pad_to_multiple_of=pad_to_multiple_of, total_len=total_len, overlong=overlong,
+            seed=seed, pad_token_id=pad_token_id, spatial_merge_size=spatial_merge_size,
+            max_consecutive_bad=max_consecutive_bad,
+        )
+        self.worker_config = energon_worker_config(
+            num_workers, rank=rank, world_size=world_size, group=group, seed=seed
+        )
+        self.packing_buffer_size, self.shuffle = packing_buffer_size, shuffle
+        self.shuffle_buffer_size, self.max_bad_fraction = shuffle_buffer_size, max_bad_fraction
+        self._energon: Any = None
+        self._account = _Account()
+
+    def _loader(self):
+        """Energon's savable loader, built on first use (restoring needs a fresh, unstarted one)."""
+        if self._energon is None:
+            dataset = get_train_dataset(
+                str(self.path), worker_config=self.worker_config, batch_size=1,
+                packing_buffer_size=self.packing_buffer_size,
+                shuffle_buffer_size=self.shuffle_buffer_size, max_samples_per_sequence=None,
+                shuffle_over_epochs_multiplier=1 if self.shuffle else None,
+                task_encoder=self.task_encoder,
+                # Without shuffling Energon reads one shard at a time, in order (it requires it).
+                **({} if self.shuffle else {"parallel_shard_iters": 1}),
+            )
+            self._energon = get_savable_loader(dataset, watchdog_timeout_seconds=None)
+        return self._energon
+
+    def __iter__(self) -> Iterator[ThdBatch]:
+        for row in self._loader():
+            self._account.add(row)
+            self._check_bad_fraction()
+            if not row.filler:
+                yield row.batch
+
+    def _check_bad_fraction(self) -> None:
+        acc = self._account
+        bad = sum(acc.skipped.values())
+        limit = self.max_bad_fraction
+        if limit is not None and acc.samples >= 100 and bad > limit * acc.samples:
+            raise ValueError(
+                f"{bad} of {acc.samples} samples were skipped ({dict(acc.skipped)}), more than "
+                f"data.max_bad_fraction={limit}. Fix the data or raise the limit"
+            )
+
+    @property
+    def accounting(self) -> dict:
+        """Samples of the rows read so far: packed, truncated, skipped by reason."""
+        return self._account.as_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Energon's state of this rank (all workers) and the accounting; picklable."""
+        return {"energon": self._loader().save_state_rank(), "account": self.accounting}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where `state` was saved (on a loader built with the same options)."""
+        self.close()
+        self._loader().restore_state_rank(state["energon"])
+        self._account = _Account.from_dict(state["account"])
+
+    def close(self) -> None:
+        """Stop Energon's worker processes now (otherwise each one costs a 5 s join timeout
+        when the loader is collected)."""
+        it = getattr(getattr(self, "_energon", None), "_epoch_iterator", None)
+        if it is not None:
+            it.close()
+        self._energon = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Account:
+    """Running totals of `PackedRow` accounting."""
+
+    def __init__(self) -> None:
+        self.packed, self.truncated, self.skipped = 0, 0, Counter()
+
+    @property
+    def samples(self) -> int:
+        return self.packed + self.truncated + sum(self.skipped.values())
+
+    def add(self, row: PackedRow) -> None:
+        self.packed += row.packed
+        self.truncated += row.truncated
+        self.skipped.update(row.skipped)
+
+    def as_dict(self) -> dict:
+        return {"samples": self.samples, "packed": self.packed, "truncated": self.truncated,
+                "skipped": dict(sorted(self.skipped.items()))}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> _Account:
+        acc = cls()
+        acc.packed, acc.truncated, acc.skipped = d["packed"], d["truncated"], Counter(d["skipped"])
+        return acc

@@ -1,0 +1,152 @@
+"""`vlpack data energon-prepare`: JSONL conversations → WebDataset shards Energon can read.
+
+Each sample of a shard holds the record as `KEY.json` (image paths rewritten to the sample's own
+members) and its images as `KEY.img0.jpg`, `KEY.img1.png`, ... (bytes copied verbatim, never
+re-encoded). The record keeps its vlpack key in `id` (the JSONL path's `file:line` when the record
+had none), so both paths name samples alike. Records that cannot be parsed or whose image files
+are missing are left out and counted by reason; image contents are checked when samples are
+encoded, as on the JSONL path.
+
+Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
+`dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vlpack.data.sources import iter_jsonl
+from vlpack.data.types import BadSampleError, Conversation
+
+REPORT_NAME = "vlpack-prepare.json"
+"""Written into OUT_DIR: sample and shard counts, and what was left out by reason."""
+
+
+def prepare_energon(
+    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, progress: bool = False
+) -> dict[str, Any]:
+    """Write shards of `data` (a JSONL file) into `out_dir` and run `energon prepare` on them;
+    returns the report (also saved as `out_dir/vlpack-prepare.json`)."""
+    data, out = Path(data), Path(out_dir)
+    if shard_size < 1:
+        raise ValueError(f"--shard-size must be ≥ 1 sample, got {shard_size}")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: give a new or empty folder for the Energon dataset")
+    out.mkdir(parents=True, exist_ok=True)
+    shards, n, skipped = _write_shards(data, out, shard_size)
+    if not n:
+        raise ValueError(f"{data}: no usable sample (left out: {dict(skipped)}); fix the records")
+    _energon_prepare(out, workers=min(shards, os.cpu_count() or 1), progress=progress)
+    report = {"data": str(data.absolute()), "samples": n, "shards": shards,
+              "shard_size": shard_size, "skipped": dict(sorted(skipped.items()))}  # fmt: skip
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _write_shards(data: Path, out: Path, shard_size: int) -> tuple[int, int, Counter]:
+    """Shards `shard-000000.tar`, ... of `shard_size` samples; returns (shards, samples, skipped)."""
+    skipped: Counter = Counter()
+    n = 0
+    tar: tarfile.TarFile | None = None
+    with data.open("rb") as f:
+        raw_lines = (line for line in f if line.strip())  # iter_jsonl skips the same blank lines
+        try:
+            for raw, item in zip(raw_lines, iter_jsonl(data), strict=True):
+                if isinstance(item, BadSampleError):
+                    skipped[item.reason] += 1
+                    continue
+                try:
+                    members = _sample_members(json.loads(raw), item, data.parent.absolute())
+                except BadSampleError as e:
+                    skipped[e.reason] += 1
+                    continue
+                if n % shard_size == 0:
+                    if tar is not None:
+                        tar.close()
+                    tar = tarfile.open(out / f"shard-{n // shard_size:06d}.tar", "w")
+                assert tar is not None
+                for name, payload in members.items():
+                    _add(tar, f"{n:09d}.{name}", payload)
+                n += 1
+        finally:
+            if tar is not None:
+                tar.close()
+    return -(-n // shard_size), n, skipped
+
+
+def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, bytes]:
+    """{"json": record, "img0.jpg": bytes, ...} for one sample (one member per distinct image)."""
+    names: dict[Path, str] = {}
+    images: dict[str, bytes] = {}
+    for ref in conv.images:
+        if ref.path in names:
+            continue
+        name = f"img{len(names)}{ref.path.suffix.lower() or '.img'}"
+        try:
+            images[name] = ref.path.read_bytes()
+        except FileNotFoundError:
+            raise BadSampleError("missing_image", f"{conv.key}: image {ref.path} not found") from None
+        names[ref.path] = name
+    record = _rewrite_images(obj, lambda p: names[base / p])
+    record["id"] = conv.key
+    return {"json": json.dumps(record, ensure_ascii=False).encode(), **images}
+
+
+def _rewrite_images(obj: dict, rename: Callable[[str], str]) -> dict:
+    """A copy of a record with every image path renamed, in the places `parse_record` reads
+    them: top-level `image`/`images`, and `image`/`path` of messages' content items."""
+    record = dict(obj)
+    for k in ("image", "images"):
+        v = record.get(k)
+        if isinstance(v, str):
+            record[k] = rename(v)
+        elif isinstance(v, list):
+            record[k] = [rename(p) for p in v]
+    if isinstance(record.get("messages"), list):
+        record["messages"] = [_rewrite_message(m, rename) for m in record["messages"]]
+    return record
+
+
+def _rewrite_message(message: dict, rename: Callable[[str], str]) -> dict:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    items = []
+    for item in content:
+        if isinstance(item, dict) and item.get("type") in ("image", None):
+            item = dict(item)
+            for k in ("image", "path"):
+                if isinstance(item.get(k), str) and item[k]:
+                    item[k] = rename(item[k])
+                    break
+        items.append(item)
+    return {**message, "content": items}
+
+
+def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(payload), 0o644, 0  # reproducible shards
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def _energon_prepare(out: Path, *, workers: int, progress: bool) -> None:
+    """Energon's own `energon prepare`, non-interactive: tar index, an all-train split and a
+    dataset.yaml for a crude dataset."""
+    cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(out),
+           "--non-interactive", "--force-overwrite", "--split-ratio", "1,0,0",
+           "--sample-type", "CrudeWebdataset", "--num-workers", str(max(workers, 1)),
+           "--progress" if progress else "--no-progress"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or not (out / ".nv-meta" / "dataset.yaml").is_file():
+        raise RuntimeError(
+            f"`energon prepare` failed (exit {res.returncode}):\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
+        )

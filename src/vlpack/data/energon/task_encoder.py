@@ -1,0 +1,289 @@
+"""The Qwen-VL task encoder: Energon's stages, each delegating to vlpack's single owner.
+
+Stages (Energon calls them in this order, in its worker processes):
+
+1. cooker `cook_conversation` — crude tar sample → `ConversationSample` (record + image bytes).
+2. `encode_sample` (stateless) — vlpack's `Encoder`: the same `parse_record` and `encode` as the
+   JSONL path, then the overlong policy. Never raises for a bad sample: it returns a marker
+   (`encoded=None`, `status=<reason>`), so that one bad sample cannot make Energon drop the
+   whole packing buffer.
+3. `select_samples_to_pack` — vlpack's `OnlinePlanner` plans the buffer as one final round
+   (all algorithms, token and ViT-patch budgets); the markers ride along in the first group.
+4. `pack_selected_samples` (stateless) — `build_thd_batch` over the group's good samples.
+5. `batch` (stateless) — one packed row per batch: a `PackedRow` (the `ThdBatch` and where the
+   row's samples went: packed, truncated, skipped by reason).
+
+Energon drops what selection leaves out of a buffer, so there is no carry-over of underfilled
+bins as on the JSONL path: each buffer is planned on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from megatron.energon import (
+    Cooker,
+    Sample,
+    TaskEncoder,
+    WorkerConfig,
+    basic_sample_keys,
+    edataclass,
+    stateless,
+)
+from megatron.energon.errors import FatalSampleError
+
+from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.plan import check_algo
+from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.sources import parse_record
+from vlpack.data.types import IGNORE_INDEX, BadSampleError, EncodedSample
+
+log = logging.getLogger(__name__)
+
+PACKED, TRUNCATED = "packed", "truncated"
+"""`status` of a sample that goes into a row; any other status is a skip reason."""
+
+_ACCOUNT_ATTR = "_vlpack_energon_account"
+"""Carries a row's accounting from `pack_selected_samples` to `batch` (same worker process)."""
+
+_SEED_STRIDE = 1_000_033
+"""Buffer k of rank r plans with seed + stride·(k·world_size + r): buffer 0 of rank 0 uses the
+run's seed itself, as the JSONL planner's first round does."""
+
+
+@edataclass
+class ConversationSample(Sample):
+    """A cooked sample: the record (None when its JSON did not parse) and its images' bytes by
+    member name (`img0.jpg`, ...)."""
+
+    record: Any
+    images: dict
+
+
+@edataclass
+class EncodedEnergonSample(Sample):
+    """`encode_sample`'s output: the encoded sample and its status (`packed`, `truncated`, or
+    the skip reason, with `encoded` None)."""
+
+    encoded: Any
+    status: str
+
+
+@stateless
+def cook_conversation(sample: dict) -> ConversationSample:
+    """Crude tar sample (raw bytes per member) → `ConversationSample`."""
+    try:
+        record = json.loads(sample["json"])
+    except (KeyError, ValueError):
+        record = None
+    images = {k: v for k, v in sample.items() if k.startswith("img")}
+    return ConversationSample(**basic_sample_keys(sample), record=record, images=images)
+
+
+@dataclass
+class PackedRow:
+    """What the Energon loader yields per batch: one packed row and the fate of its samples.
+
+    `filler` rows carry no sample (every sample of their group was skipped); the loader counts
+    them and does not hand them to training."""
+
+    batch: ThdBatch
+    packed: int = 0
+    truncated: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    filler: bool = False
+
+    def pin_memory(self) -> PackedRow:
+        """Called by the DataLoader's pin-memory thread."""
+        return PackedRow(self.batch.pin_memory(), self.packed, self.truncated, self.skipped, self.filler)
+
+
+class QwenVLTaskEncoder(TaskEncoder):
+    """Energon task encoder that packs Qwen-VL conversations into vlpack `ThdBatch` rows.
+
+    Args:
+      encoder: vlpack's `Encoder` (family, tokenizer, pixel range).
+      seq_len: tokens per row (and the cap on one sample).
+      algo: planner, "greedy", "ffd" or "bfd".
+      max_patches: ViT patches per row (None: no patch budget).
+      pad_to_multiple_of / total_len / pad_token_id / spatial_merge_size: as `build_thd_batch`.
+      overlong: "error", "truncate" or "skip" (as on the JSONL path).
+      seed: the run's seed (per-buffer planner seeds derive from it).
+      max_consecutive_bad: fail after this many bad samples in a row within one worker.
+    """
+
+    cookers = (Cooker(cook_conversation),)
+    decoder = None  # raw bytes: vlpack's Encoder decodes and resizes the images itself
+
+    def __init__(
+        self,
+        encoder,
+        *,
+        seq_len: int,
+        algo: str = "bfd",
+        max_patches: int | None = None,
+        pad_to_multiple_of: int = 1,
+        total_len: int | None = None,
+        overlong: str = "error",
+        seed: int = 0,
+        pad_token_id: int,
+        spatial_merge_size: int = 2,
+        max_consecutive_bad: int | None = None,
+    ):
+        check_algo(algo)
+        if overlong not in ("error", "truncate", "skip"):
+            raise ValueError(f"overlong={overlong!r}: choose error, truncate or skip")
+        if seq_len % pad_to_multiple_of:
+            raise ValueError(f"seq_len={seq_len} must be a multiple of pad_to_multiple_of="
+                             f"{pad_to_multiple_of}")  # fmt: skip
+        self.encoder, self.seq_len, self.algo = encoder, seq_len, algo
+        self.max_patches, self.mult, self.total_len = max_patches, pad_to_multiple_of, total_len
+        self.overlong, self.seed, self.pad_token_id = overlong, seed, pad_token_id
+        self.merge, self.max_consecutive_bad = spatial_merge_size, max_consecutive_bad
+        self._bad_run = 0
+
+    # ------------------------------------------------------------------ stage 2: encode
+
+    @stateless
+    def encode_sample(self, sample: ConversationSample) -> EncodedEnergonSample:
+        """vlpack's encoding and overlong policy; a bad sample becomes a marker, not an error."""
+        try:
+            encoded, status = self._admit(self._encode(sample))
+        except BadSampleError as e:
+            log.warning("skipping sample (%s): %s", e.reason, e)
+            self._count_bad(e)
+            return EncodedEnergonSample.derive_from(sample, encoded=None, status=e.reason)
+        self._bad_run = 0
+        return EncodedEnergonSample.derive_from(sample, encoded=encoded, status=status)
+
+    def _encode(self, sample: ConversationSample) -> EncodedSample:
+        record = sample.record
+        if not isinstance(record, dict):
+            raise BadSampleError("bad_json", f"{sample.__key__}: the sample's .json member is "
+                                 "missing or not a JSON object; re-run vlpack data energon-prepare")
+        key = str(record.get("id") or sample.__key__)
+        # Encoder reads images by path: spill this sample's bytes to a private scratch folder
+        # (RAM-backed where /dev/shm exists) so parse_record and Encoder run unchanged.
+        with tempfile.TemporaryDirectory(prefix="vlpack-", dir=_scratch_root()) as tmp:
+            for name, payload in sample.images.items():
+                if "/" not in name:
+                    (Path(tmp) / name).write_bytes(payload)
+            return self.encoder.encode(parse_record(record, base_dir=tmp, key=key))
+
+    def _admit(self, sample: EncodedSample) -> tuple[EncodedSample, str]:
+        """The overlong policy of the JSONL path (`BinStream._admit`), on an encoded sample."""
+        tokens, patches = len(sample), sample.num_patches
+        too_many_patches = self.max_patches is not None and patches > self.max_patches
+        if tokens <= self.seq_len and not too_many_patches:
+            return sample, PACKED
+        what = (f"{tokens} tokens > seq_len {self.seq_len}" if tokens > self.seq_len
+                else f"{patches} ViT patches > max_patches {self.max_patches}")  # fmt: skip
+        if self.overlong == "error":
+            raise FatalSampleError(
+                f"sample {sample.key} is overlong ({what}); raise data.seq_len / data.max_patches, "
+                "or set data.overlong=truncate (text-only cut) or data.overlong=skip"
+            )
+        if self.overlong == "skip" or too_many_patches:
+            raise BadSampleError("overlong", f"{sample.key}: overlong ({what})")
+        return self.encoder.truncate(sample, self.seq_len), TRUNCATED
+
+    def _count_bad(self, e: BadSampleError) -> None:
+        self._bad_run += 1
+        if self.max_consecutive_bad is not None and self._bad_run > self.max_consecutive_bad:
+            raise FatalSampleError(
+                f"{self._bad_run} bad samples in a row (last: {e.reason}: {e}). Fix the data, "
+                "or raise data.max_consecutive_bad"
+            )
+
+    # ------------------------------------------------------------------ stage 3: select
+
+    def select_samples_to_pack(
+        self, samples: list[EncodedEnergonSample]
+    ) -> list[list[EncodedEnergonSample]]:
+        """Plan the buffer with vlpack's planner; markers (skipped samples) join the first group
+        so their count reaches the loader. Never raises for a sample."""
+        good, bad = [], []
+        for s in samples:
+            (good if s.encoded is not None and self._fits(s.encoded) else bad).append(s)
+        for s in bad:
+            if s.encoded is not None:  # cannot happen after encode_sample; never fail the buffer
+                s.encoded, s.status = None, "overlong"
+        groups: list[list[EncodedEnergonSample]] = []
+        if good:
+            planner = OnlinePlanner(self.seq_len, self.algo, len(good) + 1,
+                                    max_patches=self.max_patches, seed=self._buffer_seed())  # fmt: skip
+            planner.extend(range(len(good)), [self._aligned(s.encoded) for s in good],
+                           [s.encoded.num_patches for s in good])  # fmt: skip
+            groups = [[good[i] for i in b] for b in planner.flush()]
+        if bad:
+            if groups:
+                groups[0].extend(bad)
+            else:
+                groups.append(bad)
+        return groups
+
+    def _aligned(self, sample: EncodedSample) -> int:
+        return -(-len(sample) // self.mult) * self.mult
+
+    def _fits(self, sample: EncodedSample) -> bool:
+        return self._aligned(sample) <= self.seq_len and (
+            self.max_patches is None or sample.num_patches <= self.max_patches
+        )
+
+    def _buffer_seed(self) -> int:
+        """Planner seed of this buffer: distinct per rank, worker and buffer, and restored with
+        Energon's state (the pre-packing index is part of it)."""
+        wc = WorkerConfig.active_worker_config
+        rank, world = (wc.rank, wc.world_size) if wc is not None else (0, 1)
+        index = self.current_sample_index if wc is not None else 0
+        return self.seed + _SEED_STRIDE * (index * world + rank)
+
+    # ------------------------------------------------------------------ stages 4-5: pack, batch
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedEnergonSample]) -> ThdBatch:
+        """One THD row from the group's good samples (`build_thd_batch`, the one owner)."""
+        good = [s.encoded for s in samples if s.encoded is not None]
+        status = Counter(s.status for s in samples)
+        batch = build_thd_batch(
+            good or [_filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.mult, total_len=self.total_len, spatial_merge_size=self.merge,
+        )
+        setattr(batch, _ACCOUNT_ATTR, (status, not good))
+        return batch
+
+    @stateless
+    def batch(self, samples: list[ThdBatch]) -> PackedRow:
+        """A batch is one packed row (Energon's batch_size must be 1)."""
+        if len(samples) != 1:
+            raise FatalSampleError(
+                f"got {len(samples)} packed rows in one batch: build the dataset with batch_size=1 "
+                "(one row is one micro-batch; use train.micro_batches for more)"
+            )
+        row = samples[0]
+        status, filler = getattr(row, _ACCOUNT_ATTR)
+        delattr(row, _ACCOUNT_ATTR)
+        skipped = {k: v for k, v in sorted(status.items()) if k not in (PACKED, TRUNCATED)}
+        return PackedRow(row, status[PACKED], status[TRUNCATED], skipped, filler)
+
+
+def _filler(pad_token_id: int) -> EncodedSample:
+    """A one-token sample with no label: the row of a group whose samples were all skipped."""
+    return EncodedSample(
+        key="<filler>",
+        input_ids=np.array([pad_token_id], dtype=np.int64),
+        labels=np.array([IGNORE_INDEX], dtype=np.int64),
+        mm_token_type_ids=np.zeros(1, dtype=np.int8),
+    )
+
+
+def _scratch_root() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None

@@ -1,0 +1,274 @@
+"""Energon data path with a real megatron-energon: prepare, task encoder stages, bad samples per
+sample, parity with the JSONL loader, 2 ranks × 2 workers with exact resume, config checks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import PAD, make_sample
+from vlpack.cli import main
+from vlpack.config import load_config
+from vlpack.data.batch import ThdBatch
+from vlpack.data.encode import Encoder
+from vlpack.data.energon.loader import EnergonLoader, energon_worker_config
+from vlpack.data.energon.prepare import REPORT_NAME, prepare_energon
+from vlpack.data.energon.task_encoder import EncodedEnergonSample, QwenVLTaskEncoder
+from vlpack.data.loader import PackedLoader, open_dataset
+from vlpack.data.synth import default_dataset
+
+N = 12
+PIXELS = dict(min_pixels=16384, max_pixels=50176)
+COMMON = dict(seq_len=1024, pad_to_multiple_of=8, overlong="truncate", seed=0, pad_token_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder("qwen3_vl", **PIXELS)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> tuple[Path, Path]:
+    """(JSONL, prepared Energon folder) of N synthetic samples in 4 shards."""
+    src = default_dataset(n=N)
+    out = tmp_path_factory.mktemp("energon") / "ds"
+    prepare_energon(src, out, shard_size=3)
+    return src, out
+
+
+@pytest.fixture(scope="module")
+def dirty(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """Synthetic samples plus one record per failure: (JSONL, Energon folder, prepare report)."""
+    root = tmp_path_factory.mktemp("dirty")
+    shutil.copytree(default_dataset(n=N).parent, root / "src")
+    (root / "src" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    Image.new("RGB", (2000, 5)).save(root / "src" / "thin.png")
+    ask = [{"type": "image", "image": "images/000001_0.jpg"}, {"type": "text", "text": "Total?"}]
+
+    def rec(i: str, user, answer: str = "12.50") -> str:
+        return json.dumps({"id": i, "messages": [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": answer}]})
+
+    extra = [
+        "{not json",  # bad_json (left out by prepare)
+        rec("missing", [{"type": "image", "image": "nope.jpg"}]),  # missing_image (prepare)
+        rec("corrupt", [{"type": "image", "image": "corrupt.jpg"}]),  # corrupt_image at encode
+        rec("thin", [{"type": "image", "image": "thin.png"}]),  # bad_image_size
+        rec("long_answer", ask, "word " * 3000),  # truncated (or overlong with skip)
+        rec("long_prompt", "word " * 3000),  # overlong_prompt when truncated
+    ]
+    with (root / "src" / "data.jsonl").open("a") as f:
+        f.write("\n".join(extra) + "\n")
+    report = prepare_energon(root / "src" / "data.jsonl", root / "ds", shard_size=5)
+    return root / "src" / "data.jsonl", root / "ds", report
+
+
+def rows(loader, n: int) -> list[ThdBatch]:
+    return list(itertools.islice(iter(loader), n))
+
+
+def epoch_rows(loader, n_samples: int) -> list[ThdBatch]:
+    """Rows until they hold n_samples samples (one pass when one buffer holds the epoch)."""
+    out = []
+    for b in loader:
+        out.append(b)
+        if sum(r.num_samples for r in out) >= n_samples:
+            return out
+    raise AssertionError("stream ended")
+
+
+def same_rows(a: list[ThdBatch], b: list[ThdBatch]) -> None:
+    assert [x.sample_keys for x in a] == [y.sample_keys for y in b]
+    for x, y in zip(a, b, strict=True):
+        for name in ("input_ids", "labels", "position_ids", "cu_seqlens_padded", "image_grid_thw"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        assert (x.pixel_values is None) == (y.pixel_values is None)
+        if x.pixel_values is not None:
+            assert torch.equal(x.pixel_values, y.pixel_values)
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def test_prepare_writes_shards_and_energon_metadata(clean) -> None:
+    src, out = clean
+    meta = out / ".nv-meta"
+    assert {"dataset.yaml", "split.yaml", "index.sqlite", ".info.json"} <= {p.name for p in meta.iterdir()}
+    assert "CrudeWebdataset" in (meta / "dataset.yaml").read_text()
+    assert sorted(p.name for p in out.glob("*.tar")) == [f"shard-{i:06d}.tar" for i in range(4)]
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert (report["samples"], report["shards"], report["skipped"]) == (N, 4, {})
+    with tarfile.open(out / "shard-000000.tar") as tar:
+        names = tar.getnames()
+        record = json.loads(tar.extractfile("000000000.json").read())
+        image = tar.extractfile(next(n for n in names if n.startswith("000000000.img0"))).read()
+    first = json.loads(src.read_text().splitlines()[0])
+    assert record["id"] == first["id"]
+    originals = [c["image"] for m in first["messages"] if isinstance(m["content"], list)
+                 for c in m["content"] if c.get("type") == "image"]
+    assert image == (src.parent / originals[0]).read_bytes()  # bytes copied verbatim
+
+
+def test_prepare_cli_and_refuses_a_non_empty_folder(tmp_path: Path, capsys) -> None:
+    src = default_dataset(n=N)
+    assert main(["data", "energon-prepare", str(src), str(tmp_path / "ds"), "--shard-size", "5"]) == 0
+    assert "wrote 12 samples in 3 shards" in capsys.readouterr().out
+    assert main(["data", "energon-prepare", str(src), str(tmp_path / "ds")]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- parity with JSONL
+
+
+@pytest.mark.parametrize(("algo", "max_patches"), [("greedy", None), ("ffd", 400), ("bfd", None),
+                                                   ("bfd", 400)])
+def test_same_bins_as_the_jsonl_loader(clean, encoder, algo, max_patches) -> None:
+    """Same samples in the same order (no shuffle), one planning round over all of them: the
+    JSONL planner's first round (buffer > N, flushed at the epoch boundary) and Energon's first
+    buffer (N samples) give the same rows in the same order."""
+    src, out = clean
+    kw = dict(COMMON, packing=algo, max_patches=max_patches, shuffle=False)
+    energon = EnergonLoader(out, encoder, packing_buffer_size=N, **kw)
+    jsonl = PackedLoader(open_dataset("jsonl", str(src)), encoder, buffer_size=N + 1, epochs=None, **kw)
+    a, b = epoch_rows(energon, N), epoch_rows(jsonl, N)
+    same_rows(a, b)
+    assert energon.accounting["samples"] == N and not energon.accounting["skipped"]
+    if max_patches:
+        assert max(int(r.image_grid_thw.prod(dim=1).sum()) for r in a) <= max_patches
+    assert max(r.num_tokens for r in a) <= 1024
+
+
+# --------------------------------------------------------------------------- bad samples
+
+
+def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
+    src, out, report = dirty
+    assert report["skipped"] == {"bad_json": 1, "missing_image": 1}
+    kept = report["samples"]  # N good + corrupt, thin, long_answer, long_prompt
+    loader = EnergonLoader(out, encoder, packing="bfd", packing_buffer_size=kept, shuffle=False,
+                           **COMMON)  # fmt: skip
+    got = epoch_rows(loader, N + 1)
+    acc = loader.accounting
+    assert acc["skipped"] == {"bad_image_size": 1, "corrupt_image": 1, "overlong_prompt": 1}
+    assert (acc["samples"], acc["packed"], acc["truncated"]) == (kept, N, 1)
+    keys = Counter(k for r in got for k in r.sample_keys)
+    assert len(keys) == N + 1 and set(keys.values()) == {1} and "long_answer" in keys
+    # The JSONL path counts the same samples under the same reasons (it also sees the two that
+    # prepare left out).
+    jsonl = PackedLoader(open_dataset("jsonl", str(src)), encoder, packing="bfd", buffer_size=64,
+                         epochs=1, shuffle=False, **COMMON)  # fmt: skip
+    list(jsonl)
+    merged = Counter(acc["skipped"]) + Counter(report["skipped"])
+    assert jsonl.accounting["skipped"] == dict(merged)
+    assert jsonl.accounting["truncated"] == 1
+
+
+def test_overlong_skip_and_error(dirty, encoder) -> None:
+    _, out, report = dirty
+    kw = dict(COMMON, packing="ffd", packing_buffer_size=report["samples"], shuffle=False)
+    kw["overlong"] = "skip"
+    loader = EnergonLoader(out, encoder, **kw)
+    epoch_rows(loader, N)
+    assert loader.accounting["skipped"]["overlong"] == 2
+    kw["overlong"] = "error"
+    with pytest.raises(ValueError, match=r"overlong .*data.overlong=truncate"):
+        rows(EnergonLoader(out, encoder, **kw), 1)
+
+
+def test_selection_never_raises_and_keeps_markers(encoder) -> None:
+    """A buffer of good samples and markers: every sample in exactly one group; the markers
+    ride in the first group; a buffer of markers only becomes one filler group."""
+    rng = np.random.default_rng(0)
+    te = QwenVLTaskEncoder(encoder, seq_len=64, algo="bfd", max_patches=40, pad_token_id=PAD)
+
+    def wrap(i, sample, status="packed"):
+        return EncodedEnergonSample(__key__=f"k{i}", __restore_key__=("x", i), encoded=sample,
+                                    status=status)  # fmt: skip
+
+    good = [wrap(i, make_sample(f"s{i}", rng, text=(4, 9), grids=((1, 4, 4),))) for i in range(6)]
+    bad = [wrap(10, None, "corrupt_image"), wrap(11, None, "overlong"),
+           wrap(12, make_sample("huge", rng, text=(4, 90), grids=((1, 4, 4),)))]  # slipped through
+    groups = te.select_samples_to_pack([*good[:3], *bad, *good[3:]])
+    flat = [s.__key__ for g in groups for s in g]
+    assert sorted(flat) == sorted(s.__key__ for s in [*good, *bad])
+    assert {s.__key__ for s in groups[0]} >= {"k10", "k11", "k12"}
+    assert bad[2].status == "overlong" and bad[2].encoded is None
+    for g in groups:
+        sizes = [s.encoded for s in g if s.encoded is not None]
+        assert sum(-(-len(s) // 1) for s in sizes) <= 64
+        assert sum(s.num_patches for s in sizes) <= 40
+    row = te.batch([te.pack_selected_samples(groups[0])])
+    assert row.skipped == {"corrupt_image": 1, "overlong": 2} and not row.filler
+    only_bad = te.select_samples_to_pack([wrap(20, None, "bad_json")])
+    row = te.batch([te.pack_selected_samples(only_bad[0])])
+    assert row.filler and row.skipped == {"bad_json": 1} and row.batch.num_label_tokens == 0
+
+
+# --------------------------------------------------------------------------- ranks and resume
+
+
+def test_two_ranks_two_workers_distinct_streams_and_exact_resume(clean, encoder) -> None:
+    _, out = clean
+    kw = dict(COMMON, packing="bfd", packing_buffer_size=2, num_workers=2, world_size=2)
+    streams = {}
+    for rank in (0, 1):
+        straight = rows(EnergonLoader(out, encoder, rank=rank, **kw), 6)
+        first = EnergonLoader(out, encoder, rank=rank, **kw)
+        head = rows(first, 3)
+        state = first.state_dict()
+        resumed = EnergonLoader(out, encoder, rank=rank, **kw)
+        resumed.load_state_dict(state)
+        same_rows(straight, head + rows(resumed, 3))
+        assert resumed.accounting["samples"] >= first.accounting["samples"]
+        streams[rank] = {k for r in straight for k in r.sample_keys}
+    # Energon gives each of the 2×2 workers its own quarter of the samples.
+    assert streams[0] and streams[1] and not streams[0] & streams[1]
+
+
+def test_worker_config_from_torch_distributed(tmp_path: Path) -> None:
+    wc = energon_worker_config(2, rank=1, world_size=2)
+    assert (wc.rank, wc.world_size, wc.num_workers) == (1, 2, 2)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    assert (energon_worker_config(0).rank, energon_worker_config(0).world_size) == (0, 1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}",
+                                         rank=0, world_size=1)  # fmt: skip
+    try:
+        group = torch.distributed.new_group([0])
+        wc = energon_worker_config(0, group=group)
+        assert (wc.rank, wc.world_size, wc.data_parallel_group) == (0, 1, group)
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(ValueError, match="both rank and world_size"):
+        energon_worker_config(0, rank=1)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["data.packing_buffer_size=8"], r"data.packing_buffer_size .*data.buffer_size"),
+    (["data.shuffle_buffer_size=8"], r"data.shuffle_buffer_size .*mutually exclusive"),
+    (["data.source=energon", "data.path=x", "data.packing=none"],
+     r"data.packing=none .*data.packing_buffer_size"),
+    (["data.source=energon", "data.path=x", "data.shuffle=false", "data.shuffle_buffer_size=4"],
+     "contradicts"),
+    (["data.source=energon", "data.path=x", "data.packing_buffer_size=0"], "must be > 0"),
+])  # fmt: skip
+def test_config_rejects_mixed_packing_modes(overrides, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_config(None, overrides)
+
+
+def test_loader_refuses_an_unprepared_folder(tmp_path: Path, encoder) -> None:
+    with pytest.raises(ValueError, match="energon-prepare"):
+        EnergonLoader(tmp_path, encoder, **COMMON)
