@@ -43,6 +43,18 @@ def test_real_presets_name_their_source():
         assert get_preset(name).source
 
 
+@pytest.mark.parametrize(("name", "billions"), [
+    ("qwen3-vl-2b", 2.13), ("qwen3-vl-8b", 8.77), ("qwen3-vl-30b-a3b", 31.07),
+    ("qwen3.5-35b-a3b", 35.11),
+])
+def test_real_presets_build_on_meta(name, billions):
+    """Shapes only (meta device); a guard on the preset shapes: totals fit the model names."""
+    model, spec = build_model(name, device="meta", dtype="bfloat16")
+    total = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(total - billions) < 0.01, total
+    assert spec.has_gdn == name.startswith("qwen3.5") and spec.is_moe == ("-a3b" in name)
+
+
 def test_unknown_preset_says_what_to_do():
     with pytest.raises(ValueError, match="preset"):
         build_model("tiny-nope", device="cpu")
