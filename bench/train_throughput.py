@@ -220,6 +220,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
         "step_s": wall / args.steps,
         "breakdown_s_per_step": {k: v / args.steps for k, v in parts.items()},
         "flops_per_step": flop_total / args.steps,
+        "paths": dict(out.paths) if mode.startswith("vlpack") else "stock transformers",
     }
     del model, module, opt
     if device.type == "cuda":

@@ -188,6 +188,20 @@ def _segments(module: nn.Module, T: int, kwargs: dict) -> tuple[bool, torch.Tens
     return causal, cu
 
 
+def _autocast_qkv(q, k, v):
+    """Cast q/k/v as SDPA is cast under autocast. Under bf16 autocast with fp32 master weights,
+    the rotary embedding returns fp32 q/k beside a bf16 v; without this cast the call would miss
+    the half-precision varlen kernels and fall back to the per-segment loop."""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention got mixed dtypes q={q.dtype} k={k.dtype} v={v.dtype} "
+                         "outside autocast: run the model in one dtype or under torch.autocast")
+    return q, k, v
+
+
 def varlen_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -207,6 +221,7 @@ def varlen_attention_forward(
                          "set use_sliding_window=False")
     B, _, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
+    query, key, value = _autocast_qkv(query, key, value)
     causal, cu = _segments(module, T, kwargs)
     stream = "text" if causal else "vision"
     if B != 1:
