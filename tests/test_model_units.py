@@ -253,3 +253,15 @@ def test_check_samples_are_valid_for_the_batch_builder():
     for s in default_mix(spec, 8, seed=5):
         assert s.pixel_values is None or s.pixel_values.shape[1] == spec.patch_dim
         assert np.all(s.labels[s.mm_token_type_ids != 0] == -100)
+
+
+def test_host_bounds_cache_tracks_identity_and_version():
+    from vlpack.model.bounds import host_bounds
+
+    cu = torch.tensor([0, 3, 7])
+    assert host_bounds(cu) == (0, 3, 7) == host_bounds(cu)
+    cu[1] = 4  # in-place change bumps the version counter: no stale values
+    assert host_bounds(cu) == (0, 4, 7)
+    assert host_bounds(torch.tensor([0, 3, 7])) == (0, 3, 7)
+    with torch.inference_mode():
+        assert host_bounds(torch.tensor([0, 5])) == (0, 5)

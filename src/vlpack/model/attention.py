@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlpack.model.bounds import host_bounds, max_segment
+
 logger = logging.getLogger(__name__)
 
 VARLEN = "vlpack_varlen"
@@ -146,7 +148,8 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale):
+def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale,
+                bounds: tuple[int, ...]):
     if name == FLEX:
         PATHS_USED[stream] = "flex_attention (document mask)"
         return _flex_call(q_THD, k_TKD, v_TKD, cu_S1, causal, scale)
@@ -162,7 +165,7 @@ def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, cau
         _say_once("novarlen", "vlpack: neither torch varlen_attn nor flash-attn is available; "
                   "attention runs per segment with SDPA (correct, slower)")
     PATHS_USED[stream] = "per-segment SDPA"
-    return _sdpa_segments(q_THD, k_TKD, v_TKD, cu_S1.tolist(), causal, scale)
+    return _sdpa_segments(q_THD, k_TKD, v_TKD, list(bounds), causal, scale)
 
 
 # --- the AttentionInterface function ------------------------------------------------------------
@@ -180,9 +183,9 @@ def _segments(module: nn.Module, T: int, kwargs: dict) -> tuple[bool, torch.Tens
             if not torch.equal(kwargs["cu_seq_lens_k"], cu):
                 raise ValueError("vlpack attention needs cu_seq_lens_k == cu_seq_lens_q "
                                  "(self-attention over one packed row)")
-        if int(cu[-1]) != T:
+        if host_bounds(cu)[-1] != T:
             raise ValueError(
-                f"cu_seq_lens_q ends at {int(cu[-1])} but the call has {T} tokens: pass the "
+                f"cu_seq_lens_q ends at {host_bounds(cu)[-1]} but the call has {T} tokens: pass the "
                 "batch's cu_seqlens_padded (covering the whole row, padding included)"
             )
     return causal, cu
@@ -229,15 +232,16 @@ def varlen_attention_forward(
             raise ValueError("vlpack attention runs packed rows (batch 1, no 2-D mask); use "
                              "attn_implementation='sdpa' for padded batches")
     if cu is None:  # one sequence per row (an unpacked sample or one image)
-        cu = torch.tensor([0, T], dtype=torch.int32, device=query.device)
-        max_len = T
+        bounds = (0, T)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     else:
+        bounds = host_bounds(cu)  # one device sync per cu tensor and forward, not per layer
         cu = cu.to(device=query.device, dtype=torch.int32)
-        max_len = kwargs.get("max_length_q") or int(torch.diff(cu).max())
+    max_len = kwargs.get("max_length_q") or max_segment(bounds)
     outs = []
     for b in range(B):
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
-        outs.append(_run_kernel(name, stream, q, k, v, cu, int(max_len), causal, scale))
+        outs.append(_run_kernel(name, stream, q, k, v, cu, int(max_len), causal, scale, bounds))
     return torch.stack(outs, dim=0), None
 
 

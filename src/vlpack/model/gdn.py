@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlpack.model.bounds import host_bounds
+
 logger = logging.getLogger(__name__)
 
 _GDN_MODULES = ("qwen3_5", "qwen3_5_moe")
@@ -106,7 +108,7 @@ def _use_fla(x: torch.Tensor) -> bool:
 
 
 def _bounds(cu: torch.Tensor, T: int) -> list[int]:
-    cu_list = [int(c) for c in cu.tolist()]
+    cu_list = list(host_bounds(cu))
     if cu_list[0] != 0 or cu_list[-1] != T or any(b <= a for a, b in itertools.pairwise(cu_list)):
         raise ValueError(
             f"Gated-DeltaNet boundaries {cu_list} do not split a row of {T} tokens into "
