@@ -74,7 +74,8 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle sample order each epoch (seeded by train.seed)."""
     eval_samples: int = 0
-    """Held-out samples (taken from the end of the dataset) evaluated with the same packing."""
+    """Held-out samples (taken from the end of the dataset) evaluated with the same packing
+    (ignored with a warning for source=energon: no held-out split)."""
     max_consecutive_bad: int = 32
     """Fail after this many bad samples in a row (a broken dataset, not a bad sample)."""
     max_bad_fraction: float = 0.05
