@@ -155,6 +155,8 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
         assert key in steps[0]
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3] and evals[0]["eval_loss"] == summary["eval_loss"]
     assert summary["steps"] == 3 and summary["samples"] > 0
 
     # The HF export loads in transformers and fine-tunes further as model.name=FOLDER.

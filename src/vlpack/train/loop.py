@@ -312,27 +312,28 @@ class Trainer:
                 self._record(r, data_wait, peak, writer, bar)
                 stop = all_reduce([float(self._stop)], info, "max")[0] > 0
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    self.eval_loss = self.evaluate()
-                    writer.write({"step": self.step, "samples": self.totals["samples"],
-                                  "eval_loss": self.eval_loss})
+                    self._eval(writer)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                     self.save()
                 if stop:
                     break
+            if not self._stop and self.eval_loader is not None and (
+                not cfg.train.eval_every or self.step % cfg.train.eval_every
+            ):
+                self._eval(writer)  # the final evaluation, unless the last step just ran one
         finally:
             bar.close()
             writer.close()
             if old is not None:
                 signal.signal(signal.SIGINT, old)
-        if not self._stop:
-            if self.eval_loader is not None and (
-                not cfg.train.eval_every or self.step % cfg.train.eval_every
-            ):
-                self.eval_loss = self.evaluate()
-            saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
-            if cfg.train.save_final and not saved:
-                self.save()
+        saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
+        if not self._stop and cfg.train.save_final and not saved:
+            self.save()
         return self._finish(out_dir)
+
+    def _eval(self, writer: MetricsWriter) -> None:
+        self.eval_loss = self.evaluate()
+        writer.write({"step": self.step, "samples": self.totals["samples"], "eval_loss": self.eval_loss})
 
     def _record(self, r: StepResult, data_wait: float, peak, writer, bar) -> None:
         t = self.totals
