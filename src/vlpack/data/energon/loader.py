@@ -11,6 +11,7 @@ given), so each rank reads a distinct stream; no planning is shared across ranks
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,7 +167,8 @@ class EnergonLoader:
         self._energon = None
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn things down
+            self.close()
 
 
 class _Account:
