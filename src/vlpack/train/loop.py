@@ -186,6 +186,13 @@ class Trainer:
     def train_step(self, mbs: list) -> StepResult:
         """One optimizer step over this rank's micro-batches (see `optimizer_step`)."""
         t0 = time.perf_counter()
+        stats = [  # host-side figures, before the batches move
+            sum(b.num_real_tokens for b in mbs),
+            sum(b.num_tokens for b in mbs),
+            sum(self._batch_flops(b) for b in mbs),
+        ]
+        # Pinned host batches (DataLoader pin_memory) copy asynchronously, overlapping compute.
+        mbs = [b.to(self.info.device, non_blocking=True) for b in mbs]
         r = optimizer_step(
             self.module, self.optimizer, self.scheduler, mbs, info=self.info,
             loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
@@ -197,11 +204,7 @@ class Trainer:
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        real, tokens, flops = all_reduce([
-            sum(b.num_real_tokens for b in mbs),
-            sum(b.num_tokens for b in mbs),
-            sum(self._batch_flops(b) for b in mbs),
-        ], self.info)
+        real, tokens, flops = all_reduce(stats, self.info)
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
@@ -459,14 +462,18 @@ def sample_mean_weights(batch) -> tuple[torch.Tensor, int]:
 
     labels = batch.labels.reshape(-1)
     is_label = (labels != IGNORE_INDEX).double()
+    dev = labels.device
     if isinstance(batch, ThdBatch):
         seg = torch.repeat_interleave(
-            torch.arange(batch.num_samples), torch.diff(batch.cu_seqlens_padded.long())
+            torch.arange(batch.num_samples, device=dev),
+            torch.diff(batch.cu_seqlens_padded.to(dev).long()),
+            output_size=labels.numel(),
         )
     else:
         L = batch.labels.shape[1]
-        seg = torch.arange(batch.labels.shape[0]).repeat_interleave(L)
-    counts = torch.zeros(int(seg.max()) + 1, dtype=torch.float64).index_add_(0, seg, is_label)
+        seg = torch.arange(batch.labels.shape[0], device=dev).repeat_interleave(L)
+    n_seg = batch.num_samples if isinstance(batch, ThdBatch) else batch.labels.shape[0]
+    counts = torch.zeros(n_seg, dtype=torch.float64, device=dev).index_add_(0, seg, is_label)
     return (is_label / counts[seg].clamp(min=1)).float(), int((counts > 0).sum())
 
 
