@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     apply_fsdp(module, model, info, param_dtype=None)
     module.touch_vision = True
     opt, sched = _optimizer(module)  # after sharding: FSDP2 swaps in DTensor parameters
-    from vlpack.train.loop import optimizer_step
+    from vlpack.train.step import optimizer_step
 
     losses = [optimizer_step(module, opt, sched, [batches[rank]], info=info).loss for _ in range(2)]
     if rank == 0:
@@ -114,8 +114,8 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(tmp_path: Path) ->
     assert not hung, "a rank hung: the vision tower must run on every rank"
     assert all(p.exitcode == 0 for p in procs)
     # One process, both bins as micro-batches of one step: the same global token mean.
-    from vlpack.train.loop import optimizer_step
     from vlpack.train.parallel import DistInfo
+    from vlpack.train.step import optimizer_step
 
     _, module, batches = _setup()
     opt, sched = _optimizer(module)

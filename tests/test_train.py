@@ -16,10 +16,11 @@ from vlpack.data.loader import open_dataset
 from vlpack.data.padded import build_padded_batch
 from vlpack.model.build import build_model
 from vlpack.train import checkpoint as ckpt
-from vlpack.train.loop import NonFiniteLossError, Trainer, optimizer_step
+from vlpack.train.loop import NonFiniteLossError, Trainer
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import DistInfo
+from vlpack.train.step import optimizer_step
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SMALL = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",

@@ -16,7 +16,6 @@ import math
 import signal
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,26 +31,13 @@ from vlpack.train.module import TrainModule, freeze
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import DistInfo, all_reduce, apply_fsdp, init_distributed, shutdown
 from vlpack.train.plot import plot_runs
+from vlpack.train.step import StepResult, optimizer_step
 
 log = logging.getLogger("vlpack.train")
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
-
-
-@dataclass
-class StepResult:
-    loss: float
-    aux_loss: float | None
-    grad_norm: float
-    lr: float
-    label_tokens: int
-    real_tokens: int
-    tokens: int
-    samples: int
-    flops: float
-    seconds: float
 
 
 def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -384,97 +370,6 @@ class Trainer:
         if self.info.is_main:
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary
-
-
-def optimizer_step(
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    mbs: list,
-    *,
-    info: DistInfo,
-    loss_norm: str = "token",
-    aux_coef: float = 0.0,
-    grad_clip: float = 0.0,
-    autocast: torch.dtype | None = None,
-) -> StepResult:
-    """Forward/backward every micro-batch, clip, step; the loss normalised globally.
-
-    `token`: Σ CE over all label tokens of the step on all ranks / their all-reduced count.
-    `sample`: mean over all samples of the step of each sample's token-mean CE (the reported
-    loss is then that mean too).
-    The optimizer is not stepped when the loss or gradient norm is not finite.
-    """
-    ws = info.world_size
-    weights = [sample_mean_weights(b) if loss_norm == "sample" else (None, 0) for b in mbs]
-    n_labels, n_samples, n_supervised = all_reduce([
-        sum(b.num_label_tokens for b in mbs),
-        sum(b.num_samples for b in mbs),
-        sum(n for _, n in weights),
-    ], info)
-    if n_labels == 0:
-        raise ValueError("a step has no label tokens: does the data have assistant turns?")
-    denom = n_labels if loss_norm == "token" else n_supervised
-    module.train()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    aux_sum, has_aux = 0.0, False
-    for i, b in enumerate(mbs):
-        if hasattr(module, "set_requires_gradient_sync"):
-            module.set_requires_gradient_sync(i == len(mbs) - 1)
-        ctx = torch.autocast(info.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-        with ctx:
-            w = weights[i][0]
-            out = module(b) if w is None else module(b, token_weights=w)
-        # FSDP averages gradients over ranks, so scale by world size: the gradient is then the
-        # global sum divided by the global count.
-        obj = out.loss_sum * (ws / denom)
-        if out.aux_loss is not None:
-            has_aux = True
-            obj = obj + aux_coef * out.aux_loss / len(mbs)
-            aux_sum += float(out.aux_loss.detach()) / len(mbs)
-        obj.backward()
-        loss_sum += out.loss_sum.detach().double().cpu()
-    loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
-    params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
-    loss = loss_total / denom
-    lr = scheduler.get_last_lr()[0]
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(
-        loss=loss, aux_loss=aux_total / ws if has_aux else None, grad_norm=grad_norm, lr=lr,
-        label_tokens=int(n_labels), real_tokens=0, tokens=0, samples=int(n_samples), flops=0.0,
-        seconds=0.0,
-    )
-
-
-def sample_mean_weights(batch) -> tuple[torch.Tensor, int]:
-    """Per-token loss weights [T] (or [B·L]) that turn a summed CE into the sum of per-sample
-    token means: 1 / (the sample's label tokens) on label positions, 0 elsewhere; and the
-    number of samples that have label tokens."""
-    from vlpack.data.batch import ThdBatch
-    from vlpack.data.types import IGNORE_INDEX
-
-    labels = batch.labels.reshape(-1)
-    is_label = (labels != IGNORE_INDEX).double()
-    dev = labels.device
-    if isinstance(batch, ThdBatch):
-        seg = torch.repeat_interleave(
-            torch.arange(batch.num_samples, device=dev),
-            torch.diff(batch.cu_seqlens_padded.to(dev).long()),
-            output_size=labels.numel(),
-        )
-    else:
-        L = batch.labels.shape[1]
-        seg = torch.arange(batch.labels.shape[0], device=dev).repeat_interleave(L)
-    n_seg = batch.num_samples if isinstance(batch, ThdBatch) else batch.labels.shape[0]
-    counts = torch.zeros(n_seg, dtype=torch.float64, device=dev).index_add_(0, seg, is_label)
-    return (is_label / counts[seg].clamp(min=1)).float(), int((counts > 0).sum())
 
 
 def run(cfg: Config) -> dict[str, Any]:
