@@ -272,3 +272,14 @@ def test_config_rejects_mixed_packing_modes(overrides, match) -> None:
 def test_loader_refuses_an_unprepared_folder(tmp_path: Path, encoder) -> None:
     with pytest.raises(ValueError, match="energon-prepare"):
         EnergonLoader(tmp_path, encoder, **COMMON)
+
+
+def test_warns_when_a_buffer_exceeds_a_workers_share(clean, encoder, caplog) -> None:
+    _, out = clean
+    with caplog.at_level("WARNING", logger="vlpack.data.energon.loader"):
+        EnergonLoader(out, encoder, packing_buffer_size=N // 4, num_workers=2, rank=0, world_size=2,
+                      **COMMON)  # fmt: skip
+        assert not caplog.records
+        EnergonLoader(out, encoder, packing_buffer_size=N // 4 + 1, num_workers=2, rank=0,
+                      world_size=2, **COMMON)  # fmt: skip
+    assert "at most 3" in caplog.text

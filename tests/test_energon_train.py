@@ -63,3 +63,13 @@ def test_energon_training_resumes_exactly(data, tmp_path: Path) -> None:
     assert summary["skipped"] == {} and summary["steps"] == 4
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_vlpack_train_command_runs_on_an_energon_dataset(data, tmp_path: Path, capsys) -> None:
+    from vlpack.cli import main
+
+    _, ds = data
+    assert main(["train", *SMALL, "data.source=energon", f"data.path={ds}", "train.max_steps=1",
+                 f"train.output_dir={tmp_path}"]) == 0  # fmt: skip
+    assert "vlpack: done" in capsys.readouterr().out
+    assert len(losses(tmp_path)) == 1

@@ -12,6 +12,8 @@ given), so each rank reads a distinct stream; no planning is shared across ranks
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
+
+log = logging.getLogger(__name__)
 
 
 def energon_worker_config(
@@ -106,10 +110,29 @@ class EnergonLoader:
         self.worker_config = energon_worker_config(
             num_workers, rank=rank, world_size=world_size, group=group, seed=seed
         )
+        self._warn_buffer_over_share(packing_buffer_size)
         self.packing_buffer_size, self.shuffle = packing_buffer_size, shuffle
         self.shuffle_buffer_size, self.max_bad_fraction = shuffle_buffer_size, max_bad_fraction
         self._energon: Any = None
         self._account = _Account()
+
+    def _warn_buffer_over_share(self, buffer: int) -> None:
+        """Energon's buffers run across epochs: one larger than a worker's share of the
+        dataset holds some samples twice (maybe in the same row)."""
+        try:
+            info = json.loads((self.path / ".nv-meta" / ".info.json").read_text())
+            total = sum(info["shard_counts"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        wc = self.worker_config
+        share = total // (wc.world_size * max(wc.num_workers, 1))
+        if buffer > share:
+            log.warning(
+                "data.packing_buffer_size=%d exceeds each worker's share of the dataset (%d of "
+                "%d samples over %d rank(s) × %d worker(s)): a buffer will hold some samples "
+                "twice; lower data.packing_buffer_size to at most %d", buffer, share, total,
+                wc.world_size, max(wc.num_workers, 1), share,
+            )
 
     def _loader(self):
         """Energon's savable loader, built on first use (restoring needs a fresh, unstarted one)."""
