@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
-from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, EncodedSample
+from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _BinBuilder(torch.utils.data.Dataset):
                 continue
             samples.append(sample)
         if not samples:
-            samples = [_filler(self.pad_token_id)]
+            samples = [EncodedSample.filler(self.pad_token_id)]
         if work.packed:
             batch = build_thd_batch(
                 samples, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.mult,
@@ -99,18 +99,6 @@ class _BinBuilder(torch.utils.data.Dataset):
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
         return batch, skipped
-
-
-def _filler(pad_token_id: int) -> EncodedSample:
-    """A one-token sample with no label: keeps a rank's step count when its bin emptied."""
-    import numpy as np
-
-    return EncodedSample(
-        key="<filler>",
-        input_ids=np.array([pad_token_id], dtype=np.int64),
-        labels=np.array([IGNORE_INDEX], dtype=np.int64),
-        mm_token_type_ids=np.zeros(1, dtype=np.int8),
-    )
 
 
 def _identity(x):

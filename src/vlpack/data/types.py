@@ -17,6 +17,9 @@ import numpy as np
 IGNORE_INDEX = -100
 """Label value that the loss ignores."""
 
+FILLER_KEY = "<filler>"
+"""Key of the placeholder sample of a bin that lost all its samples (`EncodedSample.filler`)."""
+
 TOKEN_TYPE_TEXT, TOKEN_TYPE_IMAGE, TOKEN_TYPE_VIDEO = 0, 1, 2
 """Values of `mm_token_type_ids`, as transformers' processors emit them."""
 
@@ -94,6 +97,17 @@ class EncodedSample:
     @property
     def size(self) -> SampleSize:
         return SampleSize(tokens=len(self), patches=self.num_patches)
+
+    @classmethod
+    def filler(cls, pad_token_id: int) -> EncodedSample:
+        """A one-token sample with no label, for a bin whose samples all failed to encode: the
+        rank still takes its step, so collectives stay in lockstep."""
+        return cls(
+            key=FILLER_KEY,
+            input_ids=np.array([pad_token_id], dtype=np.int64),
+            labels=np.array([IGNORE_INDEX], dtype=np.int64),
+            mm_token_type_ids=np.zeros(1, dtype=np.int8),
+        )
 
 
 class BadSampleError(ValueError):

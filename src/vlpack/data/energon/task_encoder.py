@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from megatron.energon import (
     Cooker,
     Sample,
@@ -43,7 +42,7 @@ from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.plan import check_algo
 from vlpack.data.plan_online import OnlinePlanner
 from vlpack.data.sources import parse_record
-from vlpack.data.types import IGNORE_INDEX, BadSampleError, EncodedSample
+from vlpack.data.types import BadSampleError, EncodedSample
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +252,7 @@ class QwenVLTaskEncoder(TaskEncoder):
         good = [s.encoded for s in samples if s.encoded is not None]
         status = Counter(s.status for s in samples)
         batch = build_thd_batch(
-            good or [_filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
+            good or [EncodedSample.filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
             pad_to_multiple_of=self.mult, total_len=self.total_len, spatial_merge_size=self.merge,
         )
         setattr(batch, _ACCOUNT_ATTR, (status, not good))
@@ -272,16 +271,6 @@ class QwenVLTaskEncoder(TaskEncoder):
         delattr(row, _ACCOUNT_ATTR)
         skipped = {k: v for k, v in sorted(status.items()) if k not in (PACKED, TRUNCATED)}
         return PackedRow(row, status[PACKED], status[TRUNCATED], skipped, filler)
-
-
-def _filler(pad_token_id: int) -> EncodedSample:
-    """A one-token sample with no label: the row of a group whose samples were all skipped."""
-    return EncodedSample(
-        key="<filler>",
-        input_ids=np.array([pad_token_id], dtype=np.int64),
-        labels=np.array([IGNORE_INDEX], dtype=np.int64),
-        mm_token_type_ids=np.zeros(1, dtype=np.int8),
-    )
 
 
 def _scratch_root() -> str | None:
