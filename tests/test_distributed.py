@@ -54,6 +54,18 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
 
+    # FSDP2 sharded checkpoint: stop after 2 steps (as a time-limited job would), resume, finish.
+    for extra in (["train.stop_after=2"], []):
+        part = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(_free_port()), "-m", "vlpack", "train",
+             f"train.output_dir={tmp_path / 'resumed'}", *args, *extra],
+            env=_env(), capture_output=True, text=True, timeout=600,
+        )
+        assert part.returncode == 0, part.stdout[-3000:] + part.stderr[-3000:]
+    assert "resumed from" in part.stdout
+    assert _losses(tmp_path / "resumed") == b
+
 
 def _worker(rank: int, port: int, out: str) -> None:
     """Rank 0 trains on a text-only bin, rank 1 on a bin with images (FSDP2 over gloo)."""

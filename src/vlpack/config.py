@@ -184,6 +184,9 @@ class TrainConfig:
     output_dir: str = "runs/default"
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
+    stop_after: int | None = None
+    """Stop after this many steps of THIS run, saving a checkpoint as Ctrl-C would (for
+    time-limited jobs: resubmit with train.resume=auto to continue)."""
     save_final: bool = True
     """Checkpoint at the end of the run (off for throughput runs that need no checkpoint)."""
     resume: str = "auto"
@@ -209,6 +212,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
         _positive("train.save_every", self.save_every, allow_zero=True)
+        _positive("train.stop_after", self.stop_after)
         _positive("train.micro_batches", self.micro_batches)
         _positive("train.tokens_per_step", self.tokens_per_step)
         _positive("train.log_every", self.log_every)

@@ -289,6 +289,7 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.train.progress and info.is_main), dynamic_ncols=True)
         it = iter(self.train_loader)
+        first_step = self.step
         try:
             while self.step < cfg.train.max_steps:
                 t_data = time.perf_counter()
@@ -299,6 +300,8 @@ class Trainer:
                 r = self.train_step(mbs)
                 self.step += 1
                 self._record(r, data_wait, peak, writer, bar)
+                if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
+                    self._stop = self.step < cfg.train.max_steps
                 stop = all_reduce([float(self._stop)], info, "max")[0] > 0
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._eval(writer)
