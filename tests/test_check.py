@@ -45,3 +45,12 @@ def test_check_bf16_moe_counts_routing_flips(capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["passed"] and r["moe_routing_flips"] is not None
     assert r["moe_routing_flips"] < 0.05 * sum(s["tokens"] for s in r["per_sample"])
+
+
+def test_check_refuses_up_front_when_memory_is_short(monkeypatch, capsys):
+    from vlpack.model import check as check_mod
+
+    monkeypatch.setattr(check_mod, "_free_bytes", lambda dev: 2**30)
+    assert main(["check", "--model", "qwen3-vl-2b"]) == 2
+    err = capsys.readouterr().err
+    assert "needs about 32 GiB" in err and "smaller preset" in err

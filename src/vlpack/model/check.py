@@ -182,6 +182,33 @@ def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
     return [enc.encode(c) for c in convs], str(path)
 
 
+def _free_bytes(dev: torch.device) -> int | None:
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_memory(model_name: str, dev: torch.device) -> None:
+    """Refuse up front (instead of being killed) when the check cannot fit: it holds fp32
+    weights, their gradients and one gradient copy per run (packed and unpacked)."""
+    if Path(model_name).is_dir():  # a checkpoint folder: its size is checked by loading it
+        return
+    meta, _ = build_model(model_name, device="meta", dtype="float32")
+    need = 4 * 4 * sum(p.numel() for p in meta.parameters())
+    free = _free_bytes(dev)
+    if free is not None and need > 0.9 * free:
+        raise ValueError(
+            f"vlpack check of {model_name} needs about {need / 2**30:.0f} GiB on {dev} (fp32 "
+            f"weights, gradients and two gradient copies) but {free / 2**30:.0f} GiB is free: "
+            "run it on a device with more memory, or check a smaller preset of the same family"
+        )
+
+
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
           device: str | None = None) -> dict:
@@ -190,6 +217,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     if dtype not in TOLERANCES:
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    _check_memory(model_name, dev)
     # Build in fp32; a bf16 check first records the fp32 reference of the same weights.
     model, spec = build_model(model_name, backend=backend, dtype=torch.float32, device=dev,
                               seed=seed)
