@@ -52,3 +52,12 @@ def test_plot_overlays_runs(tmp_path: Path) -> None:
     assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
     assert main(["plot", str(tmp_path / "missing")]) == 2
+
+
+def test_pad_to_seq_len_gives_static_rows_and_the_same_loss(tmp_path: Path) -> None:
+    a = Trainer(small_cfg(tmp_path / "a", "train.max_steps=1"), CPU)
+    b = Trainer(small_cfg(tmp_path / "b", "train.max_steps=1", "data.pad_to_seq_len=true"), CPU)
+    rows = [next(iter(t.train_loader)) for t in (a, b)]
+    assert rows[1].num_tokens == 512 and rows[0].num_tokens < 512
+    assert rows[0].sample_keys == rows[1].sample_keys
+    assert abs(a.fit()["last_loss"] - b.fit()["last_loss"]) < 1e-5

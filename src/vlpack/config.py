@@ -62,6 +62,9 @@ class DataConfig:
     """Optional cap on ViT patches per bin."""
     pad_to_multiple_of: int = 8
     """Align every sample's segment to this many tokens (TP/CP/FP8 alignment)."""
+    pad_to_seq_len: bool = False
+    """Pad every packed row to exactly seq_len tokens (static shapes for torch.compile / CUDA
+    graphs; the padding joins the last segment and is excluded from loss and statistics)."""
     overlong: Literal["error", "truncate", "skip"] = "error"
     """What to do with a sample longer than seq_len."""
     min_pixels: int | None = None

@@ -138,6 +138,7 @@ class Trainer:
             rank=self.info.rank, world_size=self.info.world_size,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
             pin_memory=self.info.device.type == "cuda",
+            total_len=d.seq_len if d.pad_to_seq_len else None,
         )
         train = PackedLoader(items[:n_train], self.encoder, sizes=sizes[:n_train],
                              shuffle=d.shuffle, epochs=None, num_workers=d.num_workers,
