@@ -234,8 +234,9 @@ def rank_bins(
     """This rank's share of a global bin stream: rounds of world_size × per_round bins,
     balanced by estimated compute, every rank getting per_round bins of each round.
 
-    An incomplete final round (finite streams only) is dropped on every rank alike; the bins
-    and samples it held are what `vlpack pack` reports as `tail_bins`.
+    An incomplete final round (finite streams only: evaluation) is dropped on every rank
+    alike, at most world_size × per_round − 1 bins; training streams are endless (epochs
+    chained), so training never drops one.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
