@@ -34,6 +34,7 @@ def test_overrides_and_types() -> None:
         ("train.max_steps=2.5", "needs an integer"),
         ("data.seq_len=1001", "multiple of data.pad_to_multiple_of"),
         ("data.source=jsonl", "needs data.path"),
+        ("data.path=my.jsonl", "add data.source=jsonl"),
         ("nosection=1", "section.key"),
         ("bogus.key=1", "unknown config key 'bogus'"),
     ],

@@ -90,6 +90,12 @@ class DataConfig:
         _choice("data.overlong", self.overlong, ("error", "truncate", "skip"))
         if self.source in ("jsonl", "energon") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path=...")
+        if self.source == "synthetic" and self.path:
+            raise ValueError(
+                f"data.path={self.path} is set but data.source=synthetic (the built-in data) would "
+                "ignore it: add data.source=jsonl (a .jsonl file) or data.source=energon (a "
+                "prepared Energon folder)"
+            )
         for k in ("seq_len", "batch_size", "buffer_size", "pad_to_multiple_of", "synthetic_samples"):
             _positive(f"data.{k}", getattr(self, k))
         _positive("data.max_patches", self.max_patches)
