@@ -69,3 +69,13 @@ def test_pack_table_and_missing_file(capsys, tmp_path: Path) -> None:
     assert "fill efficiency" in out and "samples in" in out
     assert main(["pack", str(tmp_path / "nope.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_pack_options_match_the_training_config(capsys) -> None:
+    base = run_json(capsys, "--seq-len", "4096")
+    small = run_json(capsys, "--seq-len", "4096", "--min-pixels", "16384", "--max-pixels", "50176",
+                     "--pad-to-multiple-of", "64")
+    assert small["real_tokens"] < base["real_tokens"]  # smaller images, fewer vision tokens
+    assert small["samples"] == base["samples"]
+    assert main(["pack", "--seq-len", "1000", "--pad-to-multiple-of", "64"]) == 2
+    assert "multiple" in capsys.readouterr().err

@@ -55,6 +55,10 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--family", default="qwen3_vl",
                    help="tokenizer/processor family: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5")
     p.add_argument("--tokenizer", default=None, help="local HF checkpoint folder for tokenizer")
+    p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
+    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument("--pad-to-multiple-of", type=int, default=1,
+                   help="align each sample's segment, as data.pad_to_multiple_of does")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_pack)
 

@@ -82,10 +82,15 @@ def pack_command(args: argparse.Namespace) -> int:
     from vlpack.data.encode import Encoder
 
     items = open_dataset("jsonl" if args.data else "synthetic", args.data)
-    encoder = Encoder(args.family, tokenizer_path=args.tokenizer)
+    if args.seq_len % args.pad_to_multiple_of:
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
+                         f"{args.pad_to_multiple_of}")
+    encoder = Encoder(args.family, tokenizer_path=args.tokenizer, min_pixels=args.min_pixels,
+                      max_pixels=args.max_pixels)
     report = pack_report(
         items, encoder, seq_len=args.seq_len, algo=args.algo, buffer_size=args.buffer,
-        max_patches=args.max_patches, overlong=args.overlong, progress=not args.json,
+        max_patches=args.max_patches, overlong=args.overlong,
+        pad_to_multiple_of=args.pad_to_multiple_of, progress=not args.json,
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0
