@@ -14,7 +14,7 @@ dim (channels × temporal patch × patch²), F = image frames (t of each grid, s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -84,25 +84,24 @@ class ThdBatch:
         """Real length of each sample."""
         return torch.diff(self.cu_seqlens).tolist()
 
-    def _map(self, fn) -> ThdBatch:
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
-        return ThdBatch(**kw)
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ThdBatch:
         """Move every tensor to `device` (host fields stay on the host)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> ThdBatch:
         """Called by DataLoader(pin_memory=True)."""
-        return self._map(lambda t: t.pin_memory())
+        return map_tensors(self, lambda t: t.pin_memory())
 
     def segment(self, i: int) -> slice:
         """Slice of the row holding sample i's real tokens."""
         start = int(self.cu_seqlens_padded[i])
         return slice(start, start + int(self.cu_seqlens[i + 1] - self.cu_seqlens[i]))
+
+
+def map_tensors(batch, fn):
+    """A copy of a batch dataclass with `fn` applied to every tensor field."""
+    return replace(batch, **{f.name: fn(v) for f in fields(batch)
+                             if isinstance(v := getattr(batch, f.name), torch.Tensor)})
 
 
 def shifted_labels(labels_L: np.ndarray) -> np.ndarray:

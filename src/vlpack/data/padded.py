@@ -7,12 +7,12 @@ Legend: B = samples in the batch, L = longest sample, P = ViT patches, C = flatt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from vlpack.data.batch import shifted_labels
+from vlpack.data.batch import map_tensors, shifted_labels
 from vlpack.data.types import IGNORE_INDEX, EncodedSample
 
 
@@ -46,19 +46,16 @@ class PaddedBatch:
     def num_samples(self) -> int:
         return len(self.sample_keys)
 
+    @property
+    def seq_lengths(self) -> list[int]:
+        """Real length of each sample (as ThdBatch.seq_lengths)."""
+        return self.attention_mask.sum(1).tolist()
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PaddedBatch:
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k, v in kw.items():
-            if isinstance(v, torch.Tensor):
-                kw[k] = v.to(device, non_blocking=non_blocking)
-        return PaddedBatch(**kw)
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PaddedBatch:
-        kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k, v in kw.items():
-            if isinstance(v, torch.Tensor):
-                kw[k] = v.pin_memory()
-        return PaddedBatch(**kw)
+        return map_tensors(self, lambda t: t.pin_memory())
 
 
 def build_padded_batch(samples: Sequence[EncodedSample], *, pad_token_id: int) -> PaddedBatch:

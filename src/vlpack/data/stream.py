@@ -119,7 +119,8 @@ class BinStream:
     max_bad_fraction: float | None = None
     """Fail when more than this share of the samples seen was skipped (checked after 100)."""
     account: Accounting = field(default_factory=Accounting)
-    _run: int = 0
+    _run: int = field(default=0, init=False, repr=False)
+    """Skipped samples in a row (for max_consecutive_bad)."""
 
     def __post_init__(self) -> None:
         if self.algo != "none":

@@ -43,6 +43,11 @@ class FlopModel:
         attn += 6 * 2 * self.vision_attn_dim * self.vision_depth * sum(f * f for f in frame_patches)
         return text + vision + attn
 
+    def of_batch(self, batch) -> float:
+        """FLOPs of a ThdBatch or PaddedBatch (host tensors: no device sync)."""
+        frames = [h * w for t, h, w in batch.image_grid_thw.tolist() for _ in range(t)]
+        return self.batch_flops(batch.seq_lengths, sum(frames), frames)
+
 
 def _matmul_params(module: torch.nn.Module) -> float:
     """Weights of the nn.Linear layers of `module`, MoE experts excluded."""

@@ -176,7 +176,7 @@ class Trainer:
         stats = [  # host-side figures, before the batches move
             sum(b.num_real_tokens for b in mbs),
             sum(b.num_tokens for b in mbs),
-            sum(self._batch_flops(b) for b in mbs),
+            sum(self.flops.of_batch(b) for b in mbs),
         ]
         # Pinned host batches (DataLoader pin_memory) copy asynchronously, overlapping compute.
         mbs = [b.to(self.info.device, non_blocking=True) for b in mbs]
@@ -197,18 +197,6 @@ class Trainer:
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
         r.seconds = time.perf_counter() - t0
         return r
-
-    def _batch_flops(self, b) -> float:
-        from vlpack.data.batch import ThdBatch
-
-        grids = b.image_grid_thw.tolist()
-        frames = [h * w for t, h, w in grids for _ in range(t)]
-        patches = sum(frames)
-        if isinstance(b, ThdBatch):
-            segs = b.seq_lengths
-        else:
-            segs = b.attention_mask.sum(1).tolist()
-        return self.flops.batch_flops(segs, patches, frames)
 
     # ------------------------------------------------------------------ eval
 
