@@ -1,18 +1,54 @@
 #!/usr/bin/env bash
-# One H200 session: throughput side by side on qwen3-vl-2b, then a packed qwen3-vl-2b recipe
-# run (random init). Run from the repo root on the device with the wheels carried in .whl/:
-#   bash bench/h200_session.sh "$OUT"
+# H200 session work, in parts. Run from the repo root on the device, wheels carried in .whl/:
+#   bash bench/h200_session.sh "$OUT" PART [PART ...]
+# Everything lands in $OUT/results.tgz (re-packed after each part, so a cut-off call keeps what
+# finished) plus $OUT/device.txt.
+#   train      qwen3-vl-2b recipe, random init, $STEPS steps on $SAMPLES synthetic samples
+#   prof-2b    qwen3-vl-2b throughput of vlpack packed, with a torch.profiler table
+#   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode)
+#   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit)
+#   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers
+#   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
+#   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers
 set -u
-OUT=${1:-out}; mkdir -p "$OUT"
+OUT=${1:-out}; shift; R=/tmp/vlres; rm -rf "$R"; mkdir -p "$OUT" "$R"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache TOKENIZERS_PARALLELISM=false
+LAYERS=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-# Synthetic data once (shared by the bench and the run).
-python3 -c "from vlpack.data.synth import default_dataset; print(default_dataset(n=${SAMPLES:-1600}))"
-timeout ${BENCH_S:-200} python3 bench/train_throughput.py --model qwen3-vl-2b --samples 96 --steps 4 --warmup 2 \
-  --out "$OUT/throughput.json" 2>&1 | tee "$OUT/bench.log"
-timeout ${TRAIN_S:-300} python3 -m vlpack train qwen3-vl-2b data.synthetic_samples=${SAMPLES:-1600} \
-  data.num_workers=12 data.eval_samples=64 train.max_steps=${STEPS:-200} train.eval_every=100 \
-  train.save_every=0 train.save_final=false train.output_dir="$OUT/qwen3-vl-2b" train.progress=false \
-  2>&1 | tail -40 | tee "$OUT/train.log"
+TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R/throughput.json"
+bench() {  # bench MODEL EXTRA...: one process per mode
+  local model=$1; shift
+  for m in vlpack_packed hf_padding_free hf_padded vlpack_padded; do
+    timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 | grep -v Warning | tee -a "$R/bench.log"
+  done
+}
+conv() {  # conv NAME RECIPE EXTRA...
+  local name=$1 recipe=$2; shift 2
+  for m in packed padded; do
+    timeout ${CONV_S:-400} python3 bench/convergence.py --recipe "$recipe" --mode $m \
+      --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
+  done
+  python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
+  rm -rf "$R/$name/cache"
+}
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    train)
+      python3 -c "from vlpack.data.synth import default_dataset; print(default_dataset(n=${SAMPLES:-3600}))"
+      timeout ${TRAIN_S:-420} python3 -m vlpack train qwen3-vl-2b data.synthetic_samples=${SAMPLES:-3600} \
+        data.num_workers=12 data.eval_samples=64 train.max_steps=${STEPS:-300} train.eval_every=100 \
+        train.save_every=0 train.save_final=false train.output_dir="$R/qwen3-vl-2b" train.progress=false \
+        2>&1 | tail -40 | tee "$R/train.log" ;;
+    prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
+    bench-2b) bench qwen3-vl-2b ;;
+    bench-8b) bench qwen3-vl-8b --no-optimizer ;;
+    bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
+    conv-2b) conv conv-qwen3-vl-2b qwen3-vl-2b --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
+    conv-35b) conv conv-qwen3.5-35b-a3b-${LAYERS}L qwen3.5-35b-a3b --layers "$LAYERS" --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+  tar czf "$OUT/results.tgz" -C "$R" .
+done

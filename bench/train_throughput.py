@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import gc
 import json
 import platform
 import sys
@@ -41,7 +41,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
-from vlpack.model.presets import PRESETS, get_preset
+from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
@@ -111,16 +111,8 @@ def hook_regions(model, timer: Timer) -> list:
 
 
 def model_name(args) -> str:
-    """The preset to build: `--model`, or a registered copy with `--layers` text layers."""
-    if not args.layers:
-        return args.model
-    base = get_preset(args.model)
-    text = dict(base.text, num_hidden_layers=args.layers)
-    if "layer_types" in text:
-        text["layer_types"] = list(text["layer_types"])[: args.layers]
-    name = f"{base.name}-{args.layers}L"
-    PRESETS[name] = dataclasses.replace(base, name=name, text=text)
-    return name
+    """The preset to build: `--model`, or its first `--layers` text layers."""
+    return reduced_depth(args.model, args.layers) if args.layers else args.model
 
 
 def hf_padded_loss(model, b):
@@ -161,28 +153,18 @@ def run_mode(mode: str, args, samples, device) -> dict:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     module = TrainModule(model, spec)
     opt = build_optimizer(model.parameters(), argparse.Namespace(
-        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type)
+        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
+    ) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
-    need = args.warmup + args.steps
+    need = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
     timer = Timer(device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
-    real = tokens = 0
-    flop_total = 0.0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t_start = 0.0
-    for i, b in enumerate(batches):
-        if i == args.warmup:
-            sync(device)
-            timer.done.clear()
-            handles = hook_regions(model, timer)
-            t_start = time.perf_counter()
-        measuring = i >= args.warmup
-        if measuring:
-            flop_total += flops.of_batch(b)  # from host tensors, outside the timed regions
+    paths: dict = {}
+
+    def step(b, measuring: bool) -> None:
         timer.start("data") if measuring else None
         b = b.to(device, non_blocking=True)
         timer.stop("data") if measuring else None
@@ -190,6 +172,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
             if mode.startswith("vlpack"):
                 out = module(b)
                 loss, n = out.loss_sum, out.num_label_tokens
+                paths.update(out.paths)
             else:
                 loss = (hf_padded_loss if mode == "hf_padded" else hf_padding_free_loss)(model, b)
                 n = int((b.labels != IGNORE_INDEX).sum())
@@ -197,12 +180,25 @@ def run_mode(mode: str, args, samples, device) -> dict:
         (loss / n).backward()
         timer.stop("backward") if measuring else None
         timer.start("optimizer") if measuring else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
         timer.stop("optimizer") if measuring else None
-        if measuring:
-            real += b.num_real_tokens
-            tokens += b.num_tokens
+
+    real = tokens = 0
+    flop_total = 0.0
+    for b in batches[: args.warmup]:
+        step(b, False)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    handles = hook_regions(model, timer)
+    t_start = time.perf_counter()
+    for b in batches[args.warmup : args.warmup + args.steps]:
+        flop_total += flops.of_batch(b)  # from host tensors, outside the timed regions
+        real += b.num_real_tokens
+        tokens += b.num_tokens
+        step(b, True)
     sync(device)
     wall = time.perf_counter() - t_start
     for h in handles:
@@ -212,22 +208,66 @@ def run_mode(mode: str, args, samples, device) -> dict:
     train_s = wall - opt_s  # forward + backward (+ data), the anchor's definition
     res = {
         "real_tokens_per_s": real / train_s,
-        "real_tokens_per_s_with_optimizer": real / wall,
+        "real_tokens_per_s_with_optimizer": real / wall if opt is not None else None,
         "padding_share": 1 - real / tokens,
         "mfu": flop_total / train_s / PEAK,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                          if device.type == "cuda" else None),
+        "optimizer": "AdamW, fp32 states" if opt is not None else "none (forward + backward)",
         "tokens_per_step": tokens / args.steps,
         "real_tokens_per_step": real / args.steps,
         "step_s": wall / args.steps,
         "breakdown_s_per_step": {k: v / args.steps for k, v in parts.items()},
         "flops_per_step": flop_total / args.steps,
-        "paths": dict(out.paths) if mode.startswith("vlpack") else "stock transformers",
+        "paths": paths or "stock transformers",
     }
-    del model, module, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if args.profile:
+        res["profile"] = profile_steps(step, batches[args.warmup + args.steps :], device,
+                                       Path(args.profile) / f"profile_{mode}.txt")
     return res
+
+
+MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "matmul")
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
+
+
+def profile_steps(step, batches, device, out: Path) -> dict:
+    """Profile `batches` with torch.profiler: write the top kernels and operators to `out` and
+    return how busy the GPU was and how its kernel time splits (matmul / attention / other)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for b in batches:
+            step(b, False)
+        sync(device)
+    wall = time.perf_counter() - t
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e6
+    busy = sum(kernels.values())
+    share = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for name, sec in kernels.items():
+        low = name.lower()
+        kind = ("matmul" if any(k in low for k in MATMUL_KERNELS) else
+                "attention" if any(k in low for k in ATTENTION_KERNELS) else "other")
+        share[kind] += sec / busy if busy else 0.0
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.write_text(
+        f"{len(batches)} steps, wall {wall:.3f} s, GPU kernel time {busy:.3f} s "
+        f"({100 * busy / wall:.1f}% busy)\n\nkernel share: "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items())
+        + "\n\ntop kernels (seconds over the profiled steps):\n"
+        + "\n".join(f"{sec:9.4f}  {name[:150]}" for name, sec in top)
+        + "\n\noperators:\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
+    )
+    return {"steps": len(batches), "wall_s": wall, "gpu_busy": busy / wall if wall else None,
+            "kernel_share": share, "file": out.name}
 
 
 def main(argv=None) -> int:
@@ -241,6 +281,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="step AdamW (fp32 states); --no-optimizer for shapes whose states do "
+                        "not fit one GPU (throughput never counts the optimizer)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt")
+    p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     args = p.parse_args(argv)
@@ -263,7 +309,16 @@ def main(argv=None) -> int:
         "matmul_bf16_tflops": rate / 1e12 if rate else None, "modes": {},
     }
     for mode in args.modes.split(","):
-        r = run_mode(mode, args, samples, device)
+        try:
+            r = run_mode(mode, args, samples, device)
+        except torch.OutOfMemoryError as e:  # recorded, not hidden: the mode does not fit
+            print(f"{mode:>16}: out of memory ({str(e).splitlines()[0]})", flush=True)
+            result["modes"][mode] = {"error": "out of memory", "real_tokens_per_s": None,
+                                     "mfu": None, "peak_mem_gib": None}
+            continue
+        finally:  # the mode's model and optimizer are garbage once run_mode returns
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
         if rate:
             r["mfu_vs_matmul"] = r["mfu"] * PEAK / rate
         result["modes"][mode] = r

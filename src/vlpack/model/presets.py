@@ -10,7 +10,7 @@ values were read; `unverified` lists values that the search tool could not confi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Token ids of the two tokenizer generations (transformers' config defaults agree).
@@ -191,3 +191,18 @@ def get_preset(name: str) -> Preset:
             "checkpoint folder (config.json + *.safetensors)"
         )
     return PRESETS[name]
+
+
+def reduced_depth(name: str, layers: int) -> str:
+    """Register (once) and return `NAME-<layers>L`: preset `name` with its first `layers` text
+    layers (layer types cut to match), for benchmarks of shapes too deep for one GPU."""
+    base = get_preset(name)
+    if not 0 < layers <= base.text["num_hidden_layers"]:
+        raise ValueError(f"layers={layers}: {name} has {base.text['num_hidden_layers']} text "
+                         "layers; pass a number between 1 and that")
+    text = dict(base.text, num_hidden_layers=layers)
+    if "layer_types" in text:
+        text["layer_types"] = list(text["layer_types"])[:layers]
+    reduced = f"{base.name}-{layers}L"
+    PRESETS.setdefault(reduced, replace(base, name=reduced, text=text))
+    return reduced

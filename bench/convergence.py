@@ -1,0 +1,172 @@
+"""Convergence, packed vs padded, on the same samples in the same steps.
+
+    python bench/convergence.py --recipe qwen3-vl-2b --mode packed --out runs/conv-2b
+    python bench/convergence.py --recipe qwen3-vl-2b --mode padded --out runs/conv-2b
+    python bench/convergence.py --recipe qwen3-vl-2b --compare --out runs/conv-2b
+
+The samples are planned once into bins of `--seq-len` tokens (the trainer's stream: seeded
+shuffle, BFD over a 256-sample buffer). Step k trains on the samples of bin k in both modes:
+`packed` as one THD row (vlpack varlen attention), `padded` as right-padded batches of at most
+`--micro` samples (sdpa), with the trainer's `optimizer_step` (global token-mean loss, the
+recipe's AdamW, schedule, clipping, MoE aux coefficient; bf16 autocast on GPU, fp32 master
+weights). The two runs see the same samples with the same learning rate at every step, so their
+loss curves differ only by numerics. Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
+reads it); `--compare` writes the overlay PNG and the final-loss comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import torch
+
+from vlpack.config import load_config
+from vlpack.data.batch import build_thd_batch
+from vlpack.data.encode import Encoder
+from vlpack.data.loader import open_dataset
+from vlpack.data.padded import build_padded_batch
+from vlpack.data.stream import BinStream
+from vlpack.data.types import SampleSize
+from vlpack.model.build import build_model
+from vlpack.model.presets import get_preset, reduced_depth
+from vlpack.train.module import TrainModule
+from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.parallel import DistInfo
+from vlpack.train.plot import plot_runs
+from vlpack.train.step import optimizer_step
+
+_ENCODER: Encoder | None = None
+
+
+def _encode(item):
+    return _ENCODER.encode(item)
+
+
+def encoded_samples(family: str, n: int, cache: Path, workers: int) -> list:
+    """The first `n` built-in synthetic samples, encoded (cached: both modes read one file)."""
+    global _ENCODER
+    path = cache / f"conv-{family}-{n}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    _ENCODER = Encoder(family)
+    items = [c for c in open_dataset("synthetic", None, synthetic_samples=n)]
+    with Pool(workers) as pool:
+        samples = pool.map(_encode, items, chunksize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(samples, path)
+    return samples
+
+
+def plan(samples, seq_len: int, steps: int, seed: int) -> list[list[int]]:
+    sizes = [SampleSize(len(s), s.num_patches) for s in samples]
+    stream = BinStream(sizes=sizes, seq_len=seq_len, algo="bfd", overlong="skip", seed=seed,
+                       epochs=None)
+    bins = []
+    for b in stream:
+        bins.append(list(b.items))
+        if len(bins) == steps:
+            return bins
+    raise AssertionError("an endless stream ended")
+
+
+def train(args, cfg, samples, bins, device) -> Path:
+    name = get_preset(cfg.model.name).name
+    if args.layers:
+        name = reduced_depth(name, args.layers)
+    model, spec = build_model(name, backend="auto" if args.mode == "packed" else "sdpa",
+                              dtype=torch.float32, device=device, seed=cfg.train.seed)
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    module = TrainModule(model, spec)
+    opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
+    sched = build_scheduler(opt, cfg.optim, len(bins))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    run = Path(args.out) / args.mode
+    run.mkdir(parents=True, exist_ok=True)
+    seen = 0
+    t0 = time.perf_counter()
+    with open(run / "metrics.jsonl", "w") as f:
+        for k, idx in enumerate(bins, 1):
+            group = [samples[i] for i in idx]
+            if args.mode == "packed":
+                mbs = [build_thd_batch(group, pad_token_id=spec.pad_token_id,
+                                       spatial_merge_size=spec.merge_size)]
+            else:
+                mbs = [build_padded_batch(group[i : i + args.micro], pad_token_id=spec.pad_token_id)
+                       for i in range(0, len(group), args.micro)]
+            mbs = [b.to(device, non_blocking=True) for b in mbs]
+            r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
+                               grad_clip=cfg.optim.grad_clip,
+                               autocast=torch.bfloat16 if device.type == "cuda" else None)
+            seen += len(group)
+            row = {"step": k, "loss": r.loss, "aux_loss": r.aux_loss, "samples": seen,
+                   "lr": r.lr, "grad_norm": r.grad_norm, "seconds": time.perf_counter() - t0}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            if k % 25 == 0 or k == len(bins):
+                print(f"{args.mode} step {k}/{len(bins)} loss {r.loss:.4f} "
+                      f"({row['seconds']:.0f} s)", flush=True)
+    return run
+
+
+def compare(out: Path, tail: int) -> dict:
+    """Overlay PNG and the final losses (mean of the last `tail` steps) of both modes."""
+    runs = [out / "packed", out / "padded"]
+    rows = {r.name: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
+            for r in runs}
+    steps = min(len(v) for v in rows.values())
+    final = {m: sum(x["loss"] for x in v[steps - tail : steps]) / tail for m, v in rows.items()}
+    res = {
+        "steps": steps, "samples": rows["packed"][steps - 1]["samples"],
+        "final_loss_mean_last": tail, "final_loss": final,
+        "relative_difference": abs(final["packed"] - final["padded"]) / final["padded"],
+        "max_step_abs_difference": max(abs(a["loss"] - b["loss"]) for a, b in
+                                       zip(rows["packed"][:steps], rows["padded"][:steps], strict=True)),
+        "wall_s": {m: v[steps - 1]["seconds"] for m, v in rows.items()},
+        "png": str(plot_runs(runs, out / "convergence.png")),
+    }
+    (out / "convergence.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--recipe", default="tiny", help="recipe name or YAML (model, optim, seed)")
+    p.add_argument("--mode", choices=("packed", "padded"))
+    p.add_argument("--compare", action="store_true", help="plot and compare OUT/packed, OUT/padded")
+    p.add_argument("--layers", type=int, default=None, help="reduce text depth (big MoE shapes)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro", type=int, default=8, help="padded: samples per micro-batch")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
+    p.add_argument("--out", required=True)
+    p.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.compare:
+        print(json.dumps(compare(out, args.tail), indent=1))
+        return 0
+    if args.mode is None:
+        p.error("pass --mode packed|padded, or --compare")
+    cfg = load_config(args.recipe, args.overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    family = get_preset(cfg.model.name).family
+    samples = encoded_samples(family, args.samples, out / "cache", args.workers)
+    bins = plan(samples, args.seq_len, args.steps, cfg.train.seed)
+    used = len({i for b in bins for i in b})
+    print(f"{args.mode}: {args.steps} steps over {used} distinct samples "
+          f"({sum(map(len, bins))} sample-steps; dataset {len(samples)})", flush=True)
+    (out / "command.txt").write_text("python " + " ".join(sys.argv) + "\n")
+    train(args, cfg, samples, bins, device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
