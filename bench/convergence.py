@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
 import torch
@@ -28,10 +27,9 @@ import torch
 from vlpack.config import load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
-from vlpack.data.loader import open_dataset
+from vlpack.data.loader import measure_all, open_dataset
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
-from vlpack.data.types import SampleSize
 from vlpack.model.build import build_model
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.module import TrainModule
@@ -40,30 +38,28 @@ from vlpack.train.parallel import DistInfo
 from vlpack.train.plot import plot_runs
 from vlpack.train.step import optimizer_step
 
-_ENCODER: Encoder | None = None
+
+class StepBatches(torch.utils.data.Dataset):
+    """Step k → the micro-batches of bin k for one mode (encoded in DataLoader workers)."""
+
+    def __init__(self, items, encoder: Encoder, bins, mode: str, micro: int, spec):
+        self.items, self.encoder, self.bins = items, encoder, bins
+        self.mode, self.micro, self.spec = mode, micro, spec
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, k: int) -> list:
+        group = [self.encoder.encode(self.items[i]) for i in self.bins[k]]
+        pad = self.spec.pad_token_id
+        if self.mode == "packed":
+            return [build_thd_batch(group, pad_token_id=pad, spatial_merge_size=self.spec.merge_size)]
+        return [build_padded_batch(group[i : i + self.micro], pad_token_id=pad)
+                for i in range(0, len(group), self.micro)]
 
 
-def _encode(item):
-    return _ENCODER.encode(item)
-
-
-def encoded_samples(family: str, n: int, cache: Path, workers: int) -> list:
-    """The first `n` built-in synthetic samples, encoded (cached: both modes read one file)."""
-    global _ENCODER
-    path = cache / f"conv-{family}-{n}.pt"
-    if path.exists():
-        return torch.load(path, weights_only=False)
-    _ENCODER = Encoder(family)
-    items = [c for c in open_dataset("synthetic", None, synthetic_samples=n)]
-    with Pool(workers) as pool:
-        samples = pool.map(_encode, items, chunksize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(samples, path)
-    return samples
-
-
-def plan(samples, seq_len: int, steps: int, seed: int) -> list[list[int]]:
-    sizes = [SampleSize(len(s), s.num_patches) for s in samples]
+def plan(sizes, seq_len: int, steps: int, seed: int) -> list[list[int]]:
+    """The first `steps` bins of the trainer's stream over `sizes` (epochs chained)."""
     stream = BinStream(sizes=sizes, seq_len=seq_len, algo="bfd", overlong="skip", seed=seed,
                        epochs=None)
     bins = []
@@ -74,7 +70,7 @@ def plan(samples, seq_len: int, steps: int, seed: int) -> list[list[int]]:
     raise AssertionError("an endless stream ended")
 
 
-def train(args, cfg, samples, bins, device) -> Path:
+def train(args, cfg, items, encoder, bins, device) -> Path:
     name = get_preset(cfg.model.name).name
     if args.layers:
         name = reduced_depth(name, args.layers)
@@ -88,17 +84,15 @@ def train(args, cfg, samples, bins, device) -> Path:
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     run = Path(args.out) / args.mode
     run.mkdir(parents=True, exist_ok=True)
+    data = torch.utils.data.DataLoader(
+        StepBatches(items, encoder, bins, args.mode, args.micro, spec), batch_size=None,
+        num_workers=args.workers, prefetch_factor=4 if args.workers else None,
+        pin_memory=device.type == "cuda", collate_fn=lambda x: x)
     seen = 0
     t0 = time.perf_counter()
     with open(run / "metrics.jsonl", "w") as f:
-        for k, idx in enumerate(bins, 1):
-            group = [samples[i] for i in idx]
-            if args.mode == "packed":
-                mbs = [build_thd_batch(group, pad_token_id=spec.pad_token_id,
-                                       spatial_merge_size=spec.merge_size)]
-            else:
-                mbs = [build_padded_batch(group[i : i + args.micro], pad_token_id=spec.pad_token_id)
-                       for i in range(0, len(group), args.micro)]
+        for k, mbs in enumerate(data, 1):
+            group = bins[k - 1]
             mbs = [b.to(device, non_blocking=True) for b in mbs]
             r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
                                grad_clip=cfg.optim.grad_clip,
@@ -144,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro", type=int, default=8, help="padded: samples per micro-batch")
     p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=8, help="DataLoader workers that encode")
     p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
@@ -158,13 +152,15 @@ def main(argv=None) -> int:
     cfg = load_config(args.recipe, args.overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     family = get_preset(cfg.model.name).family
-    samples = encoded_samples(family, args.samples, out / "cache", args.workers)
-    bins = plan(samples, args.seq_len, args.steps, cfg.train.seed)
+    encoder = Encoder(family)
+    items = open_dataset("synthetic", None, synthetic_samples=args.samples)
+    bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed)
     used = len({i for b in bins for i in b})
     print(f"{args.mode}: {args.steps} steps over {used} distinct samples "
-          f"({sum(map(len, bins))} sample-steps; dataset {len(samples)})", flush=True)
-    (out / "command.txt").write_text("python " + " ".join(sys.argv) + "\n")
-    train(args, cfg, samples, bins, device)
+          f"({sum(map(len, bins))} sample-steps; dataset {len(items)})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"command_{args.mode}.txt").write_text("python " + " ".join(sys.argv) + "\n")
+    train(args, cfg, items, encoder, bins, device)
     return 0
 
 

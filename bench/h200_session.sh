@@ -31,7 +31,6 @@ conv() {  # conv NAME RECIPE EXTRA...
       --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
   done
   python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
-  rm -rf "$R/$name/cache"
 }
 for part in "$@"; do
   echo "=== $part $(date +%T)"
