@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from vlpack.data.batch import build_thd_batch
 from vlpack.model import attention, build_model, gdn
 from vlpack.model.loss import chunked_linear_ce_sum, linear_ce_sum, plain_ce_sum
-from vlpack.model.presets import PRESETS, get_preset
+from vlpack.model.presets import PRESETS, get_preset, reduced_depth
 from vlpack.model.synthetic import default_mix
 
 
@@ -53,6 +53,21 @@ def test_real_presets_build_on_meta(name, billions):
     total = sum(p.numel() for p in model.parameters()) / 1e9
     assert abs(total - billions) < 0.01, total
     assert spec.has_gdn == name.startswith("qwen3.5") and spec.is_moe == ("-a3b" in name)
+
+
+def test_reduced_depth_keeps_the_shape_and_the_hybrid_pattern():
+    """The benchmarks' cut-down 35B: 4 text layers (3 Gated-DeltaNet + 1 attention), same widths."""
+    name = reduced_depth("qwen3.5-35b-a3b", 4)
+    assert reduced_depth("qwen3.5-35b-a3b", 4) == name == "qwen3.5-35b-a3b-4L"
+    model, spec = build_model(name, device="meta", dtype="bfloat16")
+    text = model.config.text_config
+    assert text.num_hidden_layers == len(model.model.language_model.layers) == 4
+    assert list(text.layer_types) == ["linear_attention"] * 3 + ["full_attention"]
+    full = get_preset("qwen3.5-35b-a3b").text
+    assert text.hidden_size == full["hidden_size"] and text.num_experts == full["num_experts"]
+    assert spec.has_gdn and spec.is_moe
+    with pytest.raises(ValueError, match="between 1 and"):
+        reduced_depth("qwen3.5-35b-a3b", 41)
 
 
 def test_unknown_preset_says_what_to_do():
