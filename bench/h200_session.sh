@@ -12,6 +12,7 @@
 #   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers (stock modes without fla)
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
 #   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers
+#   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
 set -u
 OUT=${1:-out}; shift; R=/tmp/vlres; rm -rf "$R"; mkdir -p "$OUT" "$R"
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
@@ -59,6 +60,9 @@ for part in "$@"; do
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
     conv-2b) conv conv-qwen3-vl-2b qwen3-vl-2b --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
     conv-35b) conv conv-qwen3.5-35b-a3b-${LAYERS}L qwen3.5-35b-a3b --layers "$LAYERS" --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
+    loss) for v in 151936 248320; do
+            python3 bench/loss_speed.py --vocab $v --out "$R/loss_v$v.json" 2>&1 | tee -a "$R/loss.log"
+          done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   tar czf "$OUT/results.tgz" -C "$R" .
