@@ -4,13 +4,16 @@
     python bench/convergence.py --recipe qwen3-vl-2b --mode padded --out runs/conv-2b
     python bench/convergence.py --recipe qwen3-vl-2b --compare --out runs/conv-2b
 
-The samples are planned once into bins of `--seq-len` tokens (the trainer's stream: seeded
-shuffle, BFD over a 256-sample buffer). Step k trains on the samples of bin k in both modes:
+The samples are planned once into bins of `--seq-len` tokens (the trainer's BinStream: seeded
+shuffle, BFD over the recipe's buffer; overlong samples skipped). Step k trains on the samples of
+bin k in both modes:
 `packed` as one THD row (vlpack varlen attention), `padded` as right-padded batches of at most
 `--micro` samples (sdpa), with the trainer's `optimizer_step` (global token-mean loss, the
-recipe's AdamW, schedule, clipping, MoE aux coefficient; bf16 autocast on GPU, fp32 master
-weights). The two runs see the same samples with the same learning rate at every step, so their
-loss curves differ only by numerics. Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
+recipe's AdamW, schedule, clipping, loss path and MoE aux coefficient; bf16 autocast on GPU, fp32
+master weights). The two runs see the same samples with the same learning rate at every step, so
+their loss curves differ only by numerics. (With MoE, the aux loss pools each micro-batch's real
+tokens: the same tokens as the packed row only while a bin fits one padded micro-batch, i.e.
+`--micro` ≥ samples per bin.) Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
 reads it); `--compare` writes the overlay PNG and the final-loss comparison.
 """
 
@@ -58,10 +61,10 @@ class StepBatches(torch.utils.data.Dataset):
                 for i in range(0, len(group), self.micro)]
 
 
-def plan(sizes, seq_len: int, steps: int, seed: int) -> list[list[int]]:
+def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[int]]:
     """The first `steps` bins of the trainer's stream over `sizes` (epochs chained)."""
-    stream = BinStream(sizes=sizes, seq_len=seq_len, algo="bfd", overlong="skip", seed=seed,
-                       epochs=None)
+    stream = BinStream(sizes=sizes, seq_len=seq_len, algo="bfd", buffer_size=buffer,
+                       overlong="skip", seed=seed, epochs=None)
     bins = []
     for b in stream:
         bins.append(list(b.items))
@@ -78,7 +81,7 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
                               dtype=torch.float32, device=device, seed=cfg.train.seed)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    module = TrainModule(model, spec)
+    module = TrainModule(model, spec, loss_method="chunked" if cfg.model.chunked_loss else "plain")
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
     sched = build_scheduler(opt, cfg.optim, len(bins))
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -154,7 +157,8 @@ def main(argv=None) -> int:
     family = get_preset(cfg.model.name).family
     encoder = Encoder(family)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
-    bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed)
+    bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
+                cfg.data.buffer_size)
     used = len({i for b in bins for i in b})
     print(f"{args.mode}: {args.steps} steps over {used} distinct samples "
           f"({sum(map(len, bins))} sample-steps; dataset {len(items)})", flush=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # H200 session work, in parts. Run from the repo root on the device, wheels carried in .whl/:
 #   bash bench/h200_session.sh "$OUT" PART [PART ...]
-# A call runs at most 10 minutes: about `train prof-2b` | `conv-2b` | `bench-8b bench-35b`.
+# A call runs at most 10 minutes; measured: `train prof-2b` 337 s, `conv-2b` 433 s (2B, 4k bins),
+# `bench-8b` + `bench-35b` about 400 s.
 # Everything lands in $OUT/results.tgz (re-packed after each part, so a cut-off call keeps what
 # finished) plus $OUT/device.txt.
 #   train      qwen3-vl-2b recipe, random init, $STEPS steps on $SAMPLES synthetic samples
@@ -33,6 +34,7 @@ bench() {  # bench MODEL EXTRA...: one process per mode
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
     PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 \
       | grep -v Warning | tee -a "$R/bench.log"
+    tar czf "$OUT/results.tgz" -C "$R" .
   done
 }
 conv() {  # conv NAME RECIPE EXTRA...
@@ -40,8 +42,9 @@ conv() {  # conv NAME RECIPE EXTRA...
   for m in packed padded; do
     local path=$PYTHONPATH
     [[ $recipe == qwen3.5* && $m == padded ]] && path=$NOFLA
-    PYTHONPATH=$path timeout ${CONV_S:-400} python3 bench/convergence.py --recipe "$recipe" --mode $m \
+    PYTHONPATH=$path timeout ${CONV_S:-280} python3 bench/convergence.py --recipe "$recipe" --mode $m \
       --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
+    tar czf "$OUT/results.tgz" -C "$R" .
   done
   python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
 }
