@@ -14,6 +14,7 @@
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
 #   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
+#   fsdp1      qwen3-vl-2b recipe, 40 steps, plain vs train.fsdp=always (bf16 parameters) on one GPU
 set -u
 OUT=${1:-out}; shift; R=/tmp/vlres; rm -rf "$R"; mkdir -p "$OUT" "$R"
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
@@ -66,6 +67,15 @@ for part in "$@"; do
     loss) for v in 151936 248320; do
             python3 bench/loss_speed.py --vocab $v --out "$R/loss_v$v.json" 2>&1 | tee -a "$R/loss.log"
           done ;;
+    fsdp1)
+      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=600)"
+      for f in auto always; do
+        timeout ${FSDP_S:-150} python3 -m vlpack train qwen3-vl-2b data.synthetic_samples=600 \
+          data.num_workers=12 data.eval_samples=0 train.max_steps=40 train.save_every=0 \
+          train.save_final=false train.progress=false train.fsdp=$f train.output_dir="$R/fsdp1-$f" \
+          2>&1 | tail -12 | tee -a "$R/fsdp1.log"
+        tar czf "$OUT/results.tgz" -C "$R" .
+      done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   tar czf "$OUT/results.tgz" -C "$R" .

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import CPU, small_cfg
+from tests.test_train import CPU, losses, small_cfg
 from vlpack.cli import main
 from vlpack.config import RECIPES, load_config
 from vlpack.model.presets import PRESETS
@@ -61,3 +61,29 @@ def test_pad_to_seq_len_gives_static_rows_and_the_same_loss(tmp_path: Path) -> N
     assert rows[1].num_tokens == 512 and rows[0].num_tokens < 512
     assert rows[0].sample_keys == rows[1].sample_keys
     assert abs(a.fit()["last_loss"] - b.fit()["last_loss"]) < 1e-5
+
+
+def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
+    """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
+    its sharded checkpoint resumes to the straight run's losses."""
+    from vlpack.train import checkpoint as ckpt
+    from vlpack.train.parallel import shutdown
+
+    try:
+        plain = Trainer(small_cfg(tmp_path / "plain", "train.max_steps=4"), CPU)
+        plain.fit()
+        fsdp = Trainer(small_cfg(tmp_path / "fsdp", "train.max_steps=4", "train.fsdp=always"), CPU)
+        assert torch.distributed.is_initialized()
+        assert type(fsdp.model.model.language_model.layers[0]).__name__.startswith("FSDP")
+        fsdp.fit()
+        a, b = losses(tmp_path / "plain"), losses(tmp_path / "fsdp")
+        assert len(a) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+
+        part = Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always",
+                                 "train.stop_after=2"), CPU)
+        part.fit()
+        assert ckpt.latest_checkpoint(tmp_path / "part").name == "step_00000002"
+        Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always"), CPU).fit()
+        assert losses(tmp_path / "part") == b
+    finally:
+        shutdown()

@@ -217,6 +217,11 @@ class TrainConfig:
     """Show a progress bar."""
     export_hf: bool = False
     """Also export the final model as a HF folder (output_dir/hf)."""
+    fsdp: Literal["auto", "always"] = "auto"
+    """`auto`: FSDP2 when torchrun starts more than one process; `always`: FSDP2 on one process
+    too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's
+    mixed-precision policy instead of autocast over fp32 weights; the fp32 master weights stay
+    in the optimizer either way."""
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
@@ -228,6 +233,7 @@ class TrainConfig:
         _positive("train.eval_every", self.eval_every, allow_zero=True)
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
+        _choice("train.fsdp", self.fsdp, ("auto", "always"))
 
 
 @dataclass(kw_only=True, slots=True)

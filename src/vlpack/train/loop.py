@@ -29,7 +29,14 @@ from vlpack.train.flops import flop_model, peak_flops
 from vlpack.train.metrics import MetricsWriter, format_summary
 from vlpack.train.module import TrainModule, freeze
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import DistInfo, all_reduce, apply_fsdp, init_distributed, shutdown
+from vlpack.train.parallel import (
+    DistInfo,
+    all_reduce,
+    apply_fsdp,
+    ensure_process_group,
+    init_distributed,
+    shutdown,
+)
 from vlpack.train.plot import plot_runs
 from vlpack.train.step import StepResult, optimizer_step
 
@@ -75,7 +82,8 @@ class Trainer:
             model, self.spec, touch_vision=self.info.distributed,
             loss_method="chunked" if cfg.model.chunked_loss else "plain",
         )
-        if self.info.distributed:
+        if self.info.distributed or cfg.train.fsdp == "always":
+            ensure_process_group(self.info)
             apply_fsdp(self.module, model, self.info, param_dtype=self.autocast)
             self.autocast = None  # FSDP's mixed-precision policy casts instead
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,

@@ -46,6 +46,16 @@ def init_distributed() -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
 
 
+def ensure_process_group(info: DistInfo) -> None:
+    """A process group for FSDP2 on a single process (`train.fsdp=always`): one rank, an
+    in-memory store, no rendezvous."""
+    if dist.is_initialized():
+        return
+    assert info.world_size == 1, "several processes join torchrun's group in init_distributed"
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
