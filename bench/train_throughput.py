@@ -153,7 +153,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
                               device=device, seed=0)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    module = TrainModule(model, spec)
+    module = TrainModule(model, spec, loss_method=args.loss)
     opt = build_optimizer(model.parameters(), argparse.Namespace(
         lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
     ) if args.optimizer else None
@@ -296,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="step AdamW (fp32 states); --no-optimizer for shapes whose states do "
                         "not fit one GPU (throughput never counts the optimizer)")
+    p.add_argument("--loss", default="chunked", choices=("chunked", "liger", "plain", "auto"),
+                   help="vlpack modes' loss path; chunked is what `vlpack train` uses "
+                        "(model.chunked_loss=true). Runs before this flag used auto (= liger on GPU)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt")
     p.add_argument("--profile-steps", type=int, default=2)
