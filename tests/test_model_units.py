@@ -242,6 +242,27 @@ def test_chunked_loss_equals_plain(chunk):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+def test_chunked_loss_under_bf16_autocast_matches_plain():
+    """Under autocast the chunked loss runs its matmuls in bf16 (weight gradient included) and
+    stays within bf16 rounding of the plain path run under the same autocast."""
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 64, 32, 3001
+    h1 = torch.randn(T, H, generator=g, requires_grad=True)
+    w1 = (0.1 * torch.randn(V, H, generator=g)).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::4] = -100
+    h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain_ce_sum(h1 @ w1.T, labels)
+        got = chunked_linear_ce_sum(h2, w2, labels, chunk_size=16)
+    want.backward()
+    got.backward()
+    assert got.dtype == torch.float32 and w2.grad.dtype == torch.float32
+    assert abs(float(got) - float(want)) <= 1e-2 * abs(float(want))
+    for a, b in ((h2.grad, h1.grad), (w2.grad, w1.grad)):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.abs().max()
+
+
 def test_loss_counts_labels_and_never_shifts():
     lm = torch.nn.Linear(8, 50, bias=False)
     h = torch.randn(6, 8)

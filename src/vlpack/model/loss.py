@@ -70,7 +70,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_CV.mul_(r_C[:, None])
             gh_NH[s : s + chunk] = (grad_CV.to(w_VH.dtype) @ w_VH).to(h_NH.dtype)
             if gw_VH is not None:
-                gw_VH.addmm_(grad_CV.T, h_CH.float())
+                if torch.is_autocast_enabled(h_NH.device.type):
+                    # as autocast runs a linear layer's weight gradient: the matmul in the
+                    # autocast dtype, summed into fp32 (in-place addmm_ would escape autocast
+                    # and run the [V, H] product in fp32)
+                    gw_VH.add_(grad_CV.T @ h_CH)
+                else:
+                    gw_VH.addmm_(grad_CV.T, h_CH.float())
         ctx.save_for_backward(gh_NH, gw_VH.to(w_VH.dtype) if gw_VH is not None else None)
         return loss
 
