@@ -333,7 +333,8 @@ def main(argv=None) -> int:
             continue
         finally:  # the mode's model and optimizer are garbage once run_mode returns
             gc.collect()
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if rate:
             r["mfu_vs_matmul"] = r["mfu"] * PEAK / rate
         result["modes"][mode] = r
