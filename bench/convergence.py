@@ -95,12 +95,11 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     t0 = time.perf_counter()
     with open(run / "metrics.jsonl", "w") as f:
         for k, mbs in enumerate(data, 1):
-            group = bins[k - 1]
             mbs = [b.to(device, non_blocking=True) for b in mbs]
             r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
                                grad_clip=cfg.optim.grad_clip,
                                autocast=torch.bfloat16 if device.type == "cuda" else None)
-            seen += len(group)
+            seen += r.samples
             row = {"step": k, "loss": r.loss, "aux_loss": r.aux_loss, "samples": seen,
                    "lr": r.lr, "grad_norm": r.grad_norm, "seconds": time.perf_counter() - t0}
             f.write(json.dumps(row) + "\n")

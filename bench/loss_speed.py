@@ -21,14 +21,6 @@ import torch
 from vlpack.model import loss as L
 
 
-def run_path(name: str, h, lm_head, y, chunk: int | None):
-    if name == "plain":
-        return L.linear_ce_sum(h, lm_head, y, method="plain")[0]
-    if name == "liger":
-        return L.linear_ce_sum(h, lm_head, y, method="liger")[0]
-    return L.chunked_linear_ce_sum(h, lm_head.weight, y, chunk_size=chunk)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=2048, help="label tokens")
@@ -59,7 +51,8 @@ def main(argv=None) -> int:
         h = h0.clone().requires_grad_(True)
         lm_head.weight.grad = None
         with amp:
-            out = run_path(name.split("-")[0], h, lm_head, y, chunk)
+            out = L.linear_ce_sum(h, lm_head, y, method=name.split("-")[0],
+                                  chunk_size=chunk or 1024)[0]
         out.backward()
         return out.detach().float(), h.grad, lm_head.weight.grad
 
