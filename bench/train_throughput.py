@@ -21,6 +21,10 @@ Modes:
   vlpack_padded     right-padded batches of --batch samples, sdpa, vlpack loss
   hf_padded         right-padded batches, sdpa, stock `model(**inputs, labels=...)` loss
   hf_padding_free   stock transformers packing: 4-row position ids, no mask, sdpa, stock loss
+
+Speed levers, recorded as a suffix of the mode's key: `--compile` (torch.compile of the norm and
+MLP modules, `model.compile=true`) and `--bf16-params` (bf16 compute weights with fp32 masters
+through FSDP2 on one rank, no autocast: `train.fsdp=always`).
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
+from vlpack.model.compile import compile_regions
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
+from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
 PEAK = 989e12
@@ -117,6 +123,11 @@ def model_name(args) -> str:
     return reduced_depth(args.model, args.layers) if args.layers else args.model
 
 
+def variant(mode: str, args) -> str:
+    """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`)."""
+    return mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params
+
+
 def hf_padded_loss(model, b):
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
                 mm_token_type_ids=b.mm_token_type_ids, pixel_values=b.pixel_values,
@@ -153,7 +164,14 @@ def run_mode(mode: str, args, samples, device) -> dict:
                               device=device, seed=0)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    if args.compile:
+        compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
+    if args.bf16_params:  # what `train.fsdp=always` does: FSDP2 on one rank, bf16 compute weights
+        info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        ensure_process_group(info)
+        apply_fsdp(module if mode.startswith("vlpack") else model, model, info,
+                   param_dtype=torch.bfloat16)
     opt = build_optimizer(model.parameters(), argparse.Namespace(
         lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
     ) if args.optimizer else None
@@ -162,8 +180,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
     need = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
     timer = Timer(device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else contextlib.nullcontext())
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and not args.bf16_params else contextlib.nullcontext())
     paths: dict = {}
 
     def step(b, measuring: bool) -> None:
@@ -232,7 +250,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     }
     if args.profile:
         res["profile"] = profile_steps(step, batches[args.warmup + args.steps :], device,
-                                       Path(args.profile) / f"profile_{mode}.txt")
+                                       Path(args.profile) / f"profile_{variant(mode, args)}.txt")
     return res
 
 
@@ -299,6 +317,11 @@ def main(argv=None) -> int:
     p.add_argument("--loss", default="chunked", choices=("chunked", "liger", "plain", "auto"),
                    help="vlpack modes' loss path; chunked is what `vlpack train` uses "
                         "(model.chunked_loss=true). Runs before this flag used auto (= liger on GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the norm and MLP modules (model.compile=true)")
+    p.add_argument("--bf16-params", action="store_true",
+                   help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
+                        "(train.fsdp=always)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt")
     p.add_argument("--profile-steps", type=int, default=2)
@@ -306,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.bf16_params and device.type != "cuda":
+        p.error("--bf16-params needs a GPU (on CPU everything runs in float32)")
     family = get_preset(args.model).family
     enc = Encoder(family, max_pixels=args.max_pixels)
     items = [c for c in open_dataset("synthetic", None, synthetic_samples=args.samples)
@@ -323,9 +348,10 @@ def main(argv=None) -> int:
         "mean_tokens_per_sample": mean, "image_token_share": image_share,
         "matmul_bf16_tflops": rate / 1e12 if rate else None, "modes": {},
     }
-    for mode in args.modes.split(","):
+    for base in args.modes.split(","):
+        mode = variant(base, args)
         try:
-            r = run_mode(mode, args, samples, device)
+            r = run_mode(base, args, samples, device)
         except torch.OutOfMemoryError as e:  # recorded, not hidden: the mode does not fit
             print(f"{mode:>16}: out of memory ({str(e).splitlines()[0]})", flush=True)
             result["modes"][mode] = {"error": "out of memory", "real_tokens_per_s": None,

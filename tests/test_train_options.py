@@ -33,6 +33,25 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
     assert abs(plain["last_loss"] - ckpt["last_loss"]) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])
+def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str) -> None:
+    """`model.compile=true` (inductor-fused norms and MLPs) trains to the eager run's losses;
+    the hybrid MoE family covers its offset RMSNorm and shared-expert MLP."""
+    from vlpack.model.compile import compile_regions
+
+    plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
+    plain.fit()
+    fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
+                              "model.compile=true"), CPU)
+    norms = [m for m in fused.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
+    fused.fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+    with pytest.raises(ValueError, match=r"model\.compile=false"):
+        compile_regions(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
 def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:
     t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.tokens_per_step=1200"), CPU)
     mbs = t._next_micro_batches(iter(t.train_loader))

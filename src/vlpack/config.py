@@ -152,6 +152,9 @@ class ModelConfig:
     activation_checkpointing: bool = False
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
+    compile: bool = False
+    """torch.compile the RMSNorm and MLP modules (fuses their elementwise work; the first step
+    pays the compilation). See docs/benchmarks.md for what it buys on a GPU."""
 
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))

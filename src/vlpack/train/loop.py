@@ -59,6 +59,7 @@ class Trainer:
     def __init__(self, cfg: Config, info: DistInfo | None = None):
         from vlpack.data.encode import Encoder
         from vlpack.model.build import build_model
+        from vlpack.model.compile import compile_regions
 
         self.cfg = cfg
         self.info = info or init_distributed()
@@ -75,6 +76,8 @@ class Trainer:
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:  # older transformers (the H200 has 5.17)
                 model.gradient_checkpointing_enable({"use_reentrant": False})
+        if cfg.model.compile:
+            compile_regions(model)
         self.model = model
         self.flops = flop_model(model)
         self.autocast = _autocast_dtype(cfg, self.info.device)
