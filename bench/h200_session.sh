@@ -9,8 +9,10 @@
 #   train      qwen3-vl-2b recipe, random init, $STEPS steps on $SAMPLES synthetic samples
 #   prof-2b    qwen3-vl-2b throughput of vlpack packed, with a torch.profiler table
 #   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode; $MODES
-#              narrows them, e.g. MODES="vlpack_packed vlpack_padded")
+#              narrows them, e.g. MODES="vlpack_packed vlpack_padded"; $LEVERS, e.g. --compile,
+#              applies to the vlpack modes of bench-*, mem-2b and prof-*)
 #   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each)
+#   levers-8b  qwen3-vl-8b (AC, no optimizer) and levers-35b (cut): vlpack packed plain, --compile
 #   mem-2b     qwen3-vl-2b vlpack packed in bins of 3,632 tokens: the real tokens per step of the
 #              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
 #   prof-8b    qwen3-vl-8b vlpack packed (AC, no optimizer) under torch.profiler
@@ -43,8 +45,17 @@ bench() {  # bench MODEL EXTRA...: one process per mode
   for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
     local path=$PYTHONPATH
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
-    PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m "$@" 2>&1 \
+    local levers=""; [[ $m == vlpack* ]] && levers=${LEVERS:-}  # stock modes stay stock
+    PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m $levers "$@" 2>&1 \
       | grep -v Warning | tee -a "$R/bench.log"
+    tar czf "$TGZ" -C "$R" .
+  done
+}
+levers() {  # levers FLAGS... -- BENCH_ARGS...: vlpack packed once per lever set (one process each)
+  local sets=()
+  while [[ $1 != -- ]]; do sets+=("$1"); shift; done; shift
+  for f in "${sets[@]}"; do
+    timeout ${MODE_S:-150} $TP --modes vlpack_packed $f "$@" 2>&1 | grep -v Warning | tee -a "$R/levers.log"
     tar czf "$TGZ" -C "$R" .
   done
 }
@@ -71,11 +82,9 @@ for part in "$@"; do
         2>&1 | tail -40 | tee "$R/train.log" ;;
     prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
     bench-2b) bench qwen3-vl-2b ;;
-    levers-2b) for f in "" --compile --bf16-params "--compile --bf16-params"; do
-                 timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed $f 2>&1 \
-                   | grep -v Warning | tee -a "$R/levers.log"
-                 tar czf "$TGZ" -C "$R" .
-               done ;;
+    levers-2b) levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b ;;
+    levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
+    levers-35b) levers "" --compile -- --model qwen3.5-35b-a3b --layers "$LAYERS" ;;
     mem-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 \
               ${LEVERS:-} --out "$R/throughput_mem.json" 2>&1 | grep -v Warning | tee -a "$R/mem.log" ;;
     prof-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer \

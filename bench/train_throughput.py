@@ -179,6 +179,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
     need = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
+    if device.type == "cuda":  # as the trainer's DataLoader (pin_memory=True) hands them over
+        batches = [b.pin_memory() for b in batches]
     timer = Timer(device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and not args.bf16_params else contextlib.nullcontext())
