@@ -33,19 +33,25 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
     assert abs(plain["last_loss"] - ckpt["last_loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])
-def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name,fsdp", [("tiny-qwen3_vl", "auto"), ("tiny-qwen3_5_moe", "auto"),
+                                       ("tiny-qwen3_vl", "always")])
+def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str, fsdp: str) -> None:
     """`model.compile=true` (inductor-fused norms and MLPs) trains to the eager run's losses;
-    the hybrid MoE family covers its offset RMSNorm and shared-expert MLP."""
+    the hybrid MoE family covers its offset RMSNorm and shared-expert MLP, fsdp=always the
+    compiled modules inside FSDP2-sharded blocks."""
     from vlpack.model.compile import compile_regions
+    from vlpack.train.parallel import shutdown
 
     plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
     plain.fit()
-    fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
-                              "model.compile=true"), CPU)
-    norms = [m for m in fused.model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert norms and all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
-    fused.fit()
+    try:
+        fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
+                                  "model.compile=true", f"train.fsdp={fsdp}"), CPU)
+        norms = [m for m in fused.model.modules() if type(m).__name__.endswith("RMSNorm")]
+        assert norms and all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
+        fused.fit()
+    finally:
+        shutdown()
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
     with pytest.raises(ValueError, match=r"model\.compile=false"):
