@@ -25,6 +25,7 @@
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
+#   collectives  GPU topology and NCCL all-gather / reduce-scatter bandwidth on 2 GPUs
 #   fsdp1      qwen3-vl-2b recipe, 40 steps, plain vs train.fsdp=always (bf16 parameters) on one GPU
 set -u
 OUT=${1:-out}; shift; TAG=${TAG:-}; R=/tmp/vlres$TAG; rm -rf "$R"; mkdir -p "$OUT" "$R"
@@ -97,13 +98,16 @@ for part in "$@"; do
     bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     noac-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:-} \
                --out "$R/noac_8b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
+    collectives) nvidia-smi topo -m | tee "$R/topo.txt"
+      torchrun --standalone --nproc-per-node 2 bench/collective_speed.py 2>&1 | grep GPUs | tee -a "$R/topo.txt" ;;
     scale)  # FSDP2 weak scaling with the qwen3-vl-2b recipe: $SCALE_N GPUs × $SCALE_MB bins per step
+            # ($SCALE_EXTRA: more overrides, e.g. train.reshard_after_forward=false)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       for mb in ${SCALE_MB:-1 2}; do for n in ${SCALE_N:-1 2}; do
         timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node $n -m vlpack train qwen3-vl-2b \
           data.synthetic_samples=1600 data.eval_samples=0 data.num_workers=3 train.max_steps=25 \
           train.micro_batches=$mb train.save_every=0 train.save_final=false train.progress=false \
-          train.output_dir="$R/scale-n$n-mb$mb" 2>&1 | grep -v Warning | tail -6 | tee -a "$R/scale.log"
+          train.output_dir="$R/scale-n$n-mb$mb" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -6 | tee -a "$R/scale.log"
         tar czf "$TGZ" -C "$R" .
       done; done ;;
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;

@@ -104,6 +104,11 @@ def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
         a, b = losses(tmp_path / "plain"), losses(tmp_path / "fsdp")
         assert len(a) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
 
+        kept = Trainer(small_cfg(tmp_path / "kept", "train.max_steps=4", "train.fsdp=always",
+                                 "train.reshard_after_forward=false"), CPU)
+        kept.fit()  # parameters kept gathered from forward to backward: the same arithmetic
+        assert losses(tmp_path / "kept") == b
+
         part = Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always",
                                  "train.stop_after=2"), CPU)
         part.fit()

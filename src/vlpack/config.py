@@ -225,6 +225,13 @@ class TrainConfig:
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's
     mixed-precision policy instead of autocast over fp32 weights; the fp32 master weights stay
     in the optimizer either way."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (and gather them again for
+    its backward). `false` keeps them from forward to backward: one all-gather fewer per block
+    and micro-batch, for the memory of the unsharded bf16 parameters."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2 gradient reduce-scatter dtype. `bfloat16` halves its traffic; the sum over ranks is
+    then rounded to bf16 before the fp32 optimizer sees it."""
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
@@ -237,6 +244,7 @@ class TrainConfig:
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
         _choice("train.fsdp", self.fsdp, ("auto", "always"))
+        _choice("train.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -87,7 +87,9 @@ class Trainer:
         )
         if self.info.distributed or cfg.train.fsdp == "always":
             ensure_process_group(self.info)
-            apply_fsdp(self.module, model, self.info, param_dtype=self.autocast)
+            apply_fsdp(self.module, model, self.info, param_dtype=self.autocast,
+                       reduce_dtype=getattr(torch, cfg.train.reduce_dtype),
+                       reshard_after_forward=cfg.train.reshard_after_forward)
             self.autocast = None  # FSDP's mixed-precision policy casts instead
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type)

@@ -86,21 +86,24 @@ def broadcast_object(obj, info: DistInfo):
 
 
 def apply_fsdp(
-    root: torch.nn.Module, model: torch.nn.Module, info: DistInfo, *, param_dtype: torch.dtype | None
+    root: torch.nn.Module, model: torch.nn.Module, info: DistInfo, *,
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
 ) -> None:
     """FSDP2: shard each decoder block and each vision block of the HF `model`, then `root` (the
     module whose forward runs a whole micro-batch).
 
     With `param_dtype` (bf16 on GPU) parameters are all-gathered in that dtype and gradients are
-    reduced in float32; the master weights stay float32.
+    reduced in `reduce_dtype`; the master weights stay float32. `reshard_after_forward=False`
+    keeps each block's gathered parameters until its backward (no second all-gather).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     inner = model.model
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
