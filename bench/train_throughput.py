@@ -365,6 +365,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         if rate:
             r["mfu_vs_matmul"] = r["mfu"] * PEAK / rate
+        r["command"] = result["command"]  # modes of one shape may come from separate processes
         result["modes"][mode] = r
         print(f"{mode:>16}: {r['real_tokens_per_s']:9.0f} real tok/s  MFU {100 * r['mfu']:5.1f}%  "
               f"peak {r['peak_mem_gib'] or 0:5.1f} GiB  step {r['step_s']:.3f}s  "
