@@ -318,7 +318,8 @@ def main(argv=None) -> int:
                         "not fit one GPU (throughput never counts the optimizer)")
     p.add_argument("--loss", default="chunked", choices=("chunked", "liger", "plain", "auto"),
                    help="vlpack modes' loss path; chunked is what `vlpack train` uses "
-                        "(model.chunked_loss=true). Runs before this flag used auto (= liger on GPU)")
+                        "(model.chunked_loss=true); auto = chunked. Runs before this flag existed used "
+                        "liger on GPU")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the norm and MLP modules (model.compile=true)")
     p.add_argument("--bf16-params", action="store_true",

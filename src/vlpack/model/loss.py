@@ -8,7 +8,9 @@ Paths (all equal to the plain computation):
   plain   — logits = lm_head(hidden) for the label rows, then cross-entropy in fp32.
   chunked — never holds [T, vocab] logits: a custom autograd function walks the label rows in
             chunks, computes loss and both gradients chunk by chunk, and keeps only the gradients.
-  liger   — liger-kernel's fused linear cross-entropy (GPU, when importable).
+  liger   — liger-kernel's fused linear cross-entropy (GPU, when importable); opt-in only: on
+            an H200 it took 112 ms where chunked took 16 ms (docs/benchmarks.md, loss paths).
+  auto    — chunked.
 
 Legend: T = tokens, N = label tokens, H = hidden size, V = vocabulary, C = chunk rows.
 """
@@ -127,8 +129,7 @@ def linear_ce_sum(
         raise ValueError("lm_head with a bias is not supported by vlpack's loss")
     n = int((labels_T != IGNORE_INDEX).sum())
     if method == "auto":
-        usable = hidden_TH.is_cuda and _liger() is not None and token_weight_T is None
-        method = "liger" if usable else "chunked"
+        method = "chunked"
     if method == "liger" and token_weight_T is not None:
         method = "chunked"
     if method == "liger" and (not hidden_TH.is_cuda or _liger() is None):
