@@ -23,6 +23,8 @@
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
 #   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers ($CONV_MODES: which modes)
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
+#   bins-2b    qwen3-vl-2b vlpack packed, compiled, in bins of $BINS tokens (default 16384 32768)
+#   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
 #   collectives  GPU topology and NCCL all-gather / reduce-scatter bandwidth on 2 GPUs
@@ -96,6 +98,17 @@ for part in "$@"; do
     prof-35b) timeout ${MODE_S:-150} $TP --model qwen3.5-35b-a3b --layers "$LAYERS" --modes vlpack_packed \
                ${LEVERS:-} --profile "$R" --out "$R/profile_35b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
     bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
+    bins-2b) for n in ${BINS:-16384 32768}; do  # larger bins: the host's fixed cost per step amortised
+               timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --compile --seq-len $n \
+                 --samples 192 --out "$R/throughput_bins.json" 2>&1 | grep -v Warning | tee -a "$R/bins.log"
+               tar czf "$TGZ" -C "$R" .
+             done ;;
+    prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
+      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
+      timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \
+        data.synthetic_samples=1600 data.eval_samples=0 data.num_workers=3 train.max_steps=10 \
+        train.profile_steps=2 train.profile_from=7 train.save_every=0 train.save_final=false \
+        train.progress=false train.output_dir="$R/prof-fsdp2" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -6 ;;
     noac-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:-} \
                --out "$R/noac_8b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
     collectives) nvidia-smi topo -m | tee "$R/topo.txt"

@@ -53,6 +53,7 @@ from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
 from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
+from vlpack.train.profile import StepProfiler
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
 PEAK = 989e12
@@ -252,54 +253,19 @@ def run_mode(mode: str, args, samples, device) -> dict:
     }
     if args.profile:
         res["profile"] = profile_steps(step, batches[args.warmup + args.steps :], device,
-                                       Path(args.profile) / f"profile_{variant(mode, args)}.txt")
+                                       Path(args.profile) / f"profile_{variant(mode, args)}.txt",
+                                       res["step_s"])
     return res
 
 
-MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "matmul")
-ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
-
-
-def profile_steps(step, batches, device, out: Path) -> dict:
-    """Profile `batches` with torch.profiler: write the top kernels and operators to `out` and
-    return how busy the GPU was and how its kernel time splits (matmul / attention / other)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for b in batches:
-            step(b, False)
-        sync(device)
-    wall = time.perf_counter() - t
-    kernels: dict[str, float] = {}
-    for e in prof.events():
-        # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels already counted
-        annotation = getattr(e, "is_user_annotation", False) or "#" in e.name
-        if e.device_type == torch.autograd.DeviceType.CUDA and not annotation:
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e6
-    busy = sum(kernels.values())
-    share = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
-    for name, sec in kernels.items():
-        low = name.lower()
-        # attention first: flash kernels name cutlass types in their template arguments
-        kind = ("attention" if any(k in low for k in ATTENTION_KERNELS) else
-                "matmul" if any(k in low for k in MATMUL_KERNELS) else "other")
-        share[kind] += sec / busy if busy else 0.0
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    out.write_text(
-        f"{len(batches)} steps, wall {wall:.3f} s, GPU kernel time {busy:.3f} s "
-        f"({100 * busy / wall:.1f}% busy)\n\nkernel share: "
-        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items())
-        + "\n\ntop kernels (seconds over the profiled steps):\n"
-        + "\n".join(f"{sec:9.4f}  {name[:150]}" for name, sec in top)
-        + "\n\noperators:\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
-    )
-    return {"steps": len(batches), "wall_s": wall, "gpu_busy": busy / wall if wall else None,
-            "kernel_share": share, "file": out.name}
+def profile_steps(step, batches, device, out: Path, step_s: float) -> dict:
+    """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.profile)."""
+    prof = StepProfiler(out, start=1, count=len(batches), device=device)
+    for i, b in enumerate(batches, 1):
+        prof.before(i)
+        step(b, False)
+        prof.after(i, reference_step_s=step_s)
+    return prof.summary
 
 
 def main(argv=None) -> int:

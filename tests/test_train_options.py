@@ -58,6 +58,17 @@ def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str, fsdp: 
         compile_regions(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
+def test_profile_writes_a_summary(tmp_path: Path) -> None:
+    """`train.profile_steps`: a table of the profiled step, set against the unprofiled ones."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=3", "train.profile_steps=1",
+                      "train.profile_from=3"), CPU).fit()
+    text = (tmp_path / "profile_rank0.txt").read_text()
+    assert text.startswith("1 steps, profiled wall") and "operators only" in text
+    assert "operators:" in text and "aten::" in text
+    with pytest.raises(ValueError, match=r"lower train\.profile_from"):
+        small_cfg(tmp_path, "train.max_steps=3", "train.profile_steps=2", "train.profile_from=3")
+
+
 def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:
     t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.tokens_per_step=1200"), CPU)
     mbs = t._next_micro_batches(iter(t.train_loader))

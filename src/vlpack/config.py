@@ -225,6 +225,12 @@ class TrainConfig:
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's
     mixed-precision policy instead of autocast over fp32 weights; the fp32 master weights stay
     in the optimizer either way."""
+    profile_steps: int = 0
+    """Profile this many steps with torch.profiler (0: off), from step `profile_from`; each rank
+    writes OUTPUT_DIR/profile_rank<R>.txt: kernel time per step against the unprofiled step
+    time, the matmul / attention / other split, the top kernels and operators."""
+    profile_from: int = 6
+    """First profiled step (1-based): after compilation and allocator warm-up."""
     reshard_after_forward: bool = True
     """FSDP2: free each block's gathered parameters after its forward (and gather them again for
     its backward). `false` keeps them from forward to backward: one all-gather fewer per block
@@ -245,6 +251,13 @@ class TrainConfig:
         _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
         _choice("train.fsdp", self.fsdp, ("auto", "always"))
         _choice("train.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
+        _positive("train.profile_steps", self.profile_steps, allow_zero=True)
+        _positive("train.profile_from", self.profile_from)
+        if self.profile_steps and self.profile_from + self.profile_steps - 1 > self.max_steps:
+            raise ValueError(
+                f"train.profile_from={self.profile_from} + train.profile_steps={self.profile_steps} "
+                f"runs past train.max_steps={self.max_steps}: lower train.profile_from"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -38,6 +38,7 @@ from vlpack.train.parallel import (
     shutdown,
 )
 from vlpack.train.plot import plot_runs
+from vlpack.train.profile import StepProfiler
 from vlpack.train.step import StepResult, optimizer_step
 
 log = logging.getLogger("vlpack.train")
@@ -296,6 +297,9 @@ class Trainer:
                    disable=not (cfg.train.progress and info.is_main), dynamic_ncols=True)
         it = iter(self.train_loader)
         first_step = self.step
+        profiler = StepProfiler(out_dir / f"profile_rank{info.rank}.txt", device=info.device,
+                                start=cfg.train.profile_from, count=cfg.train.profile_steps)
+        step_s: list[float] = []  # unprofiled step times, the profile's reference
         try:
             while self.step < cfg.train.max_steps:
                 t_data = time.perf_counter()
@@ -303,8 +307,12 @@ class Trainer:
                 data_wait = time.perf_counter() - t_data
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
+                profiler.before(self.step + 1)
                 r = self.train_step(mbs)
                 self.step += 1
+                if not profiler.covers(self.step) and self.step > 1:
+                    step_s.append(r.seconds)
+                profiler.after(self.step, sum(step_s) / len(step_s) if step_s else None)
                 self._record(r, data_wait, peak, writer, bar)
                 if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
                     self._stop = self.step < cfg.train.max_steps
