@@ -119,6 +119,10 @@ def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
                                  "train.reshard_after_forward=false"), CPU)
         kept.fit()  # parameters kept gathered from forward to backward: the same arithmetic
         assert losses(tmp_path / "kept") == b
+        bf16 = Trainer(small_cfg(tmp_path / "bf16", "train.max_steps=1", "train.fsdp=always",
+                                 "train.reduce_dtype=bfloat16"), CPU)
+        block = bf16.model.model.language_model.layers[0]
+        assert block._get_fsdp_state()._mp_policy.reduce_dtype == torch.bfloat16
 
         part = Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always",
                                  "train.stop_after=2"), CPU)
