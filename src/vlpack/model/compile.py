@@ -1,7 +1,7 @@
 """Regional torch.compile: fuse the elementwise work around the matmuls.
 
-A profile of the packed qwen3-vl-2b step (docs/benchmarks.md) spends about half of its kernel
-time outside matmuls and attention: dtype casts, multiplies and adds, most of them inside the
+A profile of the eager packed qwen3-vl-2b step (docs/benchmarks.md) spent about half of its
+kernel time outside matmuls and attention: dtype casts, multiplies and adds, many of them in the
 RMSNorms and the gated MLPs. Compiling those modules (and only those) lets inductor fuse them;
 the decoder layers, the attention seams and the Gated-DeltaNet kernels stay eager, so the
 boundary contract (cu_seqlens, positions) is untouched.

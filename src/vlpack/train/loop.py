@@ -80,7 +80,7 @@ class Trainer:
         if cfg.model.compile:
             if cfg.data.packing == "none":
                 log.warning("model.compile with data.packing=none: the compiled padded step ran "
-                            "at 0.6x the eager speed on an H200 (docs/benchmarks.md); set "
+                            "at about 0.6x the eager speed on an H200 (docs/benchmarks.md); set "
                             "model.compile=false for padded runs")
             compile_regions(model)
         self.model = model
@@ -299,7 +299,7 @@ class Trainer:
         first_step = self.step
         profiler = StepProfiler(out_dir / f"profile_rank{info.rank}.txt", device=info.device,
                                 start=cfg.train.profile_from, count=cfg.train.profile_steps)
-        step_s: list[float] = []  # unprofiled step times, the profile's reference
+        plain_s, plain_n = 0.0, 0  # unprofiled step time after the first, the profile's reference
         try:
             while self.step < cfg.train.max_steps:
                 t_data = time.perf_counter()
@@ -311,8 +311,8 @@ class Trainer:
                 r = self.train_step(mbs)
                 self.step += 1
                 if not profiler.covers(self.step) and self.step > 1:
-                    step_s.append(r.seconds)
-                profiler.after(self.step, sum(step_s) / len(step_s) if step_s else None)
+                    plain_s, plain_n = plain_s + r.seconds, plain_n + 1
+                profiler.after(self.step, plain_s / plain_n if plain_n else None)
                 self._record(r, data_wait, peak, writer, bar)
                 if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
                     self._stop = self.step < cfg.train.max_steps
