@@ -45,14 +45,17 @@ LAYERS=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device$TAG.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device$TAG.txt"
 TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R/throughput.json"
+tp() {  # tp LOG ARGS...: one train_throughput.py process, at most $MODE_S seconds, logged to $R/LOG
+  local log=$1; shift
+  timeout ${MODE_S:-150} $TP "$@" 2>&1 | grep -v Warning | tee -a "$R/$log"
+}
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
   for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
     local path=$PYTHONPATH
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
     local levers=""; [[ $m == vlpack* ]] && levers=${LEVERS:-}  # stock modes stay stock
-    PYTHONPATH=$path timeout ${MODE_S:-150} $TP --model "$model" --modes $m $levers "$@" 2>&1 \
-      | grep -v Warning | tee -a "$R/bench.log"
+    PYTHONPATH=$path tp bench.log --model "$model" --modes $m $levers "$@"
     tar czf "$TGZ" -C "$R" .
   done
 }
@@ -60,7 +63,7 @@ levers() {  # levers FLAGS... -- BENCH_ARGS...: vlpack packed once per lever set
   local sets=()
   while [[ $1 != -- ]]; do sets+=("$1"); shift; done; shift
   for f in "${sets[@]}"; do
-    timeout ${MODE_S:-150} $TP --modes vlpack_packed $f "$@" 2>&1 | grep -v Warning | tee -a "$R/levers.log"
+    tp levers.log --modes vlpack_packed $f "$@"
     tar czf "$TGZ" -C "$R" .
   done
 }
@@ -85,22 +88,21 @@ for part in "$@"; do
         data.num_workers=12 data.eval_samples=64 train.max_steps=${STEPS:-300} train.eval_every=100 \
         train.save_every=0 train.save_final=false train.output_dir="$R/qwen3-vl-2b" train.progress=false \
         2>&1 | tail -40 | tee "$R/train.log" ;;
-    prof-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" 2>&1 | tee -a "$R/bench.log" ;;
+    prof-2b) tp bench.log --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" ;;
     bench-2b) bench qwen3-vl-2b ;;
     levers-2b) levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b ;;
     levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     levers-35b) levers "" --compile -- --model qwen3.5-35b-a3b --layers "$LAYERS" ;;
-    mem-2b) timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 \
-              ${LEVERS:-} --out "$R/throughput_mem.json" 2>&1 | grep -v Warning | tee -a "$R/mem.log" ;;
-    prof-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer \
-               --activation-checkpointing ${LEVERS:-} --profile "$R" --out "$R/profile_8b.json" 2>&1 \
-               | grep -v Warning | tee -a "$R/bench.log" ;;
-    prof-35b) timeout ${MODE_S:-150} $TP --model qwen3.5-35b-a3b --layers "$LAYERS" --modes vlpack_packed \
-               ${LEVERS:-} --profile "$R" --out "$R/profile_35b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
+    mem-2b) tp mem.log --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 ${LEVERS:-} \
+              --out "$R/throughput_mem.json" ;;
+    prof-8b) tp bench.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer \
+               --activation-checkpointing ${LEVERS:-} --profile "$R" --out "$R/profile_8b.json" ;;
+    prof-35b) tp bench.log --model qwen3.5-35b-a3b --layers "$LAYERS" --modes vlpack_packed \
+               ${LEVERS:-} --profile "$R" --out "$R/profile_35b.json" ;;
     bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     bins-2b) for n in ${BINS:-16384 32768}; do  # larger bins: the host's fixed cost per step amortised
-               timeout ${MODE_S:-150} $TP --model qwen3-vl-2b --modes vlpack_packed --compile --seq-len $n \
-                 --samples 192 --out "$R/throughput_bins.json" 2>&1 | grep -v Warning | tee -a "$R/bins.log"
+               tp bins.log --model qwen3-vl-2b --modes vlpack_packed --compile --seq-len $n \
+                 --samples 192 --out "$R/throughput_bins.json"
                tar czf "$TGZ" -C "$R" .
              done ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
@@ -109,8 +111,8 @@ for part in "$@"; do
         data.synthetic_samples=1600 data.eval_samples=0 data.num_workers=3 train.max_steps=10 \
         train.profile_steps=2 train.profile_from=7 train.save_every=0 train.save_final=false \
         train.progress=false train.output_dir="$R/prof-fsdp2" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -6 ;;
-    noac-8b) timeout ${MODE_S:-150} $TP --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:-} \
-               --out "$R/noac_8b.json" 2>&1 | grep -v Warning | tee -a "$R/bench.log" ;;
+    noac-8b) tp bench.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:-} \
+               --out "$R/noac_8b.json" ;;
     collectives) nvidia-smi topo -m | tee "$R/topo.txt"
       torchrun --standalone --nproc-per-node 2 bench/collective_speed.py 2>&1 | grep GPUs | tee -a "$R/topo.txt" ;;
     scale)  # FSDP2 weak scaling with the qwen3-vl-2b recipe: $SCALE_N GPUs × $SCALE_MB bins per step

@@ -76,11 +76,12 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
                 "matmul" if any(k in low for k in MATMUL_KERNELS) else "other")
         share[kind] += sec / busy if busy else 0.0
     per_step = busy / steps
-    head = (f"{steps} steps, profiled wall {wall_s:.3f} s, GPU kernel time {busy:.3f} s "
-            f"({per_step:.3f} s per step)")
+    head = f"{steps} steps, profiled wall {wall_s:.3f} s"
     if device.type != "cuda":
-        head = f"{steps} steps, profiled wall {wall_s:.3f} s (CPU run: operators only)"
-    elif reference_step_s:
+        head += " (CPU run: operators only)"
+    else:
+        head += f", GPU kernel time {busy:.3f} s ({per_step:.3f} s per step)"
+    if device.type == "cuda" and reference_step_s:
         head += (f"; against the unprofiled step of {reference_step_s:.3f} s the GPU is busy "
                  f"{100 * per_step / reference_step_s:.0f}% of the step")
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
