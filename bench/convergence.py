@@ -35,6 +35,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.build import build_model
 from vlpack.model.presets import get_preset, reduced_depth
+from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import DistInfo
@@ -80,7 +81,7 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     model, spec = build_model(name, backend="auto" if args.mode == "packed" else "sdpa",
                               dtype=torch.float32, device=device, seed=cfg.train.seed)
     if cfg.model.activation_checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model, cfg.model.checkpoint_share)
     module = TrainModule(model, spec, loss_method="chunked" if cfg.model.chunked_loss else "plain")
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
     sched = build_scheduler(opt, cfg.optim, len(bins))

@@ -49,6 +49,7 @@ from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
 from vlpack.model.compile import compile_regions
 from vlpack.model.presets import get_preset, reduced_depth
+from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
@@ -125,8 +126,11 @@ def model_name(args) -> str:
 
 
 def variant(mode: str, args) -> str:
-    """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`)."""
-    return mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params
+    """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`,
+    `+ac0.5` for checkpointing half of each layer stack)."""
+    share = args.checkpoint_share if args.activation_checkpointing else 1.0
+    return (mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params
+            + (f"+ac{share:g}" if share < 1.0 else ""))
 
 
 def hf_padded_loss(model, b):
@@ -164,7 +168,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
                               device=device, seed=0)
     if args.activation_checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model, args.checkpoint_share)
     if args.compile:
         compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
@@ -279,6 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--checkpoint-share", type=float, default=1.0,
+                   help="with --activation-checkpointing: share of each layer stack recomputed")
     p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="step AdamW (fp32 states); --no-optimizer for shapes whose states do "
                         "not fit one GPU (throughput never counts the optimizer)")

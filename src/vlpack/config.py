@@ -150,6 +150,12 @@ class ModelConfig:
     freeze_merger: bool = False
     freeze_llm: bool = False
     activation_checkpointing: bool = False
+    """Recompute layer activations in backward instead of keeping them (less memory, about a
+    third more compute)."""
+    checkpoint_share: float = 1.0
+    """With activation_checkpointing: the share of each layer stack (decoder layers, vision
+    blocks) that recomputes, from the first layer on; 0.5 keeps the second half's activations
+    (vlpack.model.recompute)."""
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
     compile: bool = False
@@ -159,6 +165,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if not 0.0 < self.checkpoint_share <= 1.0:
+            raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
+                             "(0, 1], e.g. 0.5 to recompute half of each layer stack")
+        if self.checkpoint_share < 1.0 and not self.activation_checkpointing:
+            raise ValueError("model.checkpoint_share < 1 needs model.activation_checkpointing="
+                             "true (without it no layer recomputes)")
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ValueError("model.freeze_* freezes everything: nothing would train")
 

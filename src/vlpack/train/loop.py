@@ -61,6 +61,7 @@ class Trainer:
         from vlpack.data.encode import Encoder
         from vlpack.model.build import build_model
         from vlpack.model.compile import compile_regions
+        from vlpack.model.recompute import enable_activation_checkpointing
 
         self.cfg = cfg
         self.info = info or init_distributed()
@@ -73,10 +74,7 @@ class Trainer:
         freeze(model, vision=cfg.model.freeze_vision, merger=cfg.model.freeze_merger,
                llm=cfg.model.freeze_llm)
         if cfg.model.activation_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:  # older transformers (the H200 has 5.17)
-                model.gradient_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(model, cfg.model.checkpoint_share)
         if cfg.model.compile:
             if cfg.data.packing == "none":
                 log.warning("model.compile with data.packing=none: the compiled padded step ran "
