@@ -54,7 +54,7 @@ from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
 from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
-from vlpack.train.profile import StepProfiler
+from vlpack.train.profile import StepProfiler, count_host_syncs
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
 PEAK = 989e12
@@ -182,7 +182,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     ) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
-    need = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
+    need = args.warmup + args.steps + (args.profile_steps + 1 if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
     if device.type == "cuda":  # as the trainer's DataLoader (pin_memory=True) hands them over
         batches = [b.pin_memory() for b in batches]
@@ -256,9 +256,12 @@ def run_mode(mode: str, args, samples, device) -> dict:
                                                                      "stock layers, vlpack loss"),
     }
     if args.profile:
-        res["profile"] = profile_steps(step, batches[args.warmup + args.steps :], device,
+        *profiled, last = batches[args.warmup + args.steps :]
+        res["profile"] = profile_steps(step, profiled, device,
                                        Path(args.profile) / f"profile_{variant(mode, args)}.txt",
                                        res["step_s"])
+        # every point where the host waited for the GPU in one step (sync debug mode)
+        res["host_syncs"] = count_host_syncs(lambda: step(last, False), device)
     return res
 
 
@@ -298,7 +301,8 @@ def main(argv=None) -> int:
                    help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
                         "(train.fsdp=always)")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt")
+                   help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt, "
+                        "then count the host syncs of one more step")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
@@ -343,6 +347,9 @@ def main(argv=None) -> int:
         print(f"{mode:>16}: {r['real_tokens_per_s']:9.0f} real tok/s  MFU {100 * r['mfu']:5.1f}%  "
               f"peak {r['peak_mem_gib'] or 0:5.1f} GiB  step {r['step_s']:.3f}s  "
               f"{ {k: round(v, 4) for k, v in r['breakdown_s_per_step'].items()} }", flush=True)
+        if r.get("host_syncs"):
+            print(f"{'':>16}  host syncs in one step: {r['host_syncs']['count']}  "
+                  f"{r['host_syncs']['sites']}", flush=True)
     if args.out:
         path = Path(args.out)
         allres = json.loads(path.read_text()) if path.exists() else {}

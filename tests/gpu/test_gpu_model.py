@@ -157,3 +157,33 @@ def test_chunked_and_liger_loss_on_gpu():
     if _liger() is not None:
         lig, _ = linear_ce_sum(h, lm, labels, method="liger")
         assert abs(float(lig) - float(want)) <= 1e-4 * abs(float(want))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])
+def test_host_syncs_do_not_grow_with_depth(name):
+    """The packed training step synchronises the host a fixed number of times, none per layer:
+    a model with every text layer and one with half of them wait equally often."""
+    from vlpack.data.batch import build_thd_batch
+    from vlpack.model.build import build_model
+    from vlpack.model.presets import get_preset, reduced_depth
+    from vlpack.model.synthetic import default_mix
+    from vlpack.train.module import TrainModule
+    from vlpack.train.profile import count_host_syncs
+
+    depth = get_preset(name).text["num_hidden_layers"]
+    counts = {}
+    for preset in (name, reduced_depth(name, depth // 2)):
+        model, spec = build_model(preset, dtype=torch.float32, device="cuda", seed=0)
+        module = TrainModule(model, spec)
+        batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id).pin_memory()
+
+        def step(module=module, batch=batch):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = module(batch.to("cuda", non_blocking=True))
+            (out.loss_sum / out.num_label_tokens).backward()
+
+        step()  # first call: kernel selection and caches
+        counts[preset] = count_host_syncs(step, torch.device("cuda"))
+    full, half = counts.values()
+    assert full["count"] == half["count"], counts
+    assert full["count"] <= 4, full

@@ -8,12 +8,44 @@ without the profiler, when the caller has one (the trainer: the mean of the step
 from __future__ import annotations
 
 import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "matmul")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
+
+
+def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | None:
+    """Run `fn` once under CUDA's sync debug mode; return how many operations made the host wait
+    for the GPU, and where (the innermost frame outside torch, with its count). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    sites: Counter[str] = Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings" not in f.filename]
+        f = frames[-1] if frames else None
+        sites[f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" if f else "?"] += 1
+
+    _sync(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return {"count": sum(sites.values()), "sites": dict(sites.most_common())}
 
 
 def _sync(device: torch.device) -> None:
