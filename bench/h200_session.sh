@@ -23,7 +23,11 @@
 #   conv-2b    convergence packed vs padded, same samples per step, qwen3-vl-2b, $CONV_STEPS steps
 #   conv-35b   the same on qwen3.5-35b-a3b cut to $LAYERS text layers ($CONV_MODES: which modes)
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
-#   bins-2b    qwen3-vl-2b vlpack packed, compiled, in bins of $BINS tokens (default 16384 32768)
+#   bins-2b    qwen3-vl-2b vlpack packed, compiled, in bins of $BINS tokens (default 12288 16384)
+#   bins-hf    qwen3-vl-2b stock padding-free in bins of $HF_BINS tokens (default 16384)
+#   ac-8b      qwen3-vl-8b vlpack packed, compiled, no optimizer, recomputing $SHARES of each
+#              layer stack (model.checkpoint_share; default "0.5 0.75")
+#   gputests   the GPU test suite (tests/gpu), log in gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
@@ -100,11 +104,23 @@ for part in "$@"; do
     prof-35b) tp bench.log --model qwen3.5-35b-a3b --layers "$LAYERS" --modes vlpack_packed \
                ${LEVERS:-} --profile "$R" --out "$R/profile_35b.json" ;;
     bench-8b) bench qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
-    bins-2b) for n in ${BINS:-16384 32768}; do  # larger bins: the host's fixed cost per step amortised
+    bins-2b) for n in ${BINS:-12288 16384}; do  # larger bins: the host's fixed cost per step amortised
                tp bins.log --model qwen3-vl-2b --modes vlpack_packed --compile --seq-len $n \
-                 --samples 192 --out "$R/throughput_bins.json"
+                 --samples 192 --out "$R/throughput_bins$n.json"
                tar czf "$TGZ" -C "$R" .
              done ;;
+    bins-hf) for n in ${HF_BINS:-16384}; do
+               tp bins.log --model qwen3-vl-2b --modes hf_padding_free --seq-len $n --samples 192 \
+                 --out "$R/throughput_bins_hf$n.json"
+               tar czf "$TGZ" -C "$R" .
+             done ;;
+    ac-8b) for share in ${SHARES:-0.5 0.75}; do
+             tp ac.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer --compile \
+               --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
+             tar czf "$TGZ" -C "$R" .
+           done ;;
+    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 |
+                grep -v Warning | tail -30 | tee "$R/gputests.log" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \

@@ -70,7 +70,7 @@ def test_kernel_flash_attention_rule(fn, causal):
     for fast, plain in zip(errs["fast"], errs["plain"], strict=True):
         assert fast <= 2 * plain + 1e-5, errs
     if fn is attention.varlen_attention_forward and attention._torch_varlen() is not None:
-        assert attention.PATHS_USED["text" if causal else "vision"] == "torch varlen_attn"
+        assert attention.PATHS_USED["text" if causal else "vision"].startswith("torch varlen_attn")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -79,7 +79,7 @@ def test_check_varlen_bf16(name):
     print(name, r["paths"], r["rule"])
     assert r["passed"], r
     if attention._torch_varlen() is not None:
-        assert r["paths"]["attention.text"] == "torch varlen_attn"
+        assert r["paths"]["attention.text"].startswith("torch varlen_attn")
         assert r["paths"]["attention.vision"] == "torch varlen_attn"
     if "qwen3_5" in name and gdn._fla() is not None:
         assert r["paths"]["gdn.conv"].startswith("fla")

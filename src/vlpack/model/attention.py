@@ -95,9 +95,29 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale):
+@functools.cache
+def _torch_varlen_gqa(device: torch.device) -> bool:
+    """Whether this torch's varlen_attn takes fewer k/v heads than query heads (FlashAttention
+    does natively), probed once per device on a tiny causal call against repeated heads."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(8, 4, 64, device=device, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(8, 2, 64, device=device, generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
+    try:
+        native = _torch_varlen_call(q, k, v, cu, 5, True, 0.125, repeat=False)
+    except (RuntimeError, ValueError):
+        return False
+    return bool(torch.equal(native, _torch_varlen_call(q, k, v, cu, 5, True, 0.125, repeat=True)))
+
+
+def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale, *,
+                       repeat: bool | None = None):
+    """torch's varlen_attn; k/v heads are repeated for GQA only where the kernel needs it."""
     fn, params = _torch_varlen()
-    k, v = _repeat_kv(q_THD, k_TKD, v_TKD)
+    if repeat is None:
+        repeat = q_THD.shape[1] != k_TKD.shape[1] and not _torch_varlen_gqa(q_THD.device)
+    k, v = _repeat_kv(q_THD, k_TKD, v_TKD) if repeat else (k_TKD, v_TKD)
     kw = {}
     if "scale" in params:
         kw["scale"] = scale
@@ -156,7 +176,8 @@ def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, cau
     half = q_THD.dtype in (torch.float16, torch.bfloat16)
     if q_THD.is_cuda and half:
         if _torch_varlen() is not None:
-            PATHS_USED[stream] = "torch varlen_attn"
+            gqa = q_THD.shape[1] != k_TKD.shape[1] and _torch_varlen_gqa(q_THD.device)
+            PATHS_USED[stream] = "torch varlen_attn" + " (native GQA)" * gqa
             return _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale)
         if _flash_attn() is not None:
             PATHS_USED[stream] = "flash_attn_varlen_func"
