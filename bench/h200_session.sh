@@ -27,7 +27,7 @@
 #   bins-hf    qwen3-vl-2b stock padding-free in bins of $HF_BINS tokens (default 16384)
 #   ac-8b      qwen3-vl-8b vlpack packed, compiled, no optimizer, recomputing $SHARES of each
 #              layer stack (model.checkpoint_share; default "0.5 0.75")
-#   gputests   the GPU test suite (tests/gpu), log in gputests.log
+#   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
@@ -119,7 +119,7 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
-    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 |
+    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tail -30 | tee "$R/gputests.log" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"

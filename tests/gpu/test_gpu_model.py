@@ -184,6 +184,7 @@ def test_host_syncs_do_not_grow_with_depth(name):
 
         step()  # first call: kernel selection and caches
         counts[preset] = count_host_syncs(step, torch.device("cuda"))
+    print(counts)
     full, half = counts.values()
     assert full["count"] == half["count"], counts
     assert full["count"] <= 4, full

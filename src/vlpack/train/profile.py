@@ -7,6 +7,7 @@ without the profiler, when the caller has one (the trainer: the mean of the step
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 import warnings
@@ -27,12 +28,13 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | N
         return None
     sites: Counter[str] = Counter()
     show = warnings.showwarning
+    torch_dir = os.path.dirname(torch.__file__) + os.sep  # torch's own frames are not the site
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:
         if "synchroniz" not in str(message):
             return show(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack()[:-1]
-                  if "/torch/" not in f.filename and "warnings" not in f.filename]
+                  if not f.filename.startswith((torch_dir, warnings.__file__))]
         f = frames[-1] if frames else None
         sites[f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" if f else "?"] += 1
 
