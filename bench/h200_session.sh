@@ -27,6 +27,7 @@
 #   bins-hf    qwen3-vl-2b stock padding-free in bins of $HF_BINS tokens (default 16384)
 #   ac-8b      qwen3-vl-8b vlpack packed, compiled, no optimizer, recomputing $SHARES of each
 #              layer stack (model.checkpoint_share; default "0.5 0.75")
+#   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
 #   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
@@ -121,6 +122,12 @@ for part in "$@"; do
            done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tail -30 | tee "$R/gputests.log" ;;
+    recipe-8b)
+      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=800)"
+      timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-8b \
+        data.synthetic_samples=800 data.eval_samples=0 data.num_workers=3 train.max_steps=12 \
+        train.save_every=0 train.save_final=false train.progress=false \
+        train.output_dir="$R/recipe-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -12 | tee "$R/recipe-8b.log" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
@@ -61,6 +62,21 @@ def _fla() -> tuple[Callable, Callable] | None:
     except Exception:
         return None
     return conv, gdr
+
+
+def _fla_bounds(fn: Callable, cu: torch.Tensor, bounds: tuple[int, ...], device) -> dict:
+    """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes it,
+    `cu_seqlens_cpu`, the host copy we already hold, so fla derives its chunk and position
+    indices without reading the device tensor back (one host sync per layer otherwise)."""
+    kw = {"cu_seqlens": cu.to(device, torch.long)}
+    if _takes_cu_seqlens_cpu(fn):
+        kw["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.long)
+    return kw
+
+
+@functools.cache
+def _takes_cu_seqlens_cpu(fn: Callable) -> bool:
+    return "cu_seqlens_cpu" in inspect.signature(fn).parameters
 
 
 @functools.cache
@@ -130,7 +146,7 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, cu: torch.T
         PATHS_USED["conv"] = "fla causal_conv1d (cu_seqlens)"
         conv = _fla()[0]
         y_BTC, _ = conv(x_BCT.transpose(1, 2).contiguous(), weight=weight_CW, bias=bias_C,
-                        activation=activation, cu_seqlens=cu.to(x_BCT.device, torch.long))
+                        activation=activation, **_fla_bounds(conv, cu, bounds, x_BCT.device))
         return y_BTC.transpose(1, 2).to(x_BCT.dtype)
     PATHS_USED["conv"] = "per-segment torch conv1d"
     pad = weight_CW.shape[-1] - 1
@@ -187,9 +203,10 @@ def _gdr_dispatch(original: Callable) -> Callable:
                       ">= 3.7.1); the delta rule runs per segment in torch")
         elif _use_fla(query):
             PATHS_USED["delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
-            out, _ = _fla()[1](query, key, value, g=g, beta=beta,
-                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                               cu_seqlens=cu_seqlens.to(query.device, torch.long))
+            gdr = _fla()[1]
+            out, _ = gdr(query, key, value, g=g, beta=beta,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         **_fla_bounds(gdr, cu_seqlens, bounds, query.device))
             return out, None
         if torch_fn is None:
             raise ValueError("cannot find transformers' torch gated-delta-rule to run per "

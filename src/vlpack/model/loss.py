@@ -34,9 +34,10 @@ PATHS_USED: dict[str, str] = {}
 
 
 def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None):
-    keep_T = labels_T != IGNORE_INDEX
-    w_N = None if weight_T is None else weight_T.reshape(-1)[keep_T].float()
-    return hidden_TH[keep_T], labels_T[keep_T], w_N
+    """The rows that carry a label: hidden states, labels, weights. One host sync (the count)."""
+    idx_N = torch.nonzero(labels_T != IGNORE_INDEX).squeeze(1)
+    w_N = None if weight_T is None else weight_T.reshape(-1).index_select(0, idx_N).float()
+    return hidden_TH.index_select(0, idx_N), labels_T.index_select(0, idx_N), w_N
 
 
 def plain_ce_sum(
@@ -94,7 +95,11 @@ def chunked_linear_ce_sum(
 ) -> torch.Tensor:
     """Summed (optionally per-token weighted) CE of lm_head(hidden) without materialising
     [T, vocab] logits."""
-    h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
+    return _chunked_rows(hidden_TH, weight_VH, *_label_rows(hidden_TH, labels_T, token_weight_T),
+                         chunk_size)
+
+
+def _chunked_rows(hidden_TH, weight_VH, h_NH, y_N, r_N, chunk_size: int) -> torch.Tensor:
     if h_NH.shape[0] == 0:
         return (hidden_TH.sum() * 0.0).float() + (weight_VH.sum() * 0.0).float()
     return _ChunkedLinearCE.apply(h_NH, weight_VH, y_N, chunk_size, weight_VH.requires_grad, r_N)
@@ -127,7 +132,6 @@ def linear_ce_sum(
         raise ValueError(f"unknown loss method {method!r}: use one of {', '.join(LOSS_METHODS)}")
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("lm_head with a bias is not supported by vlpack's loss")
-    n = int((labels_T != IGNORE_INDEX).sum())
     if method == "auto":
         method = "chunked"
     if method == "liger" and token_weight_T is not None:
@@ -136,13 +140,12 @@ def linear_ce_sum(
         logger.warning("vlpack: liger-kernel is not usable here; using the chunked loss")
         method = "chunked"
     PATHS_USED["loss"] = method
+    h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
+    n = y_N.numel()
     if method == "plain":
-        h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
         return plain_ce_sum(lm_head(h_NH), y_N, r_N), n
     if method == "liger":
-        h_NH, y_N, _ = _label_rows(hidden_TH, labels_T)
         if n == 0:
             return (hidden_TH.sum() * 0.0).float(), 0
         return _liger()(lm_head.weight, h_NH, y_N).float(), n
-    return chunked_linear_ce_sum(hidden_TH, lm_head.weight, labels_T, chunk_size=chunk_size,
-                                 token_weight_T=token_weight_T), n
+    return _chunked_rows(hidden_TH, lm_head.weight, h_NH, y_N, r_N, chunk_size), n

@@ -21,9 +21,18 @@ MATMUL_KERNELS = ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "matmul")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
 
 
+def _source_name(filename: str) -> str:
+    """`transformers/vision_utils.py` for an installed file, `vlpack/model/loss.py` for ours."""
+    for marker in ("site-packages/", "/src/"):
+        if marker in filename:
+            return filename.rsplit(marker, 1)[1]
+    return "/".join(filename.split("/")[-2:])
+
+
 def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | None:
     """Run `fn` once under CUDA's sync debug mode; return how many operations made the host wait
-    for the GPU, and where (the innermost frame outside torch, with its count). None off CUDA."""
+    for the GPU, and where: the innermost frame outside torch (`package/file.py:line function`)
+    with its count. None off CUDA."""
     if device.type != "cuda":
         return None
     sites: Counter[str] = Counter()
@@ -36,7 +45,7 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | N
         frames = [f for f in traceback.extract_stack()[:-1]
                   if not f.filename.startswith((torch_dir, warnings.__file__))]
         f = frames[-1] if frames else None
-        sites[f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" if f else "?"] += 1
+        sites[f"{_source_name(f.filename)}:{f.lineno} {f.name}" if f else "?"] += 1
 
     _sync(device)
     with warnings.catch_warnings():
