@@ -121,7 +121,7 @@ for part in "$@"; do
              tar czf "$TGZ" -C "$R" .
            done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
-                grep -v Warning | tail -30 | tee "$R/gputests.log" ;;
+                grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
     recipe-8b)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=800)"
       timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-8b \
