@@ -127,7 +127,7 @@ for part in "$@"; do
       timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-8b \
         data.synthetic_samples=800 data.eval_samples=0 data.num_workers=3 train.max_steps=12 \
         train.save_every=0 train.save_final=false train.progress=false \
-        train.output_dir="$R/recipe-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -12 | tee "$R/recipe-8b.log" ;;
+        train.output_dir="$R/recipe-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tee "$R/recipe-8b.log" | tail -12 ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \

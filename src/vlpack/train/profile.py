@@ -45,6 +45,8 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | N
         frames = [f for f in traceback.extract_stack()[:-1]
                   if not f.filename.startswith((torch_dir, warnings.__file__))]
         f = frames[-1] if frames else None
+        if f is not None and f.filename == __file__:
+            return  # raised while switching the debug mode, outside `fn`
         sites[f"{_source_name(f.filename)}:{f.lineno} {f.name}" if f else "?"] += 1
 
     _sync(device)
