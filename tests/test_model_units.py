@@ -263,6 +263,37 @@ def test_chunked_loss_under_bf16_autocast_matches_plain():
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.abs().max()
 
 
+@pytest.mark.parametrize("weights", ["bf16 parameters", "fp32 under bf16 autocast"])
+def test_chunked_loss_weight_gradient_runs_in_half_precision(weights):
+    """The [V, H] weight-gradient product runs in bf16 whether the bf16 comes from the weights
+    themselves (FSDP2's parameter dtype, no autocast) or from autocast: in fp32 it is the
+    largest matmul of the loss on CUDA cores."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.seen.append((tuple(out.shape), out.dtype))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 40, 16, 3001
+    dtype = torch.bfloat16 if weights == "bf16 parameters" else torch.float32
+    h = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    w = (0.1 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g)
+    auto = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float32)
+    with auto, Matmuls() as spy:
+        chunked_linear_ce_sum(h, w, labels, chunk_size=16)
+    weight_grads = [dt for shape, dt in spy.seen if shape == (V, H)]
+    assert weight_grads and set(weight_grads) == {torch.bfloat16}, spy.seen
+
+
 def test_loss_counts_labels_and_never_shifts():
     lm = torch.nn.Linear(8, 50, bias=False)
     h = torch.randn(6, 8)
