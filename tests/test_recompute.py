@@ -59,7 +59,10 @@ def test_share_is_validated() -> None:
     model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match="checkpoint_share"):
         enable_activation_checkpointing(model, 0.0)
-    with pytest.raises(ValueError, match="activation_checkpointing=true"):
-        load_config(None, ["model.checkpoint_share=0.5"])
+    with pytest.raises(ValueError, match="checkpoint_share"):
+        load_config(None, ["model.activation_checkpointing=true", "model.checkpoint_share=1.5"])
+    # a recipe's share does not stop a user from switching checkpointing off
+    assert not load_config("qwen3-vl-8b", ["model.activation_checkpointing=false"]
+                           ).model.activation_checkpointing
     assert load_config(None, ["model.activation_checkpointing=true",
                               "model.checkpoint_share=0.5"]).model.checkpoint_share == 0.5

@@ -155,7 +155,8 @@ class ModelConfig:
     checkpoint_share: float = 1.0
     """With activation_checkpointing: the share of each layer stack (decoder layers, vision
     blocks) that recomputes, from the first layer on; 0.5 keeps the second half's activations
-    (vlpack.model.recompute)."""
+    (vlpack.model.recompute). Without activation_checkpointing nothing recomputes and the share
+    has no effect (so `model.activation_checkpointing=false` works on a recipe that sets one)."""
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
     compile: bool = False
@@ -168,9 +169,6 @@ class ModelConfig:
         if not 0.0 < self.checkpoint_share <= 1.0:
             raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
                              "(0, 1], e.g. 0.5 to recompute half of each layer stack")
-        if self.checkpoint_share < 1.0 and not self.activation_checkpointing:
-            raise ValueError("model.checkpoint_share < 1 needs model.activation_checkpointing="
-                             "true (without it no layer recomputes)")
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ValueError("model.freeze_* freezes everything: nothing would train")
 
