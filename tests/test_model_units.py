@@ -202,6 +202,27 @@ def test_segment_conv_restarts_at_boundaries():
         gdn.segment_conv1d(x, w, b, "silu", torch.tensor([0, 5, 5, 20]))
 
 
+def test_fla_gets_one_boundary_tensor_pair_per_forward():
+    """Every GDN layer of a forward hands fla the same cu_seqlens objects (fla caches its chunk
+    indices by identity: new objects per layer would cost a host sync per layer); a new or
+    modified boundary tensor gets fresh ones."""
+    def fla_fn(x, cu_seqlens=None, cu_seqlens_cpu=None):
+        return x
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    first = gdn._fla_bounds(fla_fn, cu, (0, 5, 12), "cpu")
+    again = gdn._fla_bounds(fla_fn, cu, (0, 5, 12), "cpu")
+    assert first["cu_seqlens"] is again["cu_seqlens"]
+    assert first["cu_seqlens_cpu"] is again["cu_seqlens_cpu"]
+    assert first["cu_seqlens"].dtype == torch.long and first["cu_seqlens_cpu"].tolist() == [0, 5, 12]
+    other = gdn._fla_bounds(fla_fn, torch.tensor([0, 12], dtype=torch.int32), (0, 12), "cpu")
+    assert other["cu_seqlens"].tolist() == [0, 12]
+    cu[1] = 6  # modified in place: the cached copies are stale
+    changed = gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "cpu")
+    assert changed["cu_seqlens"].tolist() == [0, 6, 12] and changed["cu_seqlens_cpu"].tolist() == [0, 6, 12]
+    assert "cu_seqlens_cpu" not in gdn._fla_bounds(lambda x, cu_seqlens=None: x, cu, (0, 6, 12), "cpu")
+
+
 def test_gdn_dispatch_is_inactive_outside_vlpack_modules():
     """Stock models in the same process keep the stock kernel (5.23+: it raises on cu_seqlens;
     5.17: it computes without boundaries): vlpack's dispatcher must not change that."""

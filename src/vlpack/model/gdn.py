@@ -30,6 +30,7 @@ import importlib
 import inspect
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -64,13 +65,29 @@ def _fla() -> tuple[Callable, Callable] | None:
     return conv, gdr
 
 
+_FLA_CU: dict[int, tuple] = {}
+
+
 def _fla_bounds(fn: Callable, cu: torch.Tensor, bounds: tuple[int, ...], device) -> dict:
     """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes it,
-    `cu_seqlens_cpu`, the host copy we already hold, so fla derives its chunk and position
-    indices without reading the device tensor back (one host sync per layer otherwise)."""
-    kw = {"cu_seqlens": cu.to(device, torch.long)}
+    `cu_seqlens_cpu`, the host copy we already hold, so fla derives its chunk indices without
+    reading the device tensor back. Every GDN layer of a forward gets the SAME two tensor
+    objects: fla caches its index tensors by argument identity, so it builds (and copies to the
+    device, one host sync) them once per forward instead of once per layer."""
+    try:
+        version = cu._version
+    except RuntimeError:  # inference tensors have no version counter: nothing to key on
+        version = None
+    hit = _FLA_CU.get(id(cu))
+    if version is None or hit is None or hit[0]() is not cu or hit[1] != version:
+        hit = (weakref.ref(cu), version, cu.to(device, torch.long),
+               torch.tensor(bounds, dtype=torch.long))
+        _FLA_CU.clear()  # one forward's boundaries at a time
+        if version is not None:
+            _FLA_CU[id(cu)] = hit
+    kw = {"cu_seqlens": hit[2]}
     if _takes_cu_seqlens_cpu(fn):
-        kw["cu_seqlens_cpu"] = torch.tensor(bounds, dtype=torch.long)
+        kw["cu_seqlens_cpu"] = hit[3]
     return kw
 
 

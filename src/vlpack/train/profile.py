@@ -8,6 +8,7 @@ without the profiler, when the caller has one (the trainer: the mean of the step
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -22,11 +23,11 @@ ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
 
 
 def _source_name(filename: str) -> str:
-    """`transformers/vision_utils.py` for an installed file, `vlpack/model/loss.py` for ours."""
-    for marker in ("site-packages/", "/src/"):
-        if marker in filename:
-            return filename.rsplit(marker, 1)[1]
-    return "/".join(filename.split("/")[-2:])
+    """The file as its import path names it (`transformers/vision_utils.py`,
+    `fla/ops/utils/index.py`, `vlpack/model/loss.py`): relative to the longest sys.path entry
+    that holds it, wherever the package was installed."""
+    roots = [p for p in sys.path if p and filename.startswith(os.path.join(p, ""))]
+    return os.path.relpath(filename, max(roots, key=len)) if roots else filename
 
 
 def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | None:
