@@ -19,7 +19,7 @@ from torch import nn
 
 from vlpack.data.batch import ThdBatch, shifted_labels
 from vlpack.data.types import EncodedSample
-from vlpack.model import attention, gdn, loss
+from vlpack.model import attention, deepstack, gdn, loss
 from vlpack.model.build import ModelSpec
 from vlpack.model.moe import RouterCapture, RouterStats, router_stats
 
@@ -96,7 +96,8 @@ def packed_forward(
     if capture is not None:
         capture.__enter__()
     try:
-        out = model.model(**packed_model_inputs(batch))
+        with deepstack.indexed():
+            out = model.model(**packed_model_inputs(batch))
     finally:
         if capture is not None:
             capture.__exit__()

@@ -1,0 +1,66 @@
+"""The indexed deepstack merge equals transformers' boolean-mask merge bitwise (values and
+gradients), finds the image positions once per forward, and is off outside vlpack's forward."""
+
+from __future__ import annotations
+
+import torch
+
+from vlpack.data.batch import build_thd_batch
+from vlpack.model import deepstack
+from vlpack.model.build import build_model
+from vlpack.model.forward import packed_forward
+from vlpack.model.synthetic import default_mix
+
+
+def _text_model():
+    model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    return model, spec, model.model.language_model
+
+
+def _merge(lm, hidden, mask, embeds, *, indexed: bool):
+    h = hidden.clone().requires_grad_()
+    e = embeds.clone().requires_grad_()
+    if indexed:
+        with deepstack.indexed():
+            out = lm._deepstack_process(h, mask, e)
+    else:
+        out = type(lm)._deepstack_process(lm, h, mask, e)  # transformers' own
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), h.grad, e.grad
+
+
+def test_indexed_merge_is_bitwise_the_stock_merge():
+    _, _, lm = _text_model()
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 50, 64, generator=g)
+    mask = torch.zeros(1, 50, dtype=torch.bool)
+    mask[0, 3:11] = True
+    mask[0, 30:42] = True
+    embeds = torch.randn(int(mask.sum()), 64, generator=g)
+    want = _merge(lm, hidden, mask, embeds, indexed=False)
+    got = _merge(lm, hidden, mask, embeds, indexed=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_index_per_forward_and_stock_outside(monkeypatch):
+    model, spec, lm = _text_model()
+    calls = []
+    original = deepstack.mask_index
+
+    def spy(mask):
+        calls.append(mask)
+        return original(mask)
+
+    monkeypatch.setattr(deepstack, "mask_index", spy)
+    batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id)
+    packed_forward(model, batch, spec=spec)
+    depth = len(model.config.vision_config.deepstack_visual_indexes)
+    assert len(calls) == depth >= 2  # every deepstack layer merged by index ...
+    assert all(m is calls[0] for m in calls)  # ... of one mask object, whose positions are
+    assert original(calls[0]) is original(calls[0])  # found once and then reused
+    calls.clear()
+    hidden = torch.zeros(1, 4, lm.config.hidden_size)
+    lm._deepstack_process(hidden, torch.tensor([[True, False, True, False]]),
+                          torch.ones(2, lm.config.hidden_size))
+    assert calls == []  # outside vlpack's packed forward: transformers' merge
