@@ -163,8 +163,8 @@ def test_chunked_and_liger_loss_on_gpu():
 def test_host_syncs_do_not_grow_with_depth(name):
     """vlpack's seams (and the fla kernels they call) synchronise the host a fixed number of
     times per packed training step, none per layer: the model with every text layer and the one
-    with half of them wait equally often there. transformers' own per-layer syncs (the deepstack
-    merge's boolean mask, grouped_mm's offsets) are printed, not asserted."""
+    with half of them wait equally often there. transformers' own per-layer syncs (grouped_mm's
+    offsets) are printed, not asserted."""
     from vlpack.data.batch import build_thd_batch
     from vlpack.model.build import build_model
     from vlpack.model.presets import get_preset, reduced_depth
@@ -191,4 +191,6 @@ def test_host_syncs_do_not_grow_with_depth(name):
                         if site.startswith(("vlpack/", "fla/"))}
     full, half = ours.values()
     assert full == half, ours
-    assert sum(full.values()) <= 4, full
+    # once per forward at most: text and vision boundaries, loss rows, deepstack positions,
+    # router statistics, fla's chunk indices
+    assert sum(full.values()) <= 6, full
