@@ -126,11 +126,10 @@ def model_name(args) -> str:
 
 
 def variant(mode: str, args) -> str:
-    """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`,
-    `+ac0.5` for checkpointing half of each layer stack)."""
-    share = args.checkpoint_share if args.activation_checkpointing else 1.0
-    return (mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params
-            + (f"+ac{share:g}" if share < 1.0 else ""))
+    """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`;
+    `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
+    ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
+    return mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params + ac
 
 
 def hf_padded_loss(model, b):

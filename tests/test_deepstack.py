@@ -3,6 +3,7 @@ gradients), finds the image positions once per forward, and is off outside vlpac
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vlpack.data.batch import build_thd_batch
@@ -29,13 +30,14 @@ def _merge(lm, hidden, mask, embeds, *, indexed: bool):
     return out.detach(), h.grad, e.grad
 
 
-def test_indexed_merge_is_bitwise_the_stock_merge():
+@pytest.mark.parametrize("rows", [1, 3])
+def test_indexed_merge_is_bitwise_the_stock_merge(rows):
     _, _, lm = _text_model()
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, 50, 64, generator=g)
-    mask = torch.zeros(1, 50, dtype=torch.bool)
+    hidden = torch.randn(rows, 50, 64, generator=g)
+    mask = torch.zeros(rows, 50, dtype=torch.bool)
     mask[0, 3:11] = True
-    mask[0, 30:42] = True
+    mask[-1, 30:42] = True
     embeds = torch.randn(int(mask.sum()), 64, generator=g)
     want = _merge(lm, hidden, mask, embeds, indexed=False)
     got = _merge(lm, hidden, mask, embeds, indexed=True)

@@ -221,6 +221,9 @@ def test_fla_gets_one_boundary_tensor_pair_per_forward():
     changed = gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "cpu")
     assert changed["cu_seqlens"].tolist() == [0, 6, 12] and changed["cu_seqlens_cpu"].tolist() == [0, 6, 12]
     assert "cu_seqlens_cpu" not in gdn._fla_bounds(lambda x, cu_seqlens=None: x, cu, (0, 6, 12), "cpu")
+    # the same boundaries asked for on another device get a tensor on that device
+    assert gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "meta")["cu_seqlens"].device.type == "meta"
+    assert gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "cpu")["cu_seqlens"] is changed["cu_seqlens"]
 
 
 def test_gdn_dispatch_is_inactive_outside_vlpack_modules():

@@ -96,19 +96,29 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
 
 
 @functools.cache
-def _torch_varlen_gqa(device: torch.device) -> bool:
+def _torch_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's varlen_attn takes fewer k/v heads than query heads (FlashAttention
-    does natively), probed once per device on a tiny causal call against repeated heads."""
+    does natively): probed once per device and dtype on a tiny causal call, forward and
+    backward, against the same call with the k/v heads repeated."""
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(8, 4, 64, device=device, generator=g, dtype=torch.bfloat16)
-    k, v = (torch.randn(8, 2, 64, device=device, generator=g, dtype=torch.bfloat16)
-            for _ in range(2))
+    q, k, v = (torch.randn(8, h, 64, device=device, generator=g, dtype=dtype)
+               for h in (4, 2, 2))
+    dout = torch.randn(8, 4, 64, device=device, generator=g, dtype=dtype)
     cu = torch.tensor([0, 3, 8], device=device, dtype=torch.int32)
-    try:
-        native = _torch_varlen_call(q, k, v, cu, 5, True, 0.125, repeat=False)
-    except (RuntimeError, ValueError):
-        return False
-    return bool(torch.equal(native, _torch_varlen_call(q, k, v, cu, 5, True, 0.125, repeat=True)))
+    runs = []
+    with torch.inference_mode(False), torch.enable_grad():
+        for repeat in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            try:
+                out = _torch_varlen_call(*leaves, cu, 5, True, 0.125, repeat=repeat)
+                out.backward(dout)
+            except (RuntimeError, ValueError):
+                return False
+            runs.append([out.detach()] + [t.grad for t in leaves])
+    native, repeated = runs
+    return torch.equal(native[0], repeated[0]) and all(
+        torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        for a, b in zip(native[1:], repeated[1:], strict=True))
 
 
 def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale, *,
@@ -116,7 +126,8 @@ def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale, *,
     """torch's varlen_attn; k/v heads are repeated for GQA only where the kernel needs it."""
     fn, params = _torch_varlen()
     if repeat is None:
-        repeat = q_THD.shape[1] != k_TKD.shape[1] and not _torch_varlen_gqa(q_THD.device)
+        repeat = (q_THD.shape[1] != k_TKD.shape[1]
+                  and not _torch_varlen_gqa(q_THD.device, q_THD.dtype))
     k, v = _repeat_kv(q_THD, k_TKD, v_TKD) if repeat else (k_TKD, v_TKD)
     kw = {}
     if "scale" in params:
@@ -176,9 +187,11 @@ def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, cau
     half = q_THD.dtype in (torch.float16, torch.bfloat16)
     if q_THD.is_cuda and half:
         if _torch_varlen() is not None:
-            gqa = q_THD.shape[1] != k_TKD.shape[1] and _torch_varlen_gqa(q_THD.device)
+            gqa = (q_THD.shape[1] != k_TKD.shape[1]
+                   and _torch_varlen_gqa(q_THD.device, q_THD.dtype))
             PATHS_USED[stream] = "torch varlen_attn" + " (native GQA)" * gqa
-            return _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale)
+            return _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale,
+                                      repeat=q_THD.shape[1] != k_TKD.shape[1] and not gqa)
         if _flash_attn() is not None:
             PATHS_USED[stream] = "flash_attn_varlen_func"
             return _flash_attn()(q_THD, k_TKD, v_TKD, cu_S1, cu_S1, max_len, max_len,

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from vlpack.model.bounds import derived
+
 _ACTIVE = contextvars.ContextVar("vlpack_deepstack_indexed", default=False)
-_CACHE: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_INDEX: dict = {}
 
 
 @contextlib.contextmanager
@@ -39,19 +40,9 @@ def indexed() -> Iterator[None]:
 
 
 def mask_index(mask: torch.Tensor) -> torch.Tensor:
-    """`mask.flatten().nonzero()` as a 1-D index, computed once per mask object while it is
-    alive and unmodified (one host sync)."""
-    try:
-        version = mask._version
-    except RuntimeError:  # inference tensors have no version counter: do not cache
-        return torch.nonzero(mask.reshape(-1)).squeeze(1)
-    hit = _CACHE.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == version:
-        return hit[2]
-    idx_N = torch.nonzero(mask.reshape(-1)).squeeze(1)
-    _CACHE.clear()  # one forward's mask at a time
-    _CACHE[id(mask)] = (weakref.ref(mask), version, idx_N)
-    return idx_N
+    """`mask.flatten().nonzero()` as a 1-D index, once per mask object while it is alive and
+    unmodified (one host sync)."""
+    return derived(_INDEX, mask, lambda: torch.nonzero(mask.reshape(-1)).squeeze(1))
 
 
 def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):

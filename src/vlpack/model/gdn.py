@@ -30,14 +30,13 @@ import importlib
 import inspect
 import itertools
 import logging
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlpack.model.bounds import host_bounds
+from vlpack.model.bounds import derived, host_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -65,29 +64,22 @@ def _fla() -> tuple[Callable, Callable] | None:
     return conv, gdr
 
 
-_FLA_CU: dict[int, tuple] = {}
+_FLA_CU: dict = {}
 
 
-def _fla_bounds(fn: Callable, cu: torch.Tensor, bounds: tuple[int, ...], device) -> dict:
+def _fla_bounds(fn: Callable, cu: torch.Tensor, bounds: Sequence[int], device) -> dict:
     """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes it,
     `cu_seqlens_cpu`, the host copy we already hold, so fla derives its chunk indices without
     reading the device tensor back. Every GDN layer of a forward gets the SAME two tensor
     objects: fla caches its index tensors by argument identity, so it builds (and copies to the
     device, one host sync) them once per forward instead of once per layer."""
-    try:
-        version = cu._version
-    except RuntimeError:  # inference tensors have no version counter: nothing to key on
-        version = None
-    hit = _FLA_CU.get(id(cu))
-    if version is None or hit is None or hit[0]() is not cu or hit[1] != version:
-        hit = (weakref.ref(cu), version, cu.to(device, torch.long),
-               torch.tensor(bounds, dtype=torch.long))
-        _FLA_CU.clear()  # one forward's boundaries at a time
-        if version is not None:
-            _FLA_CU[id(cu)] = hit
-    kw = {"cu_seqlens": hit[2]}
+    device = torch.device(device)
+    cu_dev, cu_cpu = derived(
+        _FLA_CU, cu, lambda: (cu.to(device, torch.long), torch.tensor(bounds, dtype=torch.long)),
+        key=str(device))
+    kw = {"cu_seqlens": cu_dev}
     if _takes_cu_seqlens_cpu(fn):
-        kw["cu_seqlens_cpu"] = hit[3]
+        kw["cu_seqlens_cpu"] = cu_cpu
     return kw
 
 

@@ -35,6 +35,7 @@ PATHS_USED: dict[str, str] = {}
 
 def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None):
     """The rows that carry a label: hidden states, labels, weights. One host sync (the count)."""
+    labels_T = labels_T.to(hidden_TH.device)
     idx_N = torch.nonzero(labels_T != IGNORE_INDEX).squeeze(1)
     w_N = None if weight_T is None else weight_T.reshape(-1).index_select(0, idx_N).float()
     return hidden_TH.index_select(0, idx_N), labels_T.index_select(0, idx_N), w_N

@@ -33,7 +33,8 @@ def _source_name(filename: str) -> str:
 def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | None:
     """Run `fn` once under CUDA's sync debug mode; return how many operations made the host wait
     for the GPU, and where: the innermost frame outside torch (`package/file.py:line function`)
-    with its count. None off CUDA."""
+    with its count. Waits inside a backward pass are reported at the line that called
+    `backward()` (autograd's threads hand their warnings to the caller). None off CUDA."""
     if device.type != "cuda":
         return None
     sites: Counter[str] = Counter()
@@ -51,6 +52,7 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | N
         sites[f"{_source_name(f.filename)}:{f.lineno} {f.name}" if f else "?"] += 1
 
     _sync(device)
+    before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
@@ -58,7 +60,7 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device) -> dict | N
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(before)
     return {"count": sum(sites.values()), "sites": dict(sites.most_common())}
 
 
