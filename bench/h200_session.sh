@@ -28,6 +28,8 @@
 #   ac-8b      qwen3-vl-8b vlpack packed, compiled, no optimizer, recomputing $SHARES of each
 #              layer stack (model.checkpoint_share; default "0.5 0.75")
 #   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
+#   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
+#              mode: the forward traceback of the backward node that faults (debug-8b.log)
 #   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
@@ -93,7 +95,8 @@ for part in "$@"; do
         data.num_workers=12 data.eval_samples=64 train.max_steps=${STEPS:-300} train.eval_every=100 \
         train.save_every=0 train.save_final=false train.output_dir="$R/qwen3-vl-2b" train.progress=false \
         2>&1 | tail -40 | tee "$R/train.log" ;;
-    prof-2b) tp bench.log --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" ;;
+    prof-2b) tp bench.log --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" \
+               ${PROF_ARGS:-} ;;  # PROF_ARGS=--profile-stacks: host time by Python call site
     bench-2b) bench qwen3-vl-2b ;;
     levers-2b) levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b ;;
     levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
@@ -128,6 +131,14 @@ for part in "$@"; do
         data.synthetic_samples=800 data.eval_samples=0 data.num_workers=3 train.max_steps=12 \
         train.save_every=0 train.save_final=false train.progress=false \
         train.output_dir="$R/recipe-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tee "$R/recipe-8b.log" | tail -12 ;;
+    debug-8b)  # the illegal memory access of 2026-12-01: which forward operation made the node
+      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=200)"
+      CUDA_LAUNCH_BLOCKING=1 timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 \
+        -m vlpack train qwen3-vl-8b data.synthetic_samples=200 data.eval_samples=0 \
+        data.num_workers=2 data.seq_len=2048 model.compile=false train.max_steps=2 \
+        train.detect_anomaly=true train.save_every=0 train.save_final=false train.progress=false \
+        train.output_dir="$R/debug-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tee "$R/debug-8b.log" |
+        grep -A40 -m2 "Traceback of forward call" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \

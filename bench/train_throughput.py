@@ -258,15 +258,15 @@ def run_mode(mode: str, args, samples, device) -> dict:
         *profiled, last = batches[args.warmup + args.steps :]
         res["profile"] = profile_steps(step, profiled, device,
                                        Path(args.profile) / f"profile_{variant(mode, args)}.txt",
-                                       res["step_s"])
+                                       res["step_s"], stacks=args.profile_stacks)
         # every point where the host waited for the GPU in one step (sync debug mode)
         res["host_syncs"] = count_host_syncs(lambda: step(last, False), device)
     return res
 
 
-def profile_steps(step, batches, device, out: Path, step_s: float) -> dict:
+def profile_steps(step, batches, device, out: Path, step_s: float, stacks: bool = False) -> dict:
     """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.profile)."""
-    prof = StepProfiler(out, start=1, count=len(batches), device=device)
+    prof = StepProfiler(out, start=1, count=len(batches), device=device, stacks=stacks)
     for i, b in enumerate(batches, 1):
         prof.before(i)
         step(b, False)
@@ -303,6 +303,8 @@ def main(argv=None) -> int:
                    help="profile --profile-steps more steps per mode into DIR/profile_MODE.txt, "
                         "then count the host syncs of one more step")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="add a table of host time by Python call site to the profile")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     args = p.parse_args(argv)

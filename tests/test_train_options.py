@@ -33,6 +33,16 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
     assert abs(plain["last_loss"] - ckpt["last_loss"]) < 1e-5
 
 
+def test_detect_anomaly_runs_the_step_in_anomaly_mode(tmp_path: Path) -> None:
+    """`train.detect_anomaly=true` turns autograd's anomaly mode on for the step only."""
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.detect_anomaly=true"), CPU)
+    seen = []
+    t.model.model.language_model.norm.register_forward_hook(
+        lambda *_: seen.append(torch.is_anomaly_enabled()))
+    t.fit()
+    assert seen and all(seen) and not torch.is_anomaly_enabled()
+
+
 @pytest.mark.parametrize("name,fsdp", [("tiny-qwen3_vl", "auto"), ("tiny-qwen3_5_moe", "auto"),
                                        ("tiny-qwen3_vl", "always")])
 def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str, fsdp: str) -> None:
@@ -67,6 +77,19 @@ def test_profile_writes_a_summary(tmp_path: Path) -> None:
     assert "operators:" in text and "aten::" in text
     with pytest.raises(ValueError, match=r"lower train\.profile_from"):
         small_cfg(tmp_path, "train.max_steps=3", "train.profile_steps=2", "train.profile_from=3")
+
+
+def test_profile_stacks_add_host_time_by_call_site(tmp_path: Path) -> None:
+    from vlpack.train.profile import StepProfiler
+
+    prof = StepProfiler(tmp_path / "p.txt", start=1, count=1, device=torch.device("cpu"), stacks=True)
+    prof.before(1)
+    x = torch.randn(64, 64)
+    for _ in range(3):
+        x = torch.tanh(x @ x)
+    prof.after(1)
+    text = (tmp_path / "p.txt").read_text()
+    assert "host time by call site" in text and "test_train_options.py" in text
 
 
 def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:

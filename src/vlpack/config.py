@@ -235,6 +235,10 @@ class TrainConfig:
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's
     mixed-precision policy instead of autocast over fp32 weights; the fp32 master weights stay
     in the optimizer either way."""
+    detect_anomaly: bool = False
+    """Autograd anomaly mode (slow, for debugging): an error in backward also prints the
+    traceback of the forward operation that created the failing node. With
+    CUDA_LAUNCH_BLOCKING=1 it names the operation behind a CUDA illegal memory access."""
     profile_steps: int = 0
     """Profile this many steps with torch.profiler (0: off), from step `profile_from`; each rank
     writes OUTPUT_DIR/profile_rank<R>.txt: kernel time per step against the unprofiled step

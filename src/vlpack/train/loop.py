@@ -196,11 +196,14 @@ class Trainer:
         ]
         # Pinned host batches (DataLoader pin_memory) copy asynchronously, overlapping compute.
         mbs = [b.to(self.info.device, non_blocking=True) for b in mbs]
-        r = optimizer_step(
-            self.module, self.optimizer, self.scheduler, mbs, info=self.info,
-            loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
-            grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
-        )
+        anomaly = (torch.autograd.set_detect_anomaly(True, check_nan=False)
+                   if self.cfg.train.detect_anomaly else contextlib.nullcontext())
+        with anomaly:
+            r = optimizer_step(
+                self.module, self.optimizer, self.scheduler, mbs, info=self.info,
+                loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
+                grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
+            )
         if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)):
             raise NonFiniteLossError(
                 f"step {self.step + 1}: loss {r.loss} / grad norm {r.grad_norm} is not finite; "

@@ -72,8 +72,10 @@ def _sync(device: torch.device) -> None:
 class StepProfiler:
     """Profile steps [start, start + count) (1-based) of a run and write `out` at the end."""
 
-    def __init__(self, out: Path, *, start: int, count: int, device: torch.device):
+    def __init__(self, out: Path, *, start: int, count: int, device: torch.device,
+                 stacks: bool = False):
         self.out, self.start, self.count, self.device = out, start, count, device
+        self.stacks = stacks  # also a table of host time by Python call site (slower)
         self._prof = None
         self._t0 = 0.0
         self.summary: dict | None = None
@@ -90,7 +92,7 @@ class StepProfiler:
             if self.device.type == "cuda":
                 acts.append(ProfilerActivity.CUDA)
             _sync(self.device)
-            self._prof = profile(activities=acts)
+            self._prof = profile(activities=acts, with_stack=self.stacks)
             self._prof.__enter__()
             self._t0 = time.perf_counter()
 
@@ -101,14 +103,15 @@ class StepProfiler:
             wall = time.perf_counter() - self._t0
             self._prof.__exit__(None, None, None)
             self.summary = summarize(self._prof, wall, self.count, self.out, self.device,
-                                     reference_step_s=reference_step_s)
+                                     reference_step_s=reference_step_s, stacks=self.stacks)
             self._prof = None
 
 
 def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, *,
-              reference_step_s: float | None = None) -> dict:
-    """Write the top kernels and operators of a finished profile to `out`; return the kernel
-    time per step, the GPU-busy share and the matmul / attention / other split."""
+              reference_step_s: float | None = None, stacks: bool = False) -> dict:
+    """Write the top kernels and operators of a finished profile to `out` (with `stacks`, also
+    the host time by Python call site); return the kernel time per step, the GPU-busy share
+    and the matmul / attention / other split."""
     kernels: dict[str, float] = {}
     for e in prof.events():
         # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels already counted
@@ -140,6 +143,9 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
         + "\n\ntop kernels (seconds over the profiled steps):\n"
         + "\n".join(f"{sec:9.4f}  {name[:150]}" for name, sec in top)
         + "\n\noperators:\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
+        + ("\n\nhost time by call site (operators grouped by their innermost 6 Python "
+           "frames):\n" + prof.key_averages(group_by_stack_n=6).table(
+               sort_by="self_cpu_time_total", row_limit=40) if stacks else "")
     )
     return {"steps": steps, "profiled_wall_s": wall_s, "kernel_s_per_step": per_step,
             "gpu_busy_of_step": per_step / reference_step_s if reference_step_s else None,
