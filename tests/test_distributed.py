@@ -67,7 +67,20 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     assert _losses(tmp_path / "resumed") == b
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _untied() -> str:
+    """tiny-qwen3_vl with its own lm_head (the 8B, 30B and 35B shapes do not tie it to the
+    embedding): the chunked loss reads lm_head.weight outside any module forward."""
+    from dataclasses import replace
+
+    from vlpack.model.presets import PRESETS
+
+    base = PRESETS["tiny-qwen3_vl"]
+    return PRESETS.setdefault("tiny-qwen3_vl-untied", replace(
+        base, name="tiny-qwen3_vl-untied", tie_word_embeddings=False)).name
+
+
+def _worker(rank: int, port: int, out: str, name: str = "tiny-qwen3_vl",
+            loss: str = "plain") -> None:
     """Rank 0 trains on a text-only bin, rank 1 on a bin with images (FSDP2 over gloo)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -75,7 +88,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from vlpack.train.parallel import apply_fsdp, init_distributed, shutdown
 
     info = init_distributed()
-    model, module, batches = _setup()
+    model, module, batches = _setup(name, loss)
     apply_fsdp(module, model, info, param_dtype=None)
     module.touch_vision = True
     opt, sched = _optimizer(module)  # after sharding: FSDP2 swaps in DTensor parameters
@@ -87,15 +100,17 @@ def _worker(rank: int, port: int, out: str) -> None:
     shutdown()
 
 
-def _setup():
+def _setup(name: str = "tiny-qwen3_vl", loss: str = "plain"):
     import numpy as np
 
     from tests.helpers import make_sample
     from vlpack.data.batch import build_thd_batch
     from vlpack.model.build import build_model
     from vlpack.train.module import TrainModule
-    model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
-    module = TrainModule(model, spec, loss_method="plain")
+    if name.endswith("-untied"):
+        name = _untied()
+    model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    module = TrainModule(model, spec, loss_method=loss)
     rng = np.random.default_rng(0)
     text_only = [make_sample("t0", rng, text=(30,), grids=(), patch_dim=spec.patch_dim)]
     with_images = [make_sample("i0", rng, text=(6, 12), grids=((1, 4, 4),), patch_dim=spec.patch_dim)]
@@ -111,11 +126,14 @@ def _optimizer(module):
     return opt, build_scheduler(opt, cfg.optim, 10)
 
 
-def test_text_only_rank_does_not_hang_and_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name,loss", [("tiny-qwen3_vl", "plain"),
+                                       ("tiny-qwen3_vl-untied", "chunked")])
+def test_text_only_rank_does_not_hang_and_matches_one_process(
+        tmp_path: Path, name: str, loss: str) -> None:
     out = tmp_path / "losses.json"
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out), name, loss)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -129,7 +147,9 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(tmp_path: Path) ->
     from vlpack.train.parallel import DistInfo
     from vlpack.train.step import optimizer_step
 
-    _, module, batches = _setup()
+    model, module, batches = _setup(name, loss)
+    assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == (
+        not name.endswith("-untied"))
     opt, sched = _optimizer(module)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     single = [optimizer_step(module, opt, sched, batches, info=info).loss for _ in range(2)]
