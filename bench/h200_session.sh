@@ -56,6 +56,14 @@ tp() {  # tp LOG ARGS...: one train_throughput.py process, at most $MODE_S secon
   local log=$1; shift
   timeout ${MODE_S:-150} $TP "$@" 2>&1 | grep -v Warning | tee -a "$R/$log"
 }
+vtrain() {  # vtrain GPUS RECIPE SAMPLES RUN OVERRIDES...: `vlpack train` under torchrun, output
+  # in $R/RUN, at most $SCALE_S seconds ($SCALE_EXTRA: more overrides); prints the whole log
+  local n=$1 recipe=$2 samples=$3 run=$4; shift 4
+  python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=$samples)"
+  timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node $n -m vlpack train $recipe \
+    data.synthetic_samples=$samples data.eval_samples=0 train.save_every=0 train.save_final=false \
+    train.progress=false train.output_dir="$R/$run" "$@" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning
+}
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
   for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
@@ -125,38 +133,24 @@ for part in "$@"; do
            done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
-    recipe-8b)
-      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=800)"
-      timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-8b \
-        data.synthetic_samples=800 data.eval_samples=0 data.num_workers=3 train.max_steps=12 \
-        train.save_every=0 train.save_final=false train.progress=false \
-        train.output_dir="$R/recipe-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tee "$R/recipe-8b.log" | tail -12 ;;
+    recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
+                 tee "$R/recipe-8b.log" | tail -12 ;;
     debug-8b)  # the illegal memory access of 2026-12-01: which forward operation made the node
-      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=200)"
-      CUDA_LAUNCH_BLOCKING=1 timeout ${SCALE_S:-200} torchrun --standalone --nproc-per-node 2 \
-        -m vlpack train qwen3-vl-8b data.synthetic_samples=200 data.eval_samples=0 \
-        data.num_workers=2 data.seq_len=2048 model.compile=false train.max_steps=2 \
-        train.detect_anomaly=true train.save_every=0 train.save_final=false train.progress=false \
-        train.output_dir="$R/debug-8b" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tee "$R/debug-8b.log" |
-        grep -A40 -m2 "Traceback of forward call" ;;
+      CUDA_LAUNCH_BLOCKING=1 SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 200 debug-8b data.num_workers=2 \
+        data.seq_len=2048 model.compile=false train.max_steps=2 train.detect_anomaly=true |
+        tee "$R/debug-8b.log" | grep -A40 -m2 "Traceback of forward call" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
-      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
-      timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node 2 -m vlpack train qwen3-vl-2b \
-        data.synthetic_samples=1600 data.eval_samples=0 data.num_workers=3 train.max_steps=10 \
-        train.profile_steps=2 train.profile_from=7 train.save_every=0 train.save_final=false \
-        train.progress=false train.output_dir="$R/prof-fsdp2" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -6 ;;
+      vtrain 2 qwen3-vl-2b 1600 prof-fsdp2 data.num_workers=3 train.max_steps=10 \
+        train.profile_steps=2 train.profile_from=7 | tail -6 ;;
     noac-8b) tp bench.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:-} \
                --out "$R/noac_8b.json" ;;
     collectives) nvidia-smi topo -m | tee "$R/topo.txt"
       torchrun --standalone --nproc-per-node 2 bench/collective_speed.py 2>&1 | grep GPUs | tee -a "$R/topo.txt" ;;
     scale)  # FSDP2 weak scaling with the qwen3-vl-2b recipe: $SCALE_N GPUs × $SCALE_MB bins per step
             # ($SCALE_EXTRA: more overrides, e.g. train.reshard_after_forward=false)
-      python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=1600)"
       for mb in ${SCALE_MB:-1 2}; do for n in ${SCALE_N:-1 2}; do
-        timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node $n -m vlpack train qwen3-vl-2b \
-          data.synthetic_samples=1600 data.eval_samples=0 data.num_workers=3 train.max_steps=25 \
-          train.micro_batches=$mb train.save_every=0 train.save_final=false train.progress=false \
-          train.output_dir="$R/scale-n$n-mb$mb" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning | tail -6 | tee -a "$R/scale.log"
+        vtrain $n qwen3-vl-2b 1600 scale-n$n-mb$mb data.num_workers=3 train.max_steps=25 \
+          train.micro_batches=$mb | tail -6 | tee -a "$R/scale.log"
         tar czf "$TGZ" -C "$R" .
       done; done ;;
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
