@@ -121,13 +121,9 @@ def _torch_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
         for a, b in zip(native[1:], repeated[1:], strict=True))
 
 
-def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale, *,
-                       repeat: bool | None = None):
-    """torch's varlen_attn; k/v heads are repeated for GQA only where the kernel needs it."""
+def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale, *, repeat: bool):
+    """torch's varlen_attn; with `repeat` the k/v heads are first repeated to the query heads."""
     fn, params = _torch_varlen()
-    if repeat is None:
-        repeat = (q_THD.shape[1] != k_TKD.shape[1]
-                  and not _torch_varlen_gqa(q_THD.device, q_THD.dtype))
     k, v = _repeat_kv(q_THD, k_TKD, v_TKD) if repeat else (k_TKD, v_TKD)
     kw = {}
     if "scale" in params:
