@@ -32,6 +32,8 @@
 #   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
 #   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
 #              mode: the forward traceback of the backward node that faults (debug-8b.log)
+#   root-probe FSDP2 on 2 GPUs of a toy with the 8B's embedding + lm_head: one root unit, tied,
+#              split into their own units, bf16 reduction (bench/fsdp_root_probe.py, probe.log)
 #   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
@@ -59,12 +61,13 @@ tp() {  # tp LOG ARGS...: one train_throughput.py process, at most $MODE_S secon
   timeout ${MODE_S:-150} $TP "$@" 2>&1 | grep -v Warning | tee -a "$R/$log"
 }
 vtrain() {  # vtrain GPUS RECIPE SAMPLES RUN OVERRIDES...: `vlpack train` under torchrun, output
-  # in $R/RUN, at most $SCALE_S seconds ($SCALE_EXTRA: more overrides); prints the whole log
+  # in $R/RUN, at most $SCALE_S seconds ($SCALE_EXTRA: more overrides); prints the whole log but
+  # the lines matching $VDROP (default: warnings)
   local n=$1 recipe=$2 samples=$3 run=$4; shift 4
   python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=$samples)"
   timeout ${SCALE_S:-150} torchrun --standalone --nproc-per-node $n -m vlpack train $recipe \
     data.synthetic_samples=$samples data.eval_samples=0 train.save_every=0 train.save_final=false \
-    train.progress=false train.output_dir="$R/$run" "$@" ${SCALE_EXTRA:-} 2>&1 | grep -v Warning
+    train.progress=false train.output_dir="$R/$run" "$@" ${SCALE_EXTRA:-} 2>&1 | grep -v "${VDROP:-Warning}"
 }
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
@@ -135,14 +138,20 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
+    root-probe) for args in "" "--tied" "--split" "--reduce bf16" "--hidden 2048"; do
+                  timeout 90 torchrun --standalone --nproc-per-node 2 bench/fsdp_root_probe.py $args 2>&1 |
+                    grep -v Warning | tee -a "$R/probe.log" | grep -A12 PROBE
+                done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
     recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
                  tee "$R/recipe-8b.log" | tail -12 ;;
     debug-8b)  # the illegal memory access of 2026-12-01: which forward operation made the node
-      CUDA_LAUNCH_BLOCKING=1 SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 200 debug-8b data.num_workers=2 \
-        data.seq_len=2048 model.compile=false train.max_steps=2 train.detect_anomaly=true |
-        tee "$R/debug-8b.log" | grep -A40 -m2 "Traceback of forward call" ;;
+      # (anomaly mode's report is itself a warning line, so only FutureWarnings are dropped)
+      CUDA_LAUNCH_BLOCKING=1 VDROP=FutureWarning SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 200 \
+        debug-8b data.num_workers=2 data.seq_len=2048 model.compile=false train.max_steps=2 \
+        train.detect_anomaly=true > "$R/debug-8b.log"
+      grep -A40 -m2 "Traceback of forward call" "$R/debug-8b.log"; tail -40 "$R/debug-8b.log" ;;
     prof-fsdp2)  # the 2-GPU FSDP2 step under torch.profiler (one table per rank)
       vtrain 2 qwen3-vl-2b 1600 prof-fsdp2 data.num_workers=3 train.max_steps=10 \
         train.profile_steps=2 train.profile_from=7 | tail -6 ;;
