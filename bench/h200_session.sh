@@ -139,7 +139,7 @@ for part in "$@"; do
              tar czf "$TGZ" -C "$R" .
            done ;;
     root-probe) for args in "" "--tied" "--split" "--reduce bf16" "--hidden 2048"; do
-                  timeout 90 torchrun --standalone --nproc-per-node 2 bench/fsdp_root_probe.py $args 2>&1 |
+                  timeout 60 torchrun --standalone --nproc-per-node 2 bench/fsdp_root_probe.py $args 2>&1 |
                     grep -v Warning | tee -a "$R/probe.log" | grep -A12 PROBE
                 done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
