@@ -78,7 +78,7 @@ def main() -> None:
             torch.cuda.synchronize()
         if rank == 0:
             print(f"PROBE ok: {case}; gradients finite: {finite}", flush=True)
-    except Exception as e:  # noqa: BLE001 - the point is to report any fault
+    except Exception as e:  # the point is to report any fault
         if rank == 0:
             print(f"PROBE FAIL: {case}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             traceback.print_exc()

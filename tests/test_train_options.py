@@ -122,6 +122,53 @@ def test_pad_to_seq_len_gives_static_rows_and_the_same_loss(tmp_path: Path) -> N
     assert abs(a.fit()["last_loss"] - b.fit()["last_loss"]) < 1e-5
 
 
+def test_fsdp_root_keeps_its_parameters_for_backward(tmp_path: Path, monkeypatch) -> None:
+    """FSDP2 re-gathers a module for backward from hooks on the tensors its forward returns. Up
+    to torch 2.11 it finds them with pytree, which does not enter the root's `ForwardOut`
+    dataclass: no hook. A root resharded after forward then read freed parameters in backward
+    (a segfault on CPU, an illegal memory access on an H200: the 8B recipe on 2 GPUs). With that
+    registration patched in, the root's parameters must still be gathered after forward, and
+    the run must equal the plain one."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten
+
+    from vlpack.train.parallel import shutdown
+
+    def pytree_hooks(self, output):  # torch <= 2.11's registration
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    monkeypatch.setattr(FSDPState, "_register_pre_backward_hook", pytree_hooks)
+    try:
+        plain = Trainer(small_cfg(tmp_path / "plain", "train.max_steps=2"), CPU)
+        plain.fit()
+        t = Trainer(small_cfg(tmp_path / "fsdp", "train.max_steps=2", "train.fsdp=always",
+                              "train.reshard_after_forward=true"), CPU)
+        root_params = [t.model.lm_head.weight, t.model.model.language_model.norm.weight]
+        seen = []
+
+        def after_forward(module, args, out):  # runs after FSDP2's own post-forward hook
+            for name in ("lm_head", "model.language_model.norm"):
+                w = t.model.get_submodule(name).weight
+                # fails here, before a backward that would read freed memory and crash
+                assert not isinstance(w, DTensor) and w.untyped_storage().nbytes() > 0, \
+                    f"the root resharded {name} after forward: its backward reads freed memory"
+            seen.append(True)
+
+        t.module.register_forward_hook(after_forward)
+        assert all(isinstance(p, DTensor) for p in root_params)  # sharded before any forward
+        t.fit()
+        assert len(seen) == 2
+        assert max(abs(a - b) for a, b in zip(losses(tmp_path / "plain"),
+                                               losses(tmp_path / "fsdp"), strict=True)) < 1e-5
+    finally:
+        shutdown()
+
+
 def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
     """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
     its sharded checkpoint resumes to the straight run's losses."""

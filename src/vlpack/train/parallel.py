@@ -96,6 +96,13 @@ def apply_fsdp(
     With `param_dtype` (bf16 on GPU) parameters are all-gathered in that dtype and gradients are
     reduced in `reduce_dtype`; the master weights stay float32. `reshard_after_forward=False`
     keeps each block's gathered parameters until its backward (no second all-gather).
+
+    The root always keeps its parameters (embedding, lm_head, final norm, vision merger) gathered
+    from forward to backward, FSDP2's own default for a root. It must: FSDP2 re-gathers a module
+    for backward from hooks on the tensors its forward returns, and up to torch 2.11 it looks
+    for them with pytree, which does not enter our `ForwardOut` dataclass. A root resharded after
+    forward then reached backward with freed parameters: "CUDA illegal memory access" in the
+    final norm's backward on 2 H200s (the 8B recipe), a segfault on CPU.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -106,4 +113,4 @@ def apply_fsdp(
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, mp_policy=mp)  # reshard_after_forward unset: see above
