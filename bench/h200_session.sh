@@ -11,7 +11,8 @@
 #   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode; $MODES
 #              narrows them, e.g. MODES="vlpack_packed vlpack_padded"; $LEVERS, e.g. --compile,
 #              applies to the vlpack modes of bench-*, mem-2b and prof-*)
-#   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each)
+#   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each);
+#              $LEVER_SETS: other sets, ';' between them (e.g. "--compile;--compile --bf16-params")
 #   compile-2b qwen3-vl-2b vlpack packed, compiled, plus the experiments --compile-rotary and
 #              --compile-layernorm, alone and together (one process each)
 #   levers-8b  qwen3-vl-8b (AC, no optimizer) and levers-35b (cut): vlpack packed plain, --compile
@@ -111,7 +112,9 @@ for part in "$@"; do
     prof-2b) tp bench.log --model qwen3-vl-2b --modes vlpack_packed ${LEVERS:-} --profile "$R" \
                ${PROF_ARGS:-} ;;  # PROF_ARGS=--profile-stacks: host time by Python call site
     bench-2b) bench qwen3-vl-2b ;;
-    levers-2b) levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b ;;
+    levers-2b) if [[ -n ${LEVER_SETS:-} ]]; then IFS=';' read -ra sets <<< "$LEVER_SETS"
+                 levers "${sets[@]}" -- --model qwen3-vl-2b
+               else levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b; fi ;;
     compile-2b) levers --compile "--compile --compile-rotary" "--compile --compile-layernorm" \
                   "--compile --compile-rotary --compile-layernorm" -- --model qwen3-vl-2b ;;
     levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
