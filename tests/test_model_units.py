@@ -143,6 +143,27 @@ def test_attention_refuses_padded_batches_and_windows():
         attention.varlen_attention_forward(_Causal(), *_qkv(), None, sliding_window=16)
 
 
+def test_gqa_probe_is_invisible_to_activation_checkpointing(monkeypatch):
+    """The one-time GQA probe runs a forward and a backward. Inside a checkpointed layer (the
+    first text layer under `checkpoint_share`) its saved tensors counted as the layer's, and the
+    recomputation, finding the answer cached, saved fewer: CheckpointError on the 8B recipe.
+    The caller's saved-tensor hooks must see none of the probe's tensors."""
+
+    def differentiable_stand_in(q, k, v, cu, max_len, causal, scale, *, repeat):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return q * k * v  # saves tensors for backward, as the kernel does
+
+    monkeypatch.setattr(attention, "_torch_varlen_call", differentiable_stand_in)
+    attention._torch_varlen_gqa.cache_clear()
+    packed = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            assert attention._torch_varlen_gqa(torch.device("cpu"), torch.float32)
+    finally:
+        attention._torch_varlen_gqa.cache_clear()
+    assert packed == []
+
+
 def test_vision_call_outside_wrapper_ignores_text_cu_kwargs():
     """transformers 5.17 hands the TEXT cu kwargs to per-image vision calls: ignore them."""
     q, k, v = _qkv(K=4)

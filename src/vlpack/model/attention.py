@@ -21,6 +21,7 @@ D = head dim, S = segments.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import functools
 import importlib
@@ -99,7 +100,17 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
 def _torch_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's varlen_attn takes fewer k/v heads than query heads (FlashAttention
     does natively): probed once per device and dtype on a tiny causal call, forward and
-    backward, against the same call with the k/v heads repeated."""
+    backward, against the same call with the k/v heads repeated.
+
+    The probe runs in a thread of its own: the first attention call may sit inside activation
+    checkpointing, whose saved-tensor hooks (thread-local, as are autocast and grad mode) would
+    take the probe's tensors for the layer's; the recomputation, finding the answer cached,
+    saves fewer, and backward stops with a CheckpointError (the 8B recipe on 2 H200s)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_probe_varlen_gqa, device, dtype).result()
+
+
+def _probe_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(8, h, 64, device=device, generator=g, dtype=dtype)
                for h in (4, 2, 2))
