@@ -13,8 +13,6 @@
 #              applies to the vlpack modes of bench-*, mem-2b and prof-*)
 #   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each);
 #              $LEVER_SETS: other sets, ';' between them (e.g. "--compile;--compile --bf16-params")
-#   compile-2b qwen3-vl-2b vlpack packed, compiled, plus the experiments --compile-rotary and
-#              --compile-layernorm, alone and together (one process each)
 #   levers-8b  qwen3-vl-8b (AC, no optimizer) and levers-35b (cut): vlpack packed plain, --compile
 #   mem-2b     qwen3-vl-2b vlpack packed in bins of 3,632 tokens: the real tokens per step of the
 #              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
@@ -115,8 +113,6 @@ for part in "$@"; do
     levers-2b) if [[ -n ${LEVER_SETS:-} ]]; then IFS=';' read -ra sets <<< "$LEVER_SETS"
                  levers "${sets[@]}" -- --model qwen3-vl-2b
                else levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b; fi ;;
-    compile-2b) levers --compile "--compile --compile-rotary" "--compile --compile-layernorm" \
-                  "--compile --compile-rotary --compile-layernorm" -- --model qwen3-vl-2b ;;
     levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
     levers-35b) levers "" --compile -- --model qwen3.5-35b-a3b --layers "$LAYERS" ;;
     mem-2b) tp mem.log --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 ${LEVERS:-} \

@@ -23,8 +23,8 @@ Modes:
   hf_padding_free   stock transformers packing: 4-row position ids, no mask, sdpa, stock loss
 
 Speed levers, recorded as a suffix of the mode's key: `--compile` (torch.compile of the norm and
-MLP modules, `model.compile=true`) and `--bf16-params` (bf16 compute weights with fp32 masters
-through FSDP2 on one rank, no autocast: `train.fsdp=always`).
+MLP modules and the rotary functions, `model.compile=true`) and `--bf16-params` (bf16 compute
+weights with fp32 masters through FSDP2 on one rank, no autocast: `train.fsdp=always`).
 """
 
 from __future__ import annotations
@@ -129,36 +129,7 @@ def variant(mode: str, args) -> str:
     """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`;
     `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
     ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
-    return (mode + "+compile" * args.compile + "+rotary" * args.compile_rotary
-            + "+layernorm" * args.compile_layernorm + "+bf16_params" * args.bf16_params + ac)
-
-
-ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
-
-
-def compile_rotary() -> list[str]:
-    """Experiment (not yet a `model.compile` region): torch.compile the rotary-embedding
-    functions of every Qwen-VL modeling module, process-wide. The vision one upcasts q and k to
-    fp32 and runs about 16 elementwise kernels per block on [patches, heads, 64]."""
-    import importlib
-
-    done = []
-    for fam in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
-        mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
-        for name in ROTARY_FUNCTIONS:
-            if callable(getattr(mod, name, None)):
-                setattr(mod, name, torch.compile(getattr(mod, name), dynamic=True))
-                done.append(f"{fam}.{name}")
-    return done
-
-
-def compile_layernorms(model: torch.nn.Module) -> int:
-    """Experiment: torch.compile every nn.LayerNorm (the vision blocks' norms, which autocast
-    runs in fp32 with a cast on each side)."""
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
-    for m in norms:
-        m.compile(dynamic=True)
-    return len(norms)
+    return mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params + ac
 
 
 def hf_padded_loss(model, b):
@@ -199,10 +170,6 @@ def run_mode(mode: str, args, samples, device) -> dict:
         enable_activation_checkpointing(model, args.checkpoint_share)
     if args.compile:
         compile_regions(model)
-    if args.compile_rotary:
-        compile_rotary()
-    if args.compile_layernorm:
-        compile_layernorms(model)
     module = TrainModule(model, spec, loss_method=args.loss)
     if args.bf16_params:  # what `train.fsdp=always` does: FSDP2 on one rank, bf16 compute weights
         info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -328,11 +295,7 @@ def main(argv=None) -> int:
                         "(model.chunked_loss=true); auto = chunked. Runs before this flag existed used "
                         "liger on GPU")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the norm and MLP modules (model.compile=true)")
-    p.add_argument("--compile-rotary", action="store_true",
-                   help="experiment: also compile the rotary-embedding functions (process-wide)")
-    p.add_argument("--compile-layernorm", action="store_true",
-                   help="experiment: also compile the nn.LayerNorm modules (the vision norms)")
+                   help="torch.compile the norms, MLPs and rotary functions (model.compile=true)")
     p.add_argument("--bf16-params", action="store_true",
                    help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
                         "(train.fsdp=always)")

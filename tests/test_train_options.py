@@ -46,22 +46,31 @@ def test_detect_anomaly_runs_the_step_in_anomaly_mode(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name,fsdp", [("tiny-qwen3_vl", "auto"), ("tiny-qwen3_5_moe", "auto"),
                                        ("tiny-qwen3_vl", "always")])
 def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str, fsdp: str) -> None:
-    """`model.compile=true` (inductor-fused norms and MLPs) trains to the eager run's losses;
-    the hybrid MoE family covers its offset RMSNorm and shared-expert MLP, fsdp=always the
-    compiled modules inside FSDP2-sharded blocks."""
-    from vlpack.model.compile import compile_regions
+    """`model.compile=true` (inductor-fused norms, MLPs and rotary functions) trains to the
+    eager run's losses; the hybrid MoE family covers its offset RMSNorm and shared-expert MLP,
+    fsdp=always the compiled modules inside FSDP2-sharded blocks."""
+    import inspect
+
+    from vlpack.model.compile import compile_regions, restore_rotary
     from vlpack.train.parallel import shutdown
 
     plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
     plain.fit()
+    modeling = inspect.getmodule(type(plain.model))
+    stock = modeling.apply_rotary_pos_emb_vision
     try:
         fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
                                   "model.compile=true", f"train.fsdp={fsdp}"), CPU)
-        norms = [m for m in fused.model.modules() if type(m).__name__.endswith("RMSNorm")]
-        assert norms and all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
+        norms = [m for m in fused.model.modules()
+                 if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+        assert {type(m).__name__ for m in norms} >= {"LayerNorm"}  # the vision blocks' norms
+        assert all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
+        assert modeling.apply_rotary_pos_emb_vision is not stock  # the compiled function
         fused.fit()
     finally:
         shutdown()
+        restore_rotary()
+    assert modeling.apply_rotary_pos_emb_vision is stock
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
     with pytest.raises(ValueError, match=r"model\.compile=false"):

@@ -160,8 +160,8 @@ class ModelConfig:
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
     compile: bool = False
-    """torch.compile the RMSNorm and MLP modules (fuses their elementwise work; the first step
-    pays the compilation). See docs/benchmarks.md for what it buys on a GPU."""
+    """torch.compile the norm and MLP modules and the rotary functions (fuses their elementwise
+    work; the first step pays the compilation). See docs/benchmarks.md for what it buys."""
 
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))

@@ -2,25 +2,38 @@
 
 A profile of the eager packed qwen3-vl-2b step (docs/benchmarks.md) spent about half of its
 kernel time outside matmuls and attention: dtype casts, multiplies and adds, many of them in the
-RMSNorms and the gated MLPs. Compiling those modules (and only those) lets inductor fuse them;
-the decoder layers, the attention seams and the Gated-DeltaNet kernels stay eager, so the
-boundary contract (cu_seqlens, positions) is untouched.
+norms, the gated MLPs and the rotary embeddings. Compiling those (and only those) lets inductor
+fuse them; the decoder layers, the attention seams and the Gated-DeltaNet kernels stay eager,
+so the boundary contract (cu_seqlens, positions) is untouched.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
-COMPILED_SUFFIXES = ("RMSNorm", "MLP", "Mlp")
-"""Class-name endings of the compiled modules: text and vision RMSNorms, dense and shared-expert
-MLPs of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left
-eager: their token dispatch has data-dependent shapes."""
+COMPILED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP", "Mlp")
+"""Class-name endings of the compiled modules: text and vision RMSNorms, the vision blocks'
+LayerNorms (which autocast runs in fp32 with a cast on each side), dense and shared-expert MLPs
+of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left eager:
+their token dispatch has data-dependent shapes."""
+
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
+"""The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
+about 16 elementwise kernels per block on [patches, heads, head_dim]."""
+
+_STOCK: dict[tuple[str, str], Callable] = {}
 
 
 def compile_regions(model: nn.Module) -> list[str]:
-    """Compile every norm and MLP module of `model` in place; return the compiled class names."""
+    """Compile every norm and MLP module of `model` in place, and its family's rotary functions;
+    return what was compiled (class and function names)."""
     names: set[str] = set()
     for module in model.modules():
         cls = type(module).__name__
@@ -29,7 +42,32 @@ def compile_regions(model: nn.Module) -> list[str]:
             names.add(cls)
     if not names:
         raise ValueError(
-            f"model.compile found no RMSNorm or MLP module in {type(model).__name__}: "
+            f"model.compile found no norm or MLP module in {type(model).__name__}: "
             "set model.compile=false for this model"
         )
-    return sorted(names)
+    return sorted(names) + _compile_rotary(model)
+
+
+def _compile_rotary(model: nn.Module) -> list[str]:
+    """The rotary functions are globals of the model's modeling module, looked up at each call:
+    replacing them is process-wide, for every model of that family (`restore_rotary` undoes)."""
+    module = inspect.getmodule(type(model))
+    done = []
+    for name in ROTARY_FUNCTIONS:
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            continue
+        key = (module.__name__, name)
+        if key not in _STOCK:
+            _STOCK[key] = fn
+            setattr(module, name, torch.compile(fn, dynamic=True))
+        done.append(name)
+    return done
+
+
+def restore_rotary() -> None:
+    """Put the stock rotary functions back (a benchmark of stock transformers in a process that
+    compiled a vlpack model)."""
+    for (module, name), fn in _STOCK.items():
+        setattr(sys.modules[module], name, fn)
+    _STOCK.clear()
