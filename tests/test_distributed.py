@@ -154,3 +154,30 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     single = [optimizer_step(module, opt, sched, batches, info=info).loss for _ in range(2)]
     assert max(abs(a - b) for a, b in zip(json.loads(out.read_text()), single, strict=True)) < 1e-5
+
+
+def test_fsdp_blocks_see_the_same_inputs_in_forward_and_recomputation() -> None:
+    """FSDP2 with bf16 parameters and activation checkpointing: a checkpointed vision block must
+    receive the same tensors (dtype included) in its forward and in its recomputation, and the
+    vision rotary its fp32 cos/sin in both. FSDP2 cast block inputs to bf16 on the forward only,
+    and activation checkpointing refused the compiled rotary's recomputation (the 8B recipe)."""
+    from vlpack.model.recompute import enable_activation_checkpointing
+    from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group, shutdown
+
+    model, module, batches = _setup()
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ensure_process_group(info)
+    try:
+        apply_fsdp(module, model, info, param_dtype=torch.bfloat16)
+        enable_activation_checkpointing(model, 1.0)
+        seen = []
+        model.model.visual.blocks[0].attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(
+                tuple(t.dtype for t in (*args[:1], *kwargs["position_embeddings"]))),
+            with_kwargs=True)
+        module(batches[1]).loss_sum.backward()
+    finally:
+        shutdown()
+    assert len(seen) == 2, seen  # the forward and the recomputation
+    assert seen[0] == seen[1] == (torch.bfloat16, torch.float32, torch.float32), seen
+
