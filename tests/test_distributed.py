@@ -182,3 +182,35 @@ def test_fsdp_blocks_see_the_same_inputs_in_forward_and_recomputation() -> None:
     assert len(seen) == 2, seen  # the forward and the recomputation
     assert seen[0] == seen[1] == (torch.bfloat16, torch.float32, torch.float32), seen
 
+
+def test_fsdp_bf16_hybrid_moe_blocks_run_on_uncast_inputs() -> None:
+    """The same bf16 FSDP2 + checkpointing setup on the hybrid family (Gated-DeltaNet, MoE): its
+    blocks take uncast inputs without a dtype mismatch, and every parameter gets a gradient."""
+    import numpy as np
+
+    from tests.helpers import make_sample
+    from vlpack.data.batch import build_thd_batch
+    from vlpack.model.build import build_model
+    from vlpack.model.recompute import enable_activation_checkpointing
+    from vlpack.train.module import TrainModule
+    from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group, shutdown
+
+    model, spec = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cpu", seed=0)
+    module = TrainModule(model, spec, loss_method="plain")
+    rng = np.random.default_rng(0)
+    rows = [make_sample(f"t{i}", rng, text=(40 + 10 * i,), grids=(), patch_dim=spec.patch_dim)
+            for i in range(2)]
+    batch = build_thd_batch(rows, pad_token_id=spec.pad_token_id)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ensure_process_group(info)
+    try:
+        apply_fsdp(module, model, info, param_dtype=torch.bfloat16)
+        enable_activation_checkpointing(model, 1.0)
+        out = module(batch)
+        out.loss_sum.backward()
+        text = model.model.language_model
+        missing = [n for n, p in text.named_parameters() if p.requires_grad and p.grad is None]
+        assert not missing, missing
+    finally:
+        shutdown()
+
