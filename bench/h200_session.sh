@@ -31,8 +31,6 @@
 #   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
 #   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
 #              mode: the forward traceback of the backward node that faults (debug-8b.log)
-#   root-probe FSDP2 on 2 GPUs of a toy with the 8B's embedding + lm_head: one root unit, tied,
-#              split into their own units, bf16 reduction (bench/fsdp_root_probe.py, probe.log)
 #   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
@@ -137,15 +135,11 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
-    root-probe) for args in "" "--tied" "--split" "--reduce bf16" "--hidden 2048"; do
-                  timeout 60 torchrun --standalone --nproc-per-node 2 bench/fsdp_root_probe.py $args 2>&1 |
-                    grep -v Warning | tee -a "$R/probe.log" | grep -A12 PROBE
-                done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
     recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
                  tee "$R/recipe-8b.log" | tail -12 ;;
-    debug-8b)  # the illegal memory access of 2026-12-01: which forward operation made the node
+    debug-8b)  # which forward operation made a failing backward node (found the FSDP2 root fault)
       # (anomaly mode's report is itself a warning line, so only FutureWarnings are dropped)
       CUDA_LAUNCH_BLOCKING=1 VDROP=FutureWarning SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 200 \
         debug-8b data.num_workers=2 data.seq_len=2048 model.compile=false train.max_steps=2 \
