@@ -214,3 +214,25 @@ def test_fsdp_bf16_hybrid_moe_blocks_run_on_uncast_inputs() -> None:
     finally:
         shutdown()
 
+
+def test_fsdp_root_keeps_fp32_loss_weights() -> None:
+    """`train.loss_norm=sample` hands the root fp32 per-token weights (1 / the sample's label
+    count). FSDP2's mixed precision cast a module's floating inputs to bf16, which rounded them
+    (by up to 0.4%) on several GPUs and not on one. The loss must see them as given."""
+    from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group, shutdown
+    from vlpack.train.step import sample_mean_weights
+
+    model, module, batches = _setup()
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ensure_process_group(info)
+    seen = []
+    try:
+        apply_fsdp(module, model, info, param_dtype=torch.bfloat16)
+        module.register_forward_pre_hook(  # runs after FSDP2's own pre-forward hook
+            lambda m, args, kwargs: seen.append(kwargs["token_weights"].dtype), with_kwargs=True)
+        weights, _ = sample_mean_weights(batches[1])
+        module(batches[1], token_weights=weights).loss_sum.backward()
+    finally:
+        shutdown()
+    assert seen == [torch.float32]
+

@@ -108,18 +108,17 @@ def apply_fsdp(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # Blocks take their inputs as given. FSDP2 would cast them to param_dtype on the forward but
-    # not on a checkpointed block's recomputation (it skips that hook in backward): the vision
-    # rotary's fp32 cos/sin reached the forward in bf16 and the recomputation in fp32, which
-    # activation checkpointing refuses (CheckpointError, the 8B recipe on 2 H200s). The
-    # hidden states already arrive in bf16 from the root's embeddings; fp32 cos/sin is also
-    # what the one-GPU autocast path uses.
-    mp_block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                    cast_forward_inputs=False)
+    # FSDP2 casts nothing: by default it casts a module's floating inputs to param_dtype, which
+    # (a) it skips when a checkpointed block recomputes in backward, so the vision rotary's
+    # fp32 cos/sin reached the forward in bf16 and the recomputation in fp32, and activation
+    # checkpointing refused it (CheckpointError, the 8B recipe on 2 H200s); and (b) rounded the
+    # root's fp32 per-sample loss weights (train.loss_norm=sample) to bf16. Hidden states already
+    # arrive in bf16 from the root's embeddings, and the patch embedding casts the pixels itself,
+    # as on one GPU under autocast.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              cast_forward_inputs=False)
     inner = model.model
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_block,
-                    reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh, mp_policy=mp)  # reshard_after_forward unset: see above
