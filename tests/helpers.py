@@ -18,11 +18,16 @@ def make_sample(
     grids: tuple[tuple[int, int, int], ...] = ((1, 4, 6),),
     patch_dim: int = 24,
     merge: int = 2,
+    spec=None,
 ) -> EncodedSample:
     """Text runs interleaved with images: text[0] img0 text[1] img1 ... text[-1].
 
     The second half of the last text run is supervised (as an assistant answer would be).
+    Vision token ids are Qwen2/3-VL's unless `spec` (a ModelSpec) gives its family's.
     """
+    start, end, pad = ((spec.vision_start_token_id, spec.vision_end_token_id,
+                        spec.image_token_id) if spec is not None
+                       else (VISION_START, VISION_END, IMAGE_PAD))
     assert len(text) == len(grids) + 1
     ids, types = [], []
     for i, n in enumerate(text):
@@ -31,7 +36,7 @@ def make_sample(
         if i < len(grids):
             t, h, w = grids[i]
             k = t * h * w // merge**2
-            ids += [VISION_START, *([IMAGE_PAD] * k), VISION_END]
+            ids += [start, *([pad] * k), end]
             types += [0, *([TOKEN_TYPE_IMAGE] * k), 0]
     input_ids = np.array(ids, dtype=np.int64)
     labels = np.full_like(input_ids, IGNORE_INDEX)

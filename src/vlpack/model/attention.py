@@ -105,12 +105,16 @@ def _torch_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     The probe runs in a thread of its own: the first attention call may sit inside activation
     checkpointing, whose saved-tensor hooks (thread-local, as are autocast and grad mode) would
     take the probe's tensors for the layer's; the recomputation, finding the answer cached,
-    saves fewer, and backward stops with a CheckpointError (the 8B recipe on 2 H200s)."""
+    saves fewer, and backward stops with a CheckpointError (the 8B recipe on 2 H200s). The first
+    call for a device and dtype is always a forward (a recomputation finds the answer cached):
+    called from autograd's own backward thread, the probe's backward would wait on it."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(_probe_varlen_gqa, device, dtype).result()
 
 
 def _probe_varlen_gqa(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a new thread starts on device 0
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(8, h, 64, device=device, generator=g, dtype=dtype)
                for h in (4, 2, 2))

@@ -12,6 +12,7 @@ so the boundary contract (cu_seqlens, positions) is untouched.
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
 about 16 elementwise kernels per block on [patches, heads, head_dim]."""
 
 _STOCK: dict[tuple[str, str], Callable] = {}
+_log = logging.getLogger(__name__)
 
 
 def compile_regions(model: nn.Module) -> list[str]:
@@ -51,7 +53,13 @@ def compile_regions(model: nn.Module) -> list[str]:
 def _compile_rotary(model: nn.Module) -> list[str]:
     """The rotary functions are globals of the model's modeling module, looked up at each call:
     replacing them is process-wide, for every model of that family (`restore_rotary` undoes)."""
-    module = inspect.getmodule(type(model))
+    # the first class in the MRO whose module defines them (an FSDP-wrapped class lives in torch)
+    module = next((m for m in map(inspect.getmodule, type(model).__mro__)
+                   if any(callable(getattr(m, name, None)) for name in ROTARY_FUNCTIONS)), None)
+    if module is None:
+        _log.warning("model.compile: %s's modeling module has no %s; rotary stays eager",
+                     type(model).__name__, " or ".join(ROTARY_FUNCTIONS))
+        return []
     done = []
     for name in ROTARY_FUNCTIONS:
         fn = getattr(module, name, None)
@@ -66,8 +74,8 @@ def _compile_rotary(model: nn.Module) -> list[str]:
 
 
 def restore_rotary() -> None:
-    """Put the stock rotary functions back (a benchmark of stock transformers in a process that
-    compiled a vlpack model)."""
+    """Put the stock rotary functions back, for a process that needs the stock model after
+    compiling one (the tests do)."""
     for (module, name), fn in _STOCK.items():
         setattr(sys.modules[module], name, fn)
     _STOCK.clear()
