@@ -99,6 +99,8 @@ def test_profile_stacks_add_host_time_by_call_site(tmp_path: Path) -> None:
     prof.after(1)
     text = (tmp_path / "p.txt").read_text()
     assert "host time by call site" in text and "test_train_options.py" in text
+    # the sites themselves, not only Python function events among the operators
+    assert "Source Location" in text.split("host time by call site")[1]
 
 
 def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:

@@ -92,7 +92,10 @@ class StepProfiler:
             if self.device.type == "cuda":
                 acts.append(ProfilerActivity.CUDA)
             _sync(self.device)
-            self._prof = profile(activities=acts, with_stack=self.stacks)
+            # without the verbose config the events keep no stacks and the table no sites
+            verbose = torch._C._profiler._ExperimentalConfig(verbose=True) if self.stacks else None
+            self._prof = profile(activities=acts, with_stack=self.stacks,
+                                 experimental_config=verbose)
             self._prof.__enter__()
             self._t0 = time.perf_counter()
 
