@@ -48,6 +48,7 @@ class ThdBatch:
                          bidirectional varlen attention (one frame = h·w patches).
     Host-side fields (Python ints/lists, no device sync needed):
       max_seqlen         longest padded segment; vision_max_seqlen: longest frame in patches.
+      image_grids        image_grid_thw's rows as (t, h, w) tuples.
       sample_keys        S stable sample keys; num_label_tokens: labels != -100.
     """
 
@@ -63,6 +64,7 @@ class ThdBatch:
     pixel_values: torch.Tensor | None = None
     max_seqlen: int = 0
     vision_max_seqlen: int = 0
+    image_grids: tuple[tuple[int, int, int], ...] = ()
     sample_keys: list[str] = field(default_factory=list)
     num_label_tokens: int = 0
 
@@ -195,6 +197,7 @@ def build_thd_batch(
         pixel_values=pixel_values,
         max_seqlen=max(padded),
         vision_max_seqlen=int(frames.max()) if len(frames) else 0,
+        image_grids=tuple(tuple(int(x) for x in row) for row in grid_thw),
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
     )

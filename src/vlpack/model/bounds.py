@@ -46,5 +46,10 @@ def host_bounds(cu: torch.Tensor) -> tuple[int, ...]:
     return derived(_HOST, cu, lambda: tuple(int(x) for x in cu.tolist()))
 
 
+def seed_host_bounds(cu: torch.Tensor, values: tuple[int, ...]) -> None:
+    """Record `values` as `cu`'s host copy, for a tensor made from host data (no device sync)."""
+    derived(_HOST, cu, lambda: values)
+
+
 def max_segment(bounds: tuple[int, ...]) -> int:
     return max(b - a for a, b in itertools.pairwise(bounds))

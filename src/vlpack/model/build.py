@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlpack.model import attention, deepstack, gdn
+from vlpack.model import attention, deepstack, gdn, vision_tables
 from vlpack.model.presets import FAMILIES, QWEN2_IDS, QWEN3_5_IDS, Preset, get_preset
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ def build_model(
     attention.install_vision_varlen(model)
     gdn.install_gdn(model)
     deepstack.install_deepstack(model)
+    vision_tables.install_vision_tables(model)
     return model, _spec(name, model.config, attn)
 
 

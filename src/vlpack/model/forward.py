@@ -19,7 +19,7 @@ from torch import nn
 
 from vlpack.data.batch import ThdBatch, shifted_labels
 from vlpack.data.types import EncodedSample
-from vlpack.model import attention, deepstack, gdn, loss
+from vlpack.model import attention, deepstack, gdn, loss, vision_tables
 from vlpack.model.build import ModelSpec
 from vlpack.model.moe import RouterCapture, RouterStats, router_stats
 
@@ -64,6 +64,7 @@ def packed_model_inputs(batch: ThdBatch) -> dict:
 def _paths() -> dict[str, str]:
     out = {f"attention.{k}": v for k, v in attention.PATHS_USED.items()}
     out.update({f"gdn.{k}": v for k, v in gdn.PATHS_USED.items()})
+    out.update({f"vision.{k}": v for k, v in vision_tables.PATHS_USED.items()})
     out.update(loss.PATHS_USED)
     return out
 
@@ -96,7 +97,7 @@ def packed_forward(
     if capture is not None:
         capture.__enter__()
     try:
-        with deepstack.indexed():
+        with deepstack.indexed(), vision_tables.supplied(batch.image_grid_thw, batch.image_grids):
             out = model.model(**packed_model_inputs(batch))
     finally:
         if capture is not None:
