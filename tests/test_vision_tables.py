@@ -1,5 +1,5 @@
-"""The vision tower's tables computed on the host (`vlpack.model.vision_tables`): the same
-results as the tower's own, handed over through the helpers' kwargs, in every family."""
+"""Host metadata for the model, no device syncs: the vision tower's tables computed on the host
+(`vlpack.model.vision_tables`), the same as the tower's own in every family; the text boundaries."""
 
 from __future__ import annotations
 
@@ -80,3 +80,21 @@ def test_tables_that_differ_keep_the_tower_stock(monkeypatch, caplog):
     assert "differ" in caplog.text
     out = packed_forward(model, batch, spec=spec)
     assert out.paths["vision.tables"] == "device (stock)"
+
+
+def test_text_boundaries_reach_the_layers_from_the_host(monkeypatch):
+    """The batch brings cu_seqlens_padded as Python ints (`padded_bounds`): the layers' host copy
+    of the boundaries then costs no read-back from the tensor (a device sync on a GPU)."""
+    from vlpack.model.bounds import host_bounds
+    from vlpack.model.forward import packed_model_inputs
+
+    _, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="meta", seed=0)
+    batch = _batch(spec)
+    assert batch.padded_bounds == tuple(batch.cu_seqlens_padded.tolist())
+    cu = packed_model_inputs(batch)["cu_seq_lens_q"]
+
+    def read_back(self):
+        raise AssertionError("the boundaries were read back from the tensor")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read_back)
+    assert host_bounds(cu) == batch.padded_bounds

@@ -49,6 +49,7 @@ class ThdBatch:
     Host-side fields (Python ints/lists, no device sync needed):
       max_seqlen         longest padded segment; vision_max_seqlen: longest frame in patches.
       image_grids        image_grid_thw's rows as (t, h, w) tuples.
+      padded_bounds      cu_seqlens_padded as a tuple.
       sample_keys        S stable sample keys; num_label_tokens: labels != -100.
     """
 
@@ -65,6 +66,7 @@ class ThdBatch:
     max_seqlen: int = 0
     vision_max_seqlen: int = 0
     image_grids: tuple[tuple[int, int, int], ...] = ()
+    padded_bounds: tuple[int, ...] = ()
     sample_keys: list[str] = field(default_factory=list)
     num_label_tokens: int = 0
 
@@ -182,14 +184,13 @@ def build_thd_batch(
             f"({int(grid_thw.prod(axis=1).sum())} patches): encode samples with pixels"
         )
     frames = np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    bounds = tuple(int(b) for b in np.concatenate(([0], np.cumsum(padded))))
     return ThdBatch(
         input_ids=torch.from_numpy(input_ids),
         labels=torch.from_numpy(labels),
         position_ids=torch.from_numpy(position_ids),
         cu_seqlens=torch.tensor(np.concatenate(([0], np.cumsum(real))), dtype=torch.int32),
-        cu_seqlens_padded=torch.tensor(
-            np.concatenate(([0], np.cumsum(padded))), dtype=torch.int32
-        ),
+        cu_seqlens_padded=torch.tensor(bounds, dtype=torch.int32),
         mm_token_type_ids=torch.from_numpy(types),
         padding_mask=torch.from_numpy(padding_mask),
         image_grid_thw=torch.from_numpy(grid_thw),
@@ -198,6 +199,7 @@ def build_thd_batch(
         max_seqlen=max(padded),
         vision_max_seqlen=int(frames.max()) if len(frames) else 0,
         image_grids=tuple(tuple(int(x) for x in row) for row in grid_thw),
+        padded_bounds=bounds,
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
     )

@@ -20,6 +20,7 @@ from torch import nn
 from vlpack.data.batch import ThdBatch, shifted_labels
 from vlpack.data.types import EncodedSample
 from vlpack.model import attention, deepstack, gdn, loss, vision_tables
+from vlpack.model.bounds import seed_host_bounds
 from vlpack.model.build import ModelSpec
 from vlpack.model.moe import RouterCapture, RouterStats, router_stats
 
@@ -47,6 +48,8 @@ def packed_model_inputs(batch: ThdBatch) -> dict:
     """Keyword arguments of the base-model call for one packed row."""
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
     cu = batch.cu_seqlens_padded.to(torch.int32)
+    if batch.padded_bounds:  # the layers' host copy of the boundaries, without a device sync
+        seed_host_bounds(cu, batch.padded_bounds)
     return dict(
         input_ids=batch.input_ids[None],
         position_ids=batch.position_ids[:, None, :],
