@@ -98,3 +98,34 @@ def test_text_boundaries_reach_the_layers_from_the_host(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "tolist", read_back)
     assert host_bounds(cu) == batch.padded_bounds
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2_vl", "tiny-qwen3_vl"])
+def test_tables_on_the_device_are_never_read_back(name, monkeypatch):
+    """The tables as a GPU would get them (copies of the host tables, here clones): the tower and
+    the vision attention use them without reading any back (`cu_seqlens`' host copy is the
+    seeded one), and the result is the host run's."""
+    model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    batch = _batch(spec)
+    want = packed_forward(model, batch, spec=spec).loss_sum  # records
+    copies = []
+
+    def to_device(value, device):
+        if not isinstance(value, torch.Tensor):
+            return value
+        copy = value.clone()
+        copy.vlpack_device_copy = True  # marks the object itself (ids get reused)
+        copies.append(copy)
+        return copy
+
+    tolist = torch.Tensor.tolist
+
+    def guarded_tolist(self):
+        assert not getattr(self, "vlpack_device_copy", False), "a device table was read back"
+        return tolist(self)
+
+    monkeypatch.setattr(vision_tables, "_to", to_device)
+    monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
+    got = packed_forward(model, batch, spec=spec)
+    assert copies and got.paths["vision.tables"] == "host"
+    assert torch.equal(got.loss_sum, want)

@@ -48,7 +48,7 @@ def packed_model_inputs(batch: ThdBatch) -> dict:
     """Keyword arguments of the base-model call for one packed row."""
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
     cu = batch.cu_seqlens_padded.to(torch.int32)
-    if batch.padded_bounds:  # the layers' host copy of the boundaries, without a device sync
+    if len(batch.padded_bounds) == cu.numel():  # the layers' host copy, without a device sync
         seed_host_bounds(cu, batch.padded_bounds)
     return dict(
         input_ids=batch.input_ids[None],

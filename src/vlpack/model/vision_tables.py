@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -41,6 +42,7 @@ _HELPERS = {  # transformers.vision_utils helper -> the kwargs keys it takes pre
     "get_vision_attention_seqlens": ("cu_seqlens", "max_seqlen"),
 }
 _GRIDS = contextvars.ContextVar("vlpack_vision_grids", default=None)
+_RECORDING = threading.Lock()  # the helpers are module globals: one recording at a time
 PATHS_USED: dict[str, str] = {}
 
 
@@ -48,7 +50,8 @@ PATHS_USED: dict[str, str] = {}
 def supplied(grid_thw: torch.Tensor | None, grids: tuple) -> Iterator[None]:
     """Within this block a wrapped tower called with this `grid_thw` tensor takes its tables from
     `grids` (the same (t, h, w) rows as Python ints)."""
-    token = _GRIDS.set((grid_thw, grids) if grid_thw is not None and grids else None)
+    usable = grid_thw is not None and len(grids) == grid_thw.shape[0] > 0
+    token = _GRIDS.set((grid_thw, grids) if usable else None)
     try:
         yield
     finally:
@@ -65,8 +68,10 @@ def install_vision_tables(model: nn.Module) -> bool:
 
 
 def _helpers(cls: type) -> tuple[str, ...]:
-    names = inspect.unwrap(cls.forward).__code__.co_names
-    return tuple(h for h in _HELPERS if h in names)
+    """The helpers the tower's forward calls (names it reads that are its module's functions)."""
+    forward = inspect.unwrap(cls.forward)
+    return tuple(h for h in _HELPERS
+                 if h in forward.__code__.co_names and callable(forward.__globals__.get(h)))
 
 
 def _forward(self, hidden_states, grid_thw=None, **kwargs):
@@ -78,10 +83,12 @@ def _forward(self, hidden_states, grid_thw=None, **kwargs):
     if recipe is None:
         out, calls = _recorded(self, lambda: stock(self, hidden_states, grid_thw, **kwargs))
         self._vlpack_tables = _checked(type(self).__name__, calls, ctx[1])
-        PATHS_USED["tables"] = "host" if self._vlpack_tables else "device (stock)"
+        PATHS_USED["tables"] = ("device, recorded: host from the next forward"
+                                if self._vlpack_tables else "device (stock)")
         return out
     if recipe:
         kwargs.update(_host_tables(recipe, ctx[1], grid_thw.device))
+        PATHS_USED["tables"] = "host"
     return stock(self, hidden_states, grid_thw, **kwargs)
 
 
@@ -99,16 +106,23 @@ def _recorded(self, run) -> tuple[object, dict]:
             return out
         return call
 
-    saved = {name: module_globals[name] for name in names}
-    try:
-        module_globals.update({name: recorder(name, fn) for name, fn in saved.items()})
-        return run(), calls
-    finally:
-        module_globals.update(saved)
+    with _RECORDING:
+        saved = {name: module_globals[name] for name in names}
+        try:
+            module_globals.update({name: recorder(name, fn) for name, fn in saved.items()})
+            return run(), calls
+        finally:
+            module_globals.update(saved)
 
 
 def _checked(tower: str, calls: dict, grids: tuple) -> dict | bool:
-    """The recorded calls, if repeating them on the host grid gives the recorded results."""
+    """The recorded calls, if repeating them on the host grid gives the recorded results. Calls
+    with a tensor argument besides the grid (a per-image value) are not replayed."""
+    if any(isinstance(a, torch.Tensor) for _, args, kw, _ in calls.values()
+           for a in (*args, *kw.values())):
+        logger.warning("vlpack: %s passes tensors to its vision helpers; its vision tables stay "
+                       "on the device", tower)
+        return False
     try:
         grid = _host_grid(grids)
         same = all(_equal(fn(grid, *args, **kw), out) for fn, args, kw, out in calls.values())
