@@ -198,11 +198,11 @@ def _run_kernel(name: str, stream: str, q_THD, k_TKD, v_TKD, cu_S1, max_len, cau
     half = q_THD.dtype in (torch.float16, torch.bfloat16)
     if q_THD.is_cuda and half:
         if _torch_varlen() is not None:
-            gqa = (q_THD.shape[1] != k_TKD.shape[1]
-                   and _torch_varlen_gqa(q_THD.device, q_THD.dtype))
+            grouped = q_THD.shape[1] != k_TKD.shape[1]
+            gqa = grouped and _torch_varlen_gqa(q_THD.device, q_THD.dtype)
             PATHS_USED[stream] = "torch varlen_attn" + " (native GQA)" * gqa
             return _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale,
-                                      repeat=q_THD.shape[1] != k_TKD.shape[1] and not gqa)
+                                      repeat=grouped and not gqa)
         if _flash_attn() is not None:
             PATHS_USED[stream] = "flash_attn_varlen_func"
             return _flash_attn()(q_THD, k_TKD, v_TKD, cu_S1, cu_S1, max_len, max_len,
