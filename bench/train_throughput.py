@@ -24,7 +24,9 @@ Modes:
 
 Speed levers, recorded as a suffix of the mode's key: `--compile` (torch.compile of the norm and
 MLP modules and the rotary functions, `model.compile=true`) and `--bf16-params` (bf16 compute
-weights with fp32 masters through FSDP2 on one rank, no autocast: `train.fsdp=always`).
+weights with fp32 masters through FSDP2 on one rank, no autocast: `train.fsdp=always`). A run
+under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` gets the suffix `+expandable`; every
+row records the caching allocator's retries and cudaMalloc / cudaFree calls in the timed steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -129,7 +132,9 @@ def variant(mode: str, args) -> str:
     """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`;
     `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
     ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
-    return mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params + ac
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
+    return (mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params + ac
+            + "+expandable" * expandable)
 
 
 def hf_padded_loss(model, b):
@@ -220,6 +225,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    allocs0 = _allocator_counts(device)
     handles = hook_regions(model, timer)
     t_start = time.perf_counter()
     for b in batches[args.warmup : args.warmup + args.steps]:
@@ -245,6 +251,11 @@ def run_mode(mode: str, args, samples, device) -> dict:
         "mfu": flop_total / train_s / PEAK,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                          if device.type == "cuda" else None),
+        "reserved_gib": (torch.cuda.max_memory_reserved(device) / 2**30
+                         if device.type == "cuda" else None),
+        # the caching allocator's retries and cudaFree calls in the timed steps: each one waits
+        # for the whole GPU (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most)
+        "allocator": {k: v - allocs0[k] for k, v in _allocator_counts(device).items()},
         "optimizer": "AdamW, fp32 states" if opt is not None else "none (forward + backward)",
         "tokens_per_step": tokens / args.steps,
         "real_tokens_per_step": real / args.steps,
@@ -262,6 +273,14 @@ def run_mode(mode: str, args, samples, device) -> dict:
         # every point where the host waited for the GPU in one step (sync debug mode)
         res["host_syncs"] = count_host_syncs(lambda: step(last, False), device)
     return res
+
+
+def _allocator_counts(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                         "num_device_free")}
 
 
 def profile_steps(step, batches, device, out: Path, step_s: float, stacks: bool = False) -> dict:
@@ -348,6 +367,9 @@ def main(argv=None) -> int:
         print(f"{mode:>16}: {r['real_tokens_per_s']:9.0f} real tok/s  MFU {100 * r['mfu']:5.1f}%  "
               f"peak {r['peak_mem_gib'] or 0:5.1f} GiB  step {r['step_s']:.3f}s  "
               f"{ {k: round(v, 4) for k, v in r['breakdown_s_per_step'].items()} }", flush=True)
+        if r.get("allocator"):
+            print(f"{'':>16}  reserved {r['reserved_gib']:.1f} GiB, allocator in the timed steps: "
+                  f"{r['allocator']}", flush=True)
         if r.get("host_syncs"):
             print(f"{'':>16}  host syncs in one step: {r['host_syncs']['count']}  "
                   f"{r['host_syncs']['sites']}", flush=True)

@@ -7,6 +7,7 @@ twice the error of a plain bf16 unpacked run against the same reference (+ a tin
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -197,3 +198,26 @@ def test_host_syncs_do_not_grow_with_depth(name):
     # once per forward at most: text and vision boundaries, loss rows, deepstack positions,
     # router statistics, fla's chunk indices
     assert sum(full.values()) <= 6, full
+
+
+def _slow_host(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.004)  # the GPU finished the previous product long ago: it waits for this launch
+    return x @ x
+
+
+def test_idle_gap_is_charged_to_the_slow_host_code(tmp_path):
+    """The profile's idle-gap table on a real trace: 5 gaps of 4 ms, charged to their launcher."""
+    from vlpack.train.profile import StepProfiler
+
+    x = torch.randn(1024, 1024, device="cuda")
+    prof = StepProfiler(tmp_path / "p.txt", start=1, count=1, device=torch.device("cuda"),
+                        stacks=True)
+    prof.before(1)
+    for _ in range(5):
+        x = torch.tanh(_slow_host(x))
+    prof.after(1)
+    gaps = prof.summary["idle_gaps"]
+    assert gaps["host_late_us_per_step"] >= 5 * 3500, gaps
+    text = (tmp_path / "p.txt").read_text()
+    top = text.split("host-late gaps by the code")[1].splitlines()[1]
+    assert "_slow_host" in top and "aten::mm" in top, text

@@ -7,8 +7,10 @@ without the profiler, when the caller has one (the trainer: the mean of the step
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -138,6 +140,7 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
     if device.type == "cuda" and reference_step_s:
         head += (f"; against the unprofiled step of {reference_step_s:.3f} s the GPU is busy "
                  f"{100 * per_step / reference_step_s:.0f}% of the step")
+    gaps = _trace_gaps(prof, steps) if device.type == "cuda" else None
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +148,7 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
         head + "\n\nkernel share: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items())
         + "\n\ntop kernels (seconds over the profiled steps):\n"
         + "\n".join(f"{sec:9.4f}  {name[:150]}" for name, sec in top)
+        + ("\n\n" + format_gaps(gaps) if gaps else "")
         + "\n\noperators:\n" + prof.key_averages().table(sort_by=sort, row_limit=40)
         + ("\n\nhost time by call site (operators grouped by their innermost 6 Python "
            "frames):\n" + prof.key_averages(group_by_stack_n=6).table(
@@ -152,4 +156,123 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
     )
     return {"steps": steps, "profiled_wall_s": wall_s, "kernel_s_per_step": per_step,
             "gpu_busy_of_step": per_step / reference_step_s if reference_step_s else None,
-            "kernel_share": share, "file": out.name}
+            "kernel_share": share, "file": out.name,
+            "idle_gaps": {k: v for k, v in gaps.items() if k != "host_late_sites"} if gaps else None}
+
+
+def _trace_gaps(prof, steps: int) -> dict:
+    """`idle_gaps` of a finished profile, through its chrome trace."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return idle_gaps(trace.get("traceEvents", []), steps=steps)
+
+
+# --- where the GPU waits: idle gaps in a chrome trace, by the host code that ended them -----------
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+# frames that name no caller: torch itself, Inductor's generated modules, the standard library
+_LIBRARY_FRAMES = ("torch/", "<built-in", "threading.py", "contextlib.py", "functools.py")
+_GENERATED = "torchinductor"
+
+
+def _innermost_at(spans: list[tuple[float, float, str]], times: list[float]) -> list[str | None]:
+    """For each of `times`, the innermost of the properly nested `spans` (start, end, name)
+    that contains it, or None: one sweep over both in time order with a stack of open spans."""
+    order = sorted(range(len(times)), key=times.__getitem__)
+    found: list[str | None] = [None] * len(times)
+    stack: list[tuple[float, float, str]] = []
+    spans = sorted(spans)
+    i = 0
+    for q in order:
+        t = times[q]
+        while i < len(spans) and spans[i][0] <= t:
+            while stack and stack[-1][1] < spans[i][0]:
+                stack.pop()
+            stack.append(spans[i])
+            i += 1
+        while stack and stack[-1][1] < t:
+            stack.pop()
+        found[q] = stack[-1][2] if stack else None
+    return found
+
+
+def idle_gaps(trace: list[dict], *, steps: int = 1, min_gap_us: float = 5.0,
+              top: int = 15) -> dict:
+    """Where a profiled GPU sat idle, from a chrome trace's events (`traceEvents`).
+
+    The GPU's busy time is the union of its kernels, copies and memsets. Each idle gap of at
+    least `min_gap_us` between the first and the last of them is either *host-late* (the
+    operation that ended it was launched after the GPU ran dry: the host was behind) or
+    *queued* (launched earlier; the GPU waited on something else, e.g. another stream). A
+    host-late gap is charged to the code that launched the operation ending it: the innermost
+    Python frame outside torch on the launching thread (autograd's backward threads run none)
+    and the innermost operator there. Times are µs per step."""
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
+                 for e in trace if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+    if not gpu:
+        return {"idle_us_per_step": None}
+    launches = {e["args"]["correlation"]: (e["ts"], e.get("tid"))
+                for e in trace if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    python: dict = {}  # tid -> spans of Python frames outside torch
+    ops: dict = {}  # tid -> spans of operators
+    for e in trace:
+        if e.get("ph") != "X":
+            continue
+        span = (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        if (e.get("cat") == "python_function" and not e["name"].startswith(_LIBRARY_FRAMES)
+                and _GENERATED not in e["name"]):
+            python.setdefault(e.get("tid"), []).append(span)
+        elif e.get("cat") == "cpu_op":
+            ops.setdefault(e.get("tid"), []).append(span)
+
+    late_gaps: list[tuple[float, float, object]] = []  # (gap, launch time, launching thread)
+    idle = queued = 0.0
+    end = gpu[0][1]
+    for s, e, corr in gpu:
+        gap = s - end
+        if gap >= min_gap_us:
+            idle += gap
+            launch = launches.get(corr)
+            if launch is not None and launch[0] >= end:
+                late_gaps.append((gap, *launch))
+            else:
+                queued += gap
+        end = max(end, e)
+    late: Counter[str] = Counter()
+    late_n: Counter[str] = Counter()
+    for tid in {tid for _, _, tid in late_gaps}:
+        mine = [(gap, t) for gap, t, owner in late_gaps if owner == tid]
+        times = [t for _, t in mine]
+        names = zip(_innermost_at(python.get(tid, []), times),
+                    _innermost_at(ops.get(tid, []), times), strict=True)
+        for (gap, _), (py, op) in zip(mine, names, strict=True):
+            where = " · ".join(n for n in (py, op) if n) or "?"
+            late[where] += gap
+            late_n[where] += 1
+    window = end - gpu[0][0]
+    per = 1.0 / steps
+    return {
+        "window_us_per_step": window * per,
+        "idle_us_per_step": idle * per,
+        "host_late_us_per_step": (idle - queued) * per,
+        "queued_us_per_step": queued * per,
+        "host_late_sites": [(name, us * per, late_n[name]) for name, us in late.most_common(top)],
+    }
+
+
+def format_gaps(g: dict) -> str:
+    """`idle_gaps`' result as the profile summary's text section."""
+    if g.get("idle_us_per_step") is None:
+        return "GPU idle gaps: no GPU events in the trace"
+    lines = [
+        f"GPU idle gaps (≥ 5 µs) per step: {g['idle_us_per_step'] / 1e3:.1f} ms of a "
+        f"{g['window_us_per_step'] / 1e3:.1f} ms kernel window; host-late "
+        f"{g['host_late_us_per_step'] / 1e3:.1f} ms, queued behind other work "
+        f"{g['queued_us_per_step'] / 1e3:.1f} ms",
+        "host-late gaps by the code that launched the work ending them (ms per step, gaps):",
+    ]
+    lines += [f"  {us / 1e3:8.2f}  {n:6d}  {name[:160]}" for name, us, n in g["host_late_sites"]]
+    return "\n".join(lines)
