@@ -23,7 +23,8 @@ Modes:
   hf_padding_free   stock transformers packing: 4-row position ids, no mask, sdpa, stock loss
 
 Speed levers, recorded as a suffix of the mode's key: `--compile` (torch.compile of the norm and
-MLP modules and the rotary functions, `model.compile=true`) and `--bf16-params` (bf16 compute
+MLP modules and the rotary functions, `model.compile=true`), `--compile-layers` (each decoder
+layer and vision block compiled whole, `model.compile_scope=layers`) and `--bf16-params` (bf16 compute
 weights with fp32 masters through FSDP2 on one rank, no autocast: `train.fsdp=always`). A run
 under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` gets the suffix `+expandable`; every
 row records the caching allocator's retries and cudaMalloc / cudaFree calls in the timed steps.
@@ -50,7 +51,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
-from vlpack.model.compile import compile_regions
+from vlpack.model.compile import compile_layers, compile_regions
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.flops import flop_model
@@ -133,7 +134,8 @@ def variant(mode: str, args) -> str:
     `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
     ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
-    return (mode + "+compile" * args.compile + "+bf16_params" * args.bf16_params + ac
+    return (mode + "+compile" * args.compile + "+compile_layers" * args.compile_layers
+            + "+bf16_params" * args.bf16_params + ac
             + "+expandable" * expandable)
 
 
@@ -173,7 +175,9 @@ def run_mode(mode: str, args, samples, device) -> dict:
                               device=device, seed=0)
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, args.checkpoint_share)
-    if args.compile:
+    if args.compile_layers:
+        compile_layers(model)
+    elif args.compile:
         compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
     if args.bf16_params:  # what `train.fsdp=always` does: FSDP2 on one rank, bf16 compute weights
@@ -315,6 +319,9 @@ def main(argv=None) -> int:
                         "liger on GPU")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the norms, MLPs and rotary functions (model.compile=true)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each decoder layer and vision block whole "
+                        "(model.compile_scope=layers)")
     p.add_argument("--bf16-params", action="store_true",
                    help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
                         "(train.fsdp=always)")

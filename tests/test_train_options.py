@@ -43,34 +43,55 @@ def test_detect_anomaly_runs_the_step_in_anomaly_mode(tmp_path: Path) -> None:
     assert seen and all(seen) and not torch.is_anomaly_enabled()
 
 
-@pytest.mark.parametrize("name,fsdp", [("tiny-qwen3_vl", "auto"), ("tiny-qwen3_5_moe", "auto"),
-                                       ("tiny-qwen3_vl", "always")])
-def test_compiled_regions_give_the_same_losses(tmp_path: Path, name: str, fsdp: str) -> None:
-    """`model.compile=true` (inductor-fused norms, MLPs and rotary functions) trains to the
-    eager run's losses; the hybrid MoE family covers its offset RMSNorm and shared-expert MLP,
-    fsdp=always the compiled modules inside FSDP2-sharded blocks."""
+@pytest.mark.parametrize("name,fsdp,scope", [
+    ("tiny-qwen3_vl", "auto", "regions"), ("tiny-qwen3_5_moe", "auto", "regions"),
+    ("tiny-qwen3_vl", "always", "regions"), ("tiny-qwen3_vl", "always", "layers"),
+    ("tiny-qwen3_5_moe", "auto", "layers")])
+def test_compiled_model_gives_the_same_losses(tmp_path: Path, name: str, fsdp: str,
+                                               scope: str) -> None:
+    """`model.compile=true` trains to the eager run's losses. `regions` (inductor-fused norms,
+    MLPs and rotary functions): the hybrid MoE family covers its offset RMSNorm and shared-expert
+    MLP, fsdp=always the compiled modules inside FSDP2-sharded blocks. `layers` (decoder layers
+    and vision blocks whole): the attention call is a graph break, Gated-DeltaNet and routed
+    experts stay eager, and nothing else breaks the graphs."""
     import inspect
 
-    from vlpack.model.compile import compile_regions, restore_rotary
+    from torch._dynamo.utils import counters
+
+    from vlpack.model.compile import EAGER_SUFFIXES, compile_regions, restore_rotary
+    from vlpack.model.recompute import layer_stacks
     from vlpack.train.parallel import shutdown
 
     plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
     plain.fit()
     modeling = inspect.getmodule(type(plain.model))
     stock = modeling.apply_rotary_pos_emb_vision
+    torch._dynamo.reset()  # compile afresh: graphs cached by earlier tests would count nothing
+    counters.clear()
     try:
         fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
-                                  "model.compile=true", f"train.fsdp={fsdp}"), CPU)
-        norms = [m for m in fused.model.modules()
-                 if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
-        assert {type(m).__name__ for m in norms} >= {"LayerNorm"}  # the vision blocks' norms
-        assert all(getattr(m, "_compiled_call_impl", None) is not None for m in norms)
+                                  "model.compile=true", f"model.compile_scope={scope}",
+                                  f"train.fsdp={fsdp}"), CPU)
+        if scope == "regions":
+            units = [m for m in fused.model.modules()
+                     if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+            assert {type(m).__name__ for m in units} >= {"LayerNorm"}  # the vision blocks' norms
+        else:
+            units = [layer for stack in layer_stacks(fused.model).values() for layer in stack]
+            assert len(units) > 2
+        assert all(getattr(m, "_compiled_call_impl", None) is not None for m in units)
         assert modeling.apply_rotary_pos_emb_vision is not stock  # the compiled function
         fused.fit()
     finally:
         shutdown()
         restore_rotary()
     assert modeling.apply_rotary_pos_emb_vision is stock
+    assert counters["stats"]["unique_graphs"] > 0
+    if scope == "layers":  # every graph break is one of the eager islands, by design
+        breaks = {k.split("Developer debug context: ")[1].split()[1] for k in counters["graph_break"]}
+        eager = {"varlen_attention_forward", "_vision_forward", "_gdn_forward"}
+        assert breaks and all(b in eager or b.endswith(EAGER_SUFFIXES[0] + ".forward")
+                              for b in breaks), breaks
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
     with pytest.raises(ValueError, match=r"model\.compile=false"):

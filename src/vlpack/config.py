@@ -160,12 +160,17 @@ class ModelConfig:
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
     compile: bool = False
-    """torch.compile the norm and MLP modules and the rotary functions (fuses their elementwise
-    work; the first step pays the compilation). See docs/benchmarks.md for what it buys."""
+    """torch.compile parts of the model (fuses their elementwise work; the first step pays the
+    compilation). See docs/benchmarks.md for what it buys."""
+    compile_scope: str = "regions"
+    """With compile: `regions` compiles the norm and MLP modules and the rotary functions;
+    `layers` compiles each decoder layer and vision block whole, its attention call eager
+    (fewer host launches per layer; vlpack.model.compile)."""
 
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _choice("model.compile_scope", self.compile_scope, ("regions", "layers"))
         if not 0.0 < self.checkpoint_share <= 1.0:
             raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
                              "(0, 1], e.g. 0.5 to recompute half of each layer stack")

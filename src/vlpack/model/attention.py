@@ -357,8 +357,10 @@ def register() -> None:
     """Register vlpack's attention functions with transformers (idempotent)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(VARLEN, varlen_attention_forward)
-    AttentionInterface.register(FLEX, flex_attention_forward)
+    # Never traced: inside a compiled decoder layer (model.compile_scope=layers) the call is a
+    # graph break, and the kernel choice, host bounds and GQA probe run as in eager mode.
+    AttentionInterface.register(VARLEN, torch.compiler.disable(varlen_attention_forward))
+    AttentionInterface.register(FLEX, torch.compiler.disable(flex_attention_forward))
 
 
 register()

@@ -1,10 +1,17 @@
-"""Regional torch.compile: fuse the elementwise work around the matmuls.
+"""Regional torch.compile: fuse the elementwise work around the matmuls, in two scopes.
 
-A profile of the eager packed qwen3-vl-2b step (docs/benchmarks.md) spent about half of its
-kernel time outside matmuls and attention: dtype casts, multiplies and adds, many of them in the
-norms, the gated MLPs and the rotary embeddings. Compiling those (and only those) lets inductor
-fuse them; the decoder layers, the attention seams and the Gated-DeltaNet kernels stay eager,
-so the boundary contract (cu_seqlens, positions) is untouched.
+`regions` (`compile_regions`): a profile of the eager packed qwen3-vl-2b step
+(docs/benchmarks.md) spent about half of its kernel time outside matmuls and attention: dtype
+casts, multiplies and adds, many of them in the norms, the gated MLPs and the rotary embeddings.
+Compiling those (and only those) lets inductor fuse them; the decoder layers, the attention seams
+and the Gated-DeltaNet kernels stay eager.
+
+`layers` (`compile_layers`): the compiled step still left the GPU idle a quarter of the time,
+waiting for a host that launches each projection, cast and residual add from Python. Compiling
+each decoder layer and vision block whole cuts the host's work per layer; the attention call
+itself (vlpack's varlen function, the vision attention module) and any routed-expert or
+Gated-DeltaNet module stay eager behind `torch.compiler.disable`, so the boundary contract
+(cu_seqlens, host bounds, positions) is handled by the same eager code in both scopes.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 """
@@ -24,6 +31,12 @@ COMPILED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP", "Mlp")
 LayerNorms (which autocast runs in fp32 with a cast on each side), dense and shared-expert MLPs
 of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left eager:
 their token dispatch has data-dependent shapes."""
+
+EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
+"""Class-name endings of modules that stay eager inside a compiled layer: routed experts
+(data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
+on host boundaries) and the vision attention (vlpack's wrapper switches it to its varlen branch
+with a context variable)."""
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
 """The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
@@ -47,6 +60,32 @@ def compile_regions(model: nn.Module) -> list[str]:
             f"model.compile found no norm or MLP module in {type(model).__name__}: "
             "set model.compile=false for this model"
         )
+    return sorted(names) + _compile_rotary(model)
+
+
+def compile_layers(model: nn.Module) -> list[str]:
+    """Compile every decoder layer and vision block of `model` whole (the attention kernels and
+    the modules named by EAGER_SUFFIXES stay eager), the norms and MLPs outside them as regions,
+    and the family's rotary functions; return what was compiled (class and function names)."""
+    from vlpack.model.recompute import layer_stacks
+
+    layers = [layer for stack in layer_stacks(model).values() for layer in stack]
+    if not layers:
+        raise ValueError(f"model.compile_scope=layers found no layer stack in "
+                         f"{type(model).__name__}: use model.compile_scope=regions")
+    inside: set[int] = set()
+    names: set[str] = set()
+    for layer in layers:
+        for m in layer.modules():
+            inside.add(id(m))
+            if type(m).__name__.endswith(EAGER_SUFFIXES):  # (vlpack's vision wrapper included)
+                m.forward = torch.compiler.disable(m.forward)
+        layer.compile(dynamic=True)
+        names.add(type(layer).__name__)
+    for module in model.modules():
+        if id(module) not in inside and type(module).__name__.endswith(COMPILED_SUFFIXES):
+            module.compile(dynamic=True)
+            names.add(type(module).__name__)
     return sorted(names) + _compile_rotary(model)
 
 

@@ -60,7 +60,7 @@ class Trainer:
     def __init__(self, cfg: Config, info: DistInfo | None = None):
         from vlpack.data.encode import Encoder
         from vlpack.model.build import build_model
-        from vlpack.model.compile import compile_regions
+        from vlpack.model.compile import compile_layers, compile_regions
         from vlpack.model.recompute import enable_activation_checkpointing
 
         self.cfg = cfg
@@ -80,7 +80,7 @@ class Trainer:
                 log.warning("model.compile with data.packing=none: the compiled padded step ran "
                             "at about 0.6x the eager speed on an H200 (docs/benchmarks.md); set "
                             "model.compile=false for padded runs")
-            compile_regions(model)
+            (compile_layers if cfg.model.compile_scope == "layers" else compile_regions)(model)
         self.model = model
         self.flops = flop_model(model)
         self.autocast = _autocast_dtype(cfg, self.info.device)
