@@ -26,8 +26,9 @@
 #   loss       loss paths (chunked sizes, liger, plain) at the 2B and 35B vocabularies
 #   bins-2b    qwen3-vl-2b vlpack packed, compiled, in bins of $BINS tokens (default 12288 16384)
 #   bins-hf    qwen3-vl-2b stock padding-free in bins of $HF_BINS tokens (default 16384)
-#   ac-8b      qwen3-vl-8b vlpack packed, compiled, no optimizer, recomputing $SHARES of each
-#              layer stack (model.checkpoint_share; default "0.5 0.75")
+#   ac-8b      qwen3-vl-8b vlpack packed, compiled ($LEVERS, default --compile), no optimizer,
+#              recomputing $SHARES of each layer stack (model.checkpoint_share; default "0.5 0.75")
+#   recipe-1   a recipe ($RECIPE, default qwen3-vl-2b) on one GPU for 12 steps, $RECIPE_ARGS added
 #   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
 #   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
 #              mode: the forward traceback of the backward node that faults (debug-8b.log)
@@ -131,12 +132,14 @@ for part in "$@"; do
                tar czf "$TGZ" -C "$R" .
              done ;;
     ac-8b) for share in ${SHARES:-0.5 0.75}; do
-             tp ac.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer --compile \
+             tp ac.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:---compile} \
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
+    recipe-1) vtrain 1 ${RECIPE:-qwen3-vl-2b} 600 recipe-1 data.num_workers=6 train.max_steps=12 \
+                ${RECIPE_ARGS:-} | tee "$R/recipe-1.log" | tail -8 ;;
     recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
                  tee "$R/recipe-8b.log" | tail -12 ;;
     debug-8b)  # which forward operation made a failing backward node (found the FSDP2 root fault)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,13 +119,11 @@ def test_attention_backends_equal_masked_sdpa(name, causal):
 
     q, k, v = _qkv()
     cu = torch.tensor([0, 7, 8, 24, 40], dtype=torch.int32)
-    token = attention._IN_VISION_VARLEN.set(not causal)
-    try:
-        out, _ = ALL_ATTENTION_FUNCTIONS[name](_Causal(), q, k, v, None, scaling=8**-0.5,
-                                               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=16,
-                                               max_length_k=16, is_causal=causal)
-    finally:
-        attention._IN_VISION_VARLEN.reset(token)
+    module = _Causal()  # a bidirectional call counts its cu only from a wrapped vision module
+    module.config = SimpleNamespace(vlpack_vision_varlen=not causal, _attn_implementation=name)
+    out, _ = ALL_ATTENTION_FUNCTIONS[name](module, q, k, v, None, scaling=8**-0.5,
+                                           cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=16,
+                                           max_length_k=16, is_causal=causal)
     assert (out - _mask_reference(q, k, v, cu.long(), causal)).abs().max() < 1e-5
 
 
@@ -377,3 +376,16 @@ def test_host_bounds_cache_tracks_identity_and_version():
     assert host_bounds(torch.tensor([0, 3, 7])) == (0, 3, 7)
     with torch.inference_mode():
         assert host_bounds(torch.tensor([0, 5])) == (0, 5)
+
+
+def test_vision_varlen_mark_lives_on_a_view_not_in_the_saved_config():
+    """The wrapped vision attention modules see a marked view of their config; the model's own
+    config (what checkpoints save) carries no mark, and writes through the view reach it."""
+    model, _ = build_model("tiny-qwen3_vl", device="cpu")
+    views = [m.config for m in model.modules() if attention.is_vision_attention(m)]
+    assert views and all(isinstance(c, attention.VisionVarlenConfig) for c in views)
+    assert all(c.vlpack_vision_varlen and c._attn_implementation == attention.VARLEN
+               for c in views)
+    assert "vlpack_vision_varlen" not in model.config.to_json_string()
+    views[0].vlpack_probe = 3  # a write through the view lands on the shared config
+    assert model.config.vision_config.vlpack_probe == 3

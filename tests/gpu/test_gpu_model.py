@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,13 +37,12 @@ class _Mod(torch.nn.Module):
 
 
 def _call(fn, q, k, v, cu, causal):
-    token = attention._IN_VISION_VARLEN.set(not causal)
-    try:
-        return fn(_Mod(), q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=cu,
-                  cu_seq_lens_k=cu, max_length_q=int(torch.diff(cu).max()),
-                  max_length_k=int(torch.diff(cu).max()), is_causal=causal)[0]
-    finally:
-        attention._IN_VISION_VARLEN.reset(token)
+    module = _Mod()  # a bidirectional call counts its cu only from a wrapped vision module
+    module.config = SimpleNamespace(vlpack_vision_varlen=not causal,
+                                    _attn_implementation=attention.VARLEN)
+    return fn(module, q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=cu,
+              cu_seq_lens_k=cu, max_length_q=int(torch.diff(cu).max()),
+              max_length_k=int(torch.diff(cu).max()), is_causal=causal)[0]
 
 
 def _ref(q, k, v, cu, causal):

@@ -13,7 +13,10 @@ Registered names (none contains "flash", which would trigger transformers' flash
 Vision towers: stock transformers calls attention once per image unless flash attention is
 requested. `install_vision_varlen(model)` wraps the forward of each vision attention module so
 that (a) the text cu kwargs, which transformers 5.17 also hands to the vision tower, are dropped,
-and (b) the module takes its varlen branch: one call per layer over all images of the bin.
+and (b) the module takes its varlen branch: one call per layer over all images of the bin. The
+module's `config` becomes a view of its config marked `vlpack_vision_varlen`, which the patched
+`is_flash_attention_requested` and the attention function read: plain attribute reads, which
+torch.compile traces (a compiled vision block keeps its attention module in the graph).
 
 Legend: B = batch (1 for packed rows), H = query heads, K = key/value heads, T = tokens,
 D = head dim, S = segments.
@@ -22,7 +25,6 @@ D = head dim, S = segments.
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import functools
 import importlib
 import inspect
@@ -47,7 +49,6 @@ _FAMILY_MODULES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_
 
 # Kernel path taken per stream ("text" / "vision"), for `vlpack check` and the logs.
 PATHS_USED: dict[str, str] = {}
-_IN_VISION_VARLEN = contextvars.ContextVar("vlpack_in_vision_varlen", default=False)
 _WARNED: set[str] = set()
 
 
@@ -219,7 +220,7 @@ def _segments(module: nn.Module, T: int, kwargs: dict) -> tuple[bool, torch.Tens
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     cu = kwargs.get("cu_seq_lens_q")
-    if not causal and not _IN_VISION_VARLEN.get():
+    if not causal and not _vision_varlen(getattr(module, "config", None)):
         # A bidirectional (vision) call outside vlpack's vision wrapper is stock transformers'
         # one-image-per-call path; any cu kwargs here are the TEXT ones (transformers 5.17).
         return False, None
@@ -298,13 +299,37 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
 
 
 # --- vision towers: one varlen call per layer, text kwargs dropped -------------------------------
+class VisionVarlenConfig:
+    """A vision attention module's view of its config, marked as switched to vlpack's varlen
+    branch. A view, not a copy: reads and writes reach the model's own config, which is neither
+    changed nor saved with the mark."""
+
+    vlpack_vision_varlen = True
+
+    def __init__(self, config) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._config, name, value)
+
+
+def _vision_varlen(config) -> bool:
+    """Whether a call under `config` is a wrapped vision attention on one of vlpack's backends."""
+    return (getattr(config, "vlpack_vision_varlen", False)
+            and getattr(config, "_attn_implementation", None) in NAMES)
+
+
 def _patched_is_flash(original: Callable) -> Callable:
     @functools.wraps(original)
     def is_flash_attention_requested(config=None, requested_attention_implementation=None,
                                      version=None):
-        # Only inside vlpack's vision wrapper (and only for vlpack's own backends): take the
-        # module's varlen branch, which passes the per-image cu_seqlens in one call.
-        if version is None and _IN_VISION_VARLEN.get():
+        # Only for vlpack's wrapped vision attention modules (and only on vlpack's own
+        # backends): take the module's varlen branch, which passes the per-image cu_seqlens in
+        # one call.
+        if version is None and _vision_varlen(config):
             return True
         return original(config=config,
                         requested_attention_implementation=requested_attention_implementation,
@@ -329,13 +354,7 @@ def _patch_family_modules() -> None:
 def _vision_forward(self: nn.Module, *args, **kwargs):
     for k in TEXT_VARLEN_KWARGS:  # transformers 5.17 hands the text boundaries to the ViT too
         kwargs.pop(k, None)
-    if self.config._attn_implementation not in NAMES:
-        return type(self).forward(self, *args, **kwargs)
-    token = _IN_VISION_VARLEN.set(True)
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        _IN_VISION_VARLEN.reset(token)
+    return type(self).forward(self, *args, **kwargs)
 
 
 def is_vision_attention(module: nn.Module) -> bool:
@@ -349,6 +368,7 @@ def install_vision_varlen(model: nn.Module) -> int:
     for m in model.modules():
         if is_vision_attention(m) and "forward" not in m.__dict__:
             m.forward = _vision_forward.__get__(m)
+            m.config = VisionVarlenConfig(m.config)
             n += 1
     return n
 

@@ -8,10 +8,10 @@ and the Gated-DeltaNet kernels stay eager.
 
 `layers` (`compile_layers`): the compiled step still left the GPU idle a quarter of the time,
 waiting for a host that launches each projection, cast and residual add from Python. Compiling
-each decoder layer and vision block whole cuts the host's work per layer; the attention call
-itself (vlpack's varlen function, the vision attention module) and any routed-expert or
-Gated-DeltaNet module stay eager behind `torch.compiler.disable`, so the boundary contract
-(cu_seqlens, host bounds, positions) is handled by the same eager code in both scopes.
+each decoder layer and vision block whole cuts the host's work per layer. The attention call
+itself (vlpack's varlen function) and any routed-expert or Gated-DeltaNet module stay eager
+behind `torch.compiler.disable`, so the boundary contract (cu_seqlens, host bounds, positions)
+is handled by the same eager code in both scopes.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 """
@@ -32,11 +32,10 @@ LayerNorms (which autocast runs in fp32 with a cast on each side), dense and sha
 of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left eager:
 their token dispatch has data-dependent shapes."""
 
-EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
+EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet")
 """Class-name endings of modules that stay eager inside a compiled layer: routed experts
-(data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
-on host boundaries) and the vision attention (vlpack's wrapper switches it to its varlen branch
-with a context variable)."""
+(data-dependent token dispatch) and Gated-DeltaNet (fla kernels and per-segment state resets
+keyed on host boundaries)."""
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
 """The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
@@ -78,7 +77,7 @@ def compile_layers(model: nn.Module) -> list[str]:
     for layer in layers:
         for m in layer.modules():
             inside.add(id(m))
-            if type(m).__name__.endswith(EAGER_SUFFIXES):  # (vlpack's vision wrapper included)
+            if type(m).__name__.endswith(EAGER_SUFFIXES):
                 m.forward = torch.compiler.disable(m.forward)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
