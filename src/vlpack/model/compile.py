@@ -9,9 +9,9 @@ and the Gated-DeltaNet kernels stay eager.
 `layers` (`compile_layers`): the compiled step still left the GPU idle a quarter of the time,
 waiting for a host that launches each projection, cast and residual add from Python. Compiling
 each decoder layer and vision block whole cuts the host's work per layer. The attention call
-itself (vlpack's varlen function) and any routed-expert or Gated-DeltaNet module stay eager
-behind `torch.compiler.disable`, so the boundary contract (cu_seqlens, host bounds, positions)
-is handled by the same eager code in both scopes.
+itself (vlpack's varlen function), the vision attention and any routed-expert or Gated-DeltaNet
+module stay eager behind `torch.compiler.disable`, so the boundary contract (cu_seqlens, host
+bounds, positions) is handled by the same eager code in both scopes.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 """
@@ -32,10 +32,13 @@ LayerNorms (which autocast runs in fp32 with a cast on each side), dense and sha
 of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left eager:
 their token dispatch has data-dependent shapes."""
 
-EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet")
+EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
 """Class-name endings of modules that stay eager inside a compiled layer: routed experts
-(data-dependent token dispatch) and Gated-DeltaNet (fla kernels and per-segment state resets
-keyed on host boundaries)."""
+(data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
+on host boundaries) and the vision attention. The vision attention traces (its varlen switch is
+a config attribute), but on the H200 the 2B step with it compiled ran at 14,235 tokens/s against
+18,660 eager, its text forward four times slower: most likely a recompilation in the timed
+steps, not yet diagnosed (docs/benchmarks.md)."""
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
 """The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
