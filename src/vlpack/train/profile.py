@@ -160,13 +160,18 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
             "idle_gaps": {k: v for k, v in gaps.items() if k != "host_late_sites"} if gaps else None}
 
 
-def _trace_gaps(prof, steps: int) -> dict:
-    """`idle_gaps` of a finished profile, through its chrome trace."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
+def _trace_gaps(prof, steps: int) -> dict | None:
+    """`idle_gaps` of a finished profile, through its chrome trace (None, with a warning, where
+    the trace cannot be written or read: the rest of the summary does not depend on it)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"profile: no idle-gap table, the chrome trace failed: {e}", stacklevel=2)
+        return None
     return idle_gaps(trace.get("traceEvents", []), steps=steps)
 
 
