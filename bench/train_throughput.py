@@ -51,7 +51,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
-from vlpack.model.compile import compile_layers, compile_regions
+from vlpack.model.compile import EAGER_SUFFIXES, compile_layers, compile_regions
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.flops import flop_model
@@ -135,6 +135,7 @@ def variant(mode: str, args) -> str:
     ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
     return (mode + "+compile" * args.compile + "+compile_layers" * args.compile_layers
+            + "+vision_attn" * (args.compile_layers and args.trace_vision_attention)
             + "+bf16_params" * args.bf16_params + ac
             + "+expandable" * expandable)
 
@@ -176,7 +177,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, args.checkpoint_share)
     if args.compile_layers:
-        compile_layers(model)
+        compile_layers(model, eager=tuple(s for s in EAGER_SUFFIXES if not (
+            args.trace_vision_attention and s == "VisionAttention")))
     elif args.compile:
         compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
@@ -322,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each decoder layer and vision block whole "
                         "(model.compile_scope=layers)")
+    p.add_argument("--trace-vision-attention", action="store_true",
+                   help="with --compile-layers: trace the vision attention module too (it ran "
+                        "slower on the H200; for diagnosing why)")
     p.add_argument("--bf16-params", action="store_true",
                    help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
                         "(train.fsdp=always)")

@@ -65,10 +65,11 @@ def compile_regions(model: nn.Module) -> list[str]:
     return sorted(names) + _compile_rotary(model)
 
 
-def compile_layers(model: nn.Module) -> list[str]:
+def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) -> list[str]:
     """Compile every decoder layer and vision block of `model` whole (the attention kernels and
-    the modules named by EAGER_SUFFIXES stay eager), the norms and MLPs outside them as regions,
-    and the family's rotary functions; return what was compiled (class and function names)."""
+    the modules whose class names end in `eager` stay eager), the norms and MLPs outside them as
+    regions, and the family's rotary functions; return what was compiled (class and function
+    names)."""
     from vlpack.model.recompute import layer_stacks
 
     layers = [layer for stack in layer_stacks(model).values() for layer in stack]
@@ -80,7 +81,7 @@ def compile_layers(model: nn.Module) -> list[str]:
     for layer in layers:
         for m in layer.modules():
             inside.add(id(m))
-            if type(m).__name__.endswith(EAGER_SUFFIXES):
+            if type(m).__name__.endswith(eager):
                 m.forward = torch.compiler.disable(m.forward)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
