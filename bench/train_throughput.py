@@ -282,6 +282,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
 
 
 def _allocator_counts(device: torch.device) -> dict:
+    """The caching allocator's retry, cudaMalloc and cudaFree counts so far ({} off CUDA)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
@@ -342,6 +343,11 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.bf16_params and device.type != "cuda":
         p.error("--bf16-params needs a GPU (on CPU everything runs in float32)")
+    if args.compile and args.compile_layers:
+        p.error("--compile and --compile-layers are two scopes of one lever: pass one of them")
+    if args.trace_vision_attention and not args.compile_layers:
+        p.error("--trace-vision-attention changes what --compile-layers compiles: add "
+                "--compile-layers")
     family = get_preset(args.model).family
     enc = Encoder(family, max_pixels=args.max_pixels)
     items = [c for c in open_dataset("synthetic", None, synthetic_samples=args.samples)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from types import SimpleNamespace
 
@@ -389,3 +391,7 @@ def test_vision_varlen_mark_lives_on_a_view_not_in_the_saved_config():
     assert "vlpack_vision_varlen" not in model.config.to_json_string()
     views[0].vlpack_probe = 3  # a write through the view lands on the shared config
     assert model.config.vision_config.vlpack_probe == 3
+    twin = copy.deepcopy(model)  # a copy's views read the copy's config, not the original's
+    twin_view = next(m.config for m in twin.modules() if attention.is_vision_attention(m))
+    assert twin_view._config is twin.config.vision_config is not model.config.vision_config
+    assert pickle.loads(pickle.dumps(views[0])).vlpack_probe == 3

@@ -41,10 +41,29 @@ def test_gaps_are_split_into_host_late_and_queued_and_charged_to_the_launching_c
     g = idle_gaps(trace, steps=2)
     assert g["window_us_per_step"] == 240 and g["idle_us_per_step"] == 80
     assert g["host_late_us_per_step"] == 55 and g["queued_us_per_step"] == 25
+    assert g["unmatched_us_per_step"] == 0
     assert g["host_late_sites"] == [("aten::mm", 30.0, 1),
                                     ("transformers/x.py(5): f · aten::mm", 25.0, 1)]
     text = format_gaps(g)
-    assert "0.1 ms of a 0.2 ms kernel window" in text and "transformers/x.py(5): f" in text
+    assert "(≥ 5 µs)" in text and "0.1 ms of a 0.2 ms kernel window" in text
+    assert "transformers/x.py(5): f" in text
+
+
+def test_a_launch_still_running_when_the_gpu_ran_dry_is_host_late_and_a_missing_one_unmatched():
+    trace = [
+        _x("kernel", "k1", 0, 100, tid=7, correlation=1),
+        _x("kernel", "k2", 150, 50, tid=7, correlation=2),  # launch 95-140: returned after 100
+        _x("kernel", "k3", 200, 10, tid=7),                 # no correlation: sorts beside k2's
+        _x("kernel", "k4", 300, 10, tid=7, correlation=4),  # no launch in the trace
+        _x("cuda_runtime", "cudaLaunchKernel", 95, 45, correlation=2),
+        _x("python_function", "<string>(1): launcher", 94, 50),  # Inductor's: names no caller
+        _x("python_function", "nn.Module: Linear_3", 90, 60),
+        _x("python_function", "vlpack/b.py(2): g", 0, 300),
+    ]
+    g = idle_gaps(trace, min_gap_us=20)
+    assert g["host_late_us_per_step"] == 50 and g["unmatched_us_per_step"] == 90
+    assert g["host_late_sites"] == [("vlpack/b.py(2): g", 50, 1)]
+    assert "(≥ 20 µs)" in format_gaps(g)
 
 
 def test_no_gpu_events_no_gaps():
@@ -55,7 +74,7 @@ def test_no_gpu_events_no_gaps():
 def _tree(rng: random.Random, t0: float, t1: float, depth: int, out: list) -> None:
     t = t0
     while depth and t < t1 - 2 and rng.random() < 0.8:
-        s = rng.uniform(t, t1 - 1)
+        s = t if rng.random() < 0.3 else rng.uniform(t, t1 - 1)  # some children start with it
         e = rng.uniform(s, t1)
         out.append((s, e, f"n{len(out)}"))
         _tree(rng, s, e, depth - 1, out)
@@ -67,9 +86,15 @@ def test_innermost_span_sweep_matches_brute_force(seed):
     rng = random.Random(seed)
     spans: list = []
     _tree(rng, 0.0, 100.0, 5, spans)
-    times = [rng.uniform(-1, 101) for _ in range(300)]
+    times = [rng.uniform(-1, 101) for _ in range(300)] + [s for s, _, _ in spans]  # ties too
     want = []
     for t in times:
         holding = [s for s in spans if s[0] <= t <= s[1]]
-        want.append(max(holding)[2] if holding else None)  # the latest start is the innermost
+        # the innermost: the latest start, and of spans starting together the shortest
+        want.append(min(holding, key=lambda s: (-s[0], s[1]))[2] if holding else None)
     assert _innermost_at(spans, times) == want
+
+
+def test_innermost_span_of_spans_starting_together_is_the_shorter():
+    spans = [(0.0, 10.0, "outer"), (0.0, 5.0, "inner"), (0.0, 0.0, "instant")]
+    assert _innermost_at(spans, [0.0, 3.0, 7.0, 11.0]) == ["instant", "inner", "outer", None]

@@ -306,13 +306,17 @@ class VisionVarlenConfig:
 
     vlpack_vision_varlen = True
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: object) -> None:
         object.__setattr__(self, "_config", config)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> object:
+        # Dunders and `_config` itself are the view's own: copy and pickle look them up on a
+        # view whose `_config` is not set yet, which would otherwise recurse here.
+        if name == "_config" or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self._config, name)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(self._config, name, value)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -37,8 +38,8 @@ EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
 (data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
 on host boundaries) and the vision attention. The vision attention traces (its varlen switch is
 a config attribute), but on the H200 the 2B step with it compiled ran at 14,235 tokens/s against
-18,660 eager, its text forward four times slower: most likely a recompilation in the timed
-steps, not yet diagnosed (docs/benchmarks.md)."""
+18,660 eager in the call before, its text forward four times slower; not yet diagnosed
+(docs/benchmarks.md)."""
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
 """The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
@@ -82,7 +83,7 @@ def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) ->
         for m in layer.modules():
             inside.add(id(m))
             if type(m).__name__.endswith(eager):
-                m.forward = torch.compiler.disable(m.forward)
+                _keep_eager(m)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
     for module in model.modules():
@@ -90,6 +91,22 @@ def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) ->
             module.compile(dynamic=True)
             names.add(type(module).__name__)
     return sorted(names) + _compile_rotary(model)
+
+
+def _keep_eager(module: nn.Module) -> None:
+    """Make `module`'s forward a graph break: its own forward function (vlpack's wrapper where
+    one is installed), disabled and bound to it anew, so a deep copy of the model rebinds it to
+    the copy. Idempotent."""
+    forward = module.forward
+    if getattr(forward, "_vlpack_eager", False):
+        return
+    if not isinstance(forward, types.MethodType) or forward.__self__ is not module:
+        raise ValueError(f"model.compile_scope=layers cannot keep {type(module).__name__} eager: "
+                         "its forward is not a method of the module; use "
+                         "model.compile_scope=regions")
+    fn = torch.compiler.disable(forward.__func__)
+    fn._vlpack_eager = True
+    module.forward = types.MethodType(fn, module)
 
 
 def _compile_rotary(model: nn.Module) -> list[str]:

@@ -160,36 +160,40 @@ def summarize(prof, wall_s: float, steps: int, out: Path, device: torch.device, 
             "idle_gaps": {k: v for k, v in gaps.items() if k != "host_late_sites"} if gaps else None}
 
 
-def _trace_gaps(prof, steps: int) -> dict | None:
+def _trace_gaps(prof: torch.profiler.profile, steps: int) -> dict | None:
     """`idle_gaps` of a finished profile, through its chrome trace (None, with a warning, where
-    the trace cannot be written or read: the rest of the summary does not depend on it)."""
+    the trace cannot be written, read or analysed: the rest of the summary does not need it)."""
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
             with open(path) as f:
                 trace = json.load(f)
-    except (OSError, ValueError) as e:
-        warnings.warn(f"profile: no idle-gap table, the chrome trace failed: {e}", stacklevel=2)
+        return idle_gaps(trace.get("traceEvents", []), steps=steps)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"profile: no idle-gap table, the chrome trace failed: {e!r}", stacklevel=2)
         return None
-    return idle_gaps(trace.get("traceEvents", []), steps=steps)
 
 
 # --- where the GPU waits: idle gaps in a chrome trace, by the host code that ended them -----------
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-# frames that name no caller: torch itself, Inductor's generated modules, the standard library
-_LIBRARY_FRAMES = ("torch/", "<built-in", "threading.py", "contextlib.py", "functools.py")
+# Frames that name no caller: torch itself, Inductor's generated launchers (`<string>`) and
+# modules, per-instance module markers, the standard library's plumbing.
+_LIBRARY_FRAMES = ("torch/", "<built-in", "<string>", "nn.Module:", "threading.py",
+                   "contextlib.py", "functools.py", "enum.py", "typing.py", "logging/")
 _GENERATED = "torchinductor"
+Span = tuple[float, float, str]  # (start µs, end µs, name)
 
 
-def _innermost_at(spans: list[tuple[float, float, str]], times: list[float]) -> list[str | None]:
-    """For each of `times`, the innermost of the properly nested `spans` (start, end, name)
-    that contains it, or None: one sweep over both in time order with a stack of open spans."""
+def _innermost_at(spans: list[Span], times: list[float]) -> list[str | None]:
+    """For each of `times`, the innermost of the properly nested `spans` that contains it, or
+    None: one sweep over both in time order with a stack of open spans (a span that starts
+    with its parent sorts after it, the longer first)."""
     order = sorted(range(len(times)), key=times.__getitem__)
     found: list[str | None] = [None] * len(times)
-    stack: list[tuple[float, float, str]] = []
-    spans = sorted(spans)
+    stack: list[Span] = []
+    spans = sorted(spans, key=lambda sp: (sp[0], -sp[1]))
     i = 0
     for q in order:
         t = times[q]
@@ -204,68 +208,85 @@ def _innermost_at(spans: list[tuple[float, float, str]], times: list[float]) -> 
     return found
 
 
+def _host_spans(trace: list[dict]) -> tuple[dict, dict]:
+    """Per thread: the spans of Python frames that name a caller, and of operators."""
+    python: dict = {}
+    ops: dict = {}
+    for e in trace:
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        span = (e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?"))
+        if e.get("cat") == "python_function":
+            if not span[2].startswith(_LIBRARY_FRAMES) and _GENERATED not in span[2]:
+                python.setdefault(e.get("tid"), []).append(span)
+        elif e.get("cat") == "cpu_op":
+            ops.setdefault(e.get("tid"), []).append(span)
+    return python, ops
+
+
 def idle_gaps(trace: list[dict], *, steps: int = 1, min_gap_us: float = 5.0,
               top: int = 15) -> dict:
     """Where a profiled GPU sat idle, from a chrome trace's events (`traceEvents`).
 
     The GPU's busy time is the union of its kernels, copies and memsets. Each idle gap of at
-    least `min_gap_us` between the first and the last of them is either *host-late* (the
-    operation that ended it was launched after the GPU ran dry: the host was behind) or
-    *queued* (launched earlier; the GPU waited on something else, e.g. another stream). A
-    host-late gap is charged to the code that launched the operation ending it: the innermost
-    Python frame outside torch on the launching thread (autograd's backward threads run none)
-    and the innermost operator there. Times are µs per step."""
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
-                 for e in trace if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+    least `min_gap_us` between the first and the last of them is *host-late* when the launch of
+    the operation that ended it returned after the GPU ran dry (the host was behind), *queued*
+    when it returned earlier (the GPU waited on something else, e.g. another stream), or
+    *unmatched* when the trace holds no launch for it. A host-late gap is charged to the code
+    that made the launch: the innermost Python frame outside torch on the launching thread
+    (autograd's backward threads run none) and the innermost operator there. Times are µs per
+    step."""
+    gpu = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
+                  for e in trace if e.get("ph") == "X" and e.get("cat") in GPU_CATS),
+                 key=lambda g: (g[0], g[1]))
     if not gpu:
         return {"idle_us_per_step": None}
-    launches = {e["args"]["correlation"]: (e["ts"], e.get("tid"))
-                for e in trace if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
-    python: dict = {}  # tid -> spans of Python frames outside torch
-    ops: dict = {}  # tid -> spans of operators
-    for e in trace:
-        if e.get("ph") != "X":
-            continue
-        span = (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
-        if (e.get("cat") == "python_function" and not e["name"].startswith(_LIBRARY_FRAMES)
-                and _GENERATED not in e["name"]):
-            python.setdefault(e.get("tid"), []).append(span)
-        elif e.get("cat") == "cpu_op":
-            ops.setdefault(e.get("tid"), []).append(span)
-
-    late_gaps: list[tuple[float, float, object]] = []  # (gap, launch time, launching thread)
-    idle = queued = 0.0
+    launches = {e["args"]["correlation"]: (e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"))
+                for e in trace
+                if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    late: list[tuple[float, float, object]] = []  # (gap, launch start, launching thread)
+    idle = queued = unmatched = 0.0
     end = gpu[0][1]
-    for s, e, corr in gpu:
-        gap = s - end
+    for start, stop, corr in gpu:
+        gap = start - end
         if gap >= min_gap_us:
             idle += gap
             launch = launches.get(corr)
-            if launch is not None and launch[0] >= end:
-                late_gaps.append((gap, *launch))
+            if launch is None:
+                unmatched += gap
+            elif launch[1] >= end:
+                late.append((gap, launch[0], launch[2]))
             else:
                 queued += gap
-        end = max(end, e)
-    late: Counter[str] = Counter()
-    late_n: Counter[str] = Counter()
-    for tid in {tid for _, _, tid in late_gaps}:
-        mine = [(gap, t) for gap, t, owner in late_gaps if owner == tid]
+        end = max(end, stop)
+    sites, counts = _charge(late, *_host_spans(trace))
+    per = 1.0 / steps
+    return {
+        "min_gap_us": min_gap_us,
+        "window_us_per_step": (end - gpu[0][0]) * per,
+        "idle_us_per_step": idle * per,
+        "host_late_us_per_step": (idle - queued - unmatched) * per,
+        "queued_us_per_step": queued * per,
+        "unmatched_us_per_step": unmatched * per,
+        "host_late_sites": [(name, us * per, counts[name]) for name, us in sites.most_common(top)],
+    }
+
+
+def _charge(late: list[tuple[float, float, object]], python: dict,
+            ops: dict) -> tuple[Counter[str], Counter[str]]:
+    """Sum host-late gaps (gap, launch time, thread) by the launching frame and operator."""
+    sites: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for tid in {tid for _, _, tid in late}:
+        mine = [(gap, t) for gap, t, owner in late if owner == tid]
         times = [t for _, t in mine]
         names = zip(_innermost_at(python.get(tid, []), times),
                     _innermost_at(ops.get(tid, []), times), strict=True)
         for (gap, _), (py, op) in zip(mine, names, strict=True):
             where = " · ".join(n for n in (py, op) if n) or "?"
-            late[where] += gap
-            late_n[where] += 1
-    window = end - gpu[0][0]
-    per = 1.0 / steps
-    return {
-        "window_us_per_step": window * per,
-        "idle_us_per_step": idle * per,
-        "host_late_us_per_step": (idle - queued) * per,
-        "queued_us_per_step": queued * per,
-        "host_late_sites": [(name, us * per, late_n[name]) for name, us in late.most_common(top)],
-    }
+            sites[where] += gap
+            counts[where] += 1
+    return sites, counts
 
 
 def format_gaps(g: dict) -> str:
@@ -273,10 +294,11 @@ def format_gaps(g: dict) -> str:
     if g.get("idle_us_per_step") is None:
         return "GPU idle gaps: no GPU events in the trace"
     lines = [
-        f"GPU idle gaps (≥ 5 µs) per step: {g['idle_us_per_step'] / 1e3:.1f} ms of a "
-        f"{g['window_us_per_step'] / 1e3:.1f} ms kernel window; host-late "
+        f"GPU idle gaps (≥ {g['min_gap_us']:g} µs) per step: {g['idle_us_per_step'] / 1e3:.1f} ms "
+        f"of a {g['window_us_per_step'] / 1e3:.1f} ms kernel window; host-late "
         f"{g['host_late_us_per_step'] / 1e3:.1f} ms, queued behind other work "
-        f"{g['queued_us_per_step'] / 1e3:.1f} ms",
+        f"{g['queued_us_per_step'] / 1e3:.1f} ms, launch not in the trace "
+        f"{g['unmatched_us_per_step'] / 1e3:.1f} ms",
         "host-late gaps by the code that launched the work ending them (ms per step, gaps):",
     ]
     lines += [f"  {us / 1e3:8.2f}  {n:6d}  {name[:160]}" for name, us, n in g["host_late_sites"]]
