@@ -52,12 +52,7 @@ _log = logging.getLogger(__name__)
 def compile_regions(model: nn.Module) -> list[str]:
     """Compile every norm and MLP module of `model` in place, and its family's rotary functions;
     return what was compiled (class and function names)."""
-    names: set[str] = set()
-    for module in model.modules():
-        cls = type(module).__name__
-        if cls.endswith(COMPILED_SUFFIXES):
-            module.compile(dynamic=True)
-            names.add(cls)
+    names = _compile_norms_and_mlps(model)
     if not names:
         raise ValueError(
             f"model.compile found no norm or MLP module in {type(model).__name__}: "
@@ -86,11 +81,20 @@ def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) ->
                 _keep_eager(m)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
-    for module in model.modules():
-        if id(module) not in inside and type(module).__name__.endswith(COMPILED_SUFFIXES):
-            module.compile(dynamic=True)
-            names.add(type(module).__name__)
+    names |= _compile_norms_and_mlps(model, skip=inside)
     return sorted(names) + _compile_rotary(model)
+
+
+def _compile_norms_and_mlps(model: nn.Module, skip: set[int] | None = None) -> set[str]:
+    """Compile each module of `model` named by COMPILED_SUFFIXES whose id is not in `skip`;
+    return their class names."""
+    names: set[str] = set()
+    for module in model.modules():
+        cls = type(module).__name__
+        if cls.endswith(COMPILED_SUFFIXES) and id(module) not in (skip or ()):
+            module.compile(dynamic=True)
+            names.add(cls)
+    return names
 
 
 def _keep_eager(module: nn.Module) -> None:
