@@ -135,7 +135,7 @@ def variant(mode: str, args) -> str:
     ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
     return (mode + "+compile" * args.compile + "+compile_layers" * args.compile_layers
-            + "+vision_attn" * (args.compile_layers and args.trace_vision_attention)
+            + "+vision_attn" * args.trace_vision_attention
             + "+bf16_params" * args.bf16_params + ac
             + "+expandable" * expandable)
 
@@ -177,8 +177,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, args.checkpoint_share)
     if args.compile_layers:
-        compile_layers(model, eager=tuple(s for s in EAGER_SUFFIXES if not (
-            args.trace_vision_attention and s == "VisionAttention")))
+        traced = ("VisionAttention",) if args.trace_vision_attention else ()
+        compile_layers(model, eager=tuple(s for s in EAGER_SUFFIXES if s not in traced))
     elif args.compile:
         compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
@@ -259,8 +259,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
                          if device.type == "cuda" else None),
         "reserved_gib": (torch.cuda.max_memory_reserved(device) / 2**30
                          if device.type == "cuda" else None),
-        # the caching allocator's retries and cudaFree calls in the timed steps: each one waits
-        # for the whole GPU (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids most)
+        # the caching allocator's retries and cudaMalloc / cudaFree calls in the timed steps
+        # (a retry or a cudaFree waits for the whole GPU)
         "allocator": {k: v - allocs0[k] for k, v in _allocator_counts(device).items()},
         "optimizer": "AdamW, fp32 states" if opt is not None else "none (forward + backward)",
         "tokens_per_step": tokens / args.steps,
