@@ -52,9 +52,23 @@ def test_loss_equal(family_run):
     assert abs(sum(p.losses) - sum(r.losses)) <= 1e-5 * abs(sum(r.losses))
 
 
+def test_loss_equals_transformers_own_labels_loss(family_run):
+    """Each packed sample's token-mean loss equals the stock model's `model(..., labels=)` loss
+    on that sample alone: transformers shifts the labels itself, so a wrong shift in vlpack
+    (by two, or the last label kept) cannot hide behind a reference that shares it."""
+    packed, ref = family_run["packed"], family_run["ref"]
+    for s, lp, hf in zip(family_run["samples"], packed.losses, ref.hf_losses, strict=True):
+        n = int((s.labels[1:] != -100).sum())  # the targets transformers' shift leaves
+        assert hf is not None and n > 0
+        assert abs(lp / n - hf) <= 1e-5 * max(1.0, abs(hf)), (s.key, lp / n, hf)
+
+
 def test_grads_equal(family_run):
     grads = family_run["diff"]["grad"]
     assert {"vision", "merger", "llm"} <= set(grads)
+    assert not family_run["diff"]["groups_missing"]
+    if family_run["spec"].is_moe:
+        assert {"experts", "router"} <= set(grads)
     assert max(grads.values()) <= 1e-4, grads
 
 

@@ -30,7 +30,9 @@ class ForwardOut:
     """loss_sum: summed CE over label tokens (fp32 scalar); num_label_tokens: their count;
     aux_loss: MoE load-balancing loss over real tokens (None for dense models);
     logits: [T, V] only when asked; router_stats: per-expert counts (MoE);
-    paths: the kernels that ran (attention, GDN, loss)."""
+    paths: the kernels that ran (attention, GDN, loss); hf_loss: transformers' own token-mean
+    loss (`unpacked_forward(..., hf_labels=True)` only); hidden: [T, H] final hidden states,
+    only when asked."""
 
     loss_sum: torch.Tensor
     num_label_tokens: int
@@ -38,6 +40,8 @@ class ForwardOut:
     logits: torch.Tensor | None = None
     router_stats: RouterStats | None = None
     paths: dict[str, str] = field(default_factory=dict)
+    hf_loss: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -84,6 +88,7 @@ def packed_forward(
     *,
     spec: ModelSpec,
     return_logits: bool = False,
+    return_hidden: bool = False,
     loss_method: str = "auto",
     chunk_size: int = 1024,
     token_weights: torch.Tensor | None = None,
@@ -117,13 +122,17 @@ def packed_forward(
         logits=model.lm_head(hidden_TH) if return_logits else None,
         router_stats=stats,
         paths=_paths(),
+        hidden=hidden_TH if return_hidden else None,
     )
 
 
-def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec) -> ForwardOut:
+def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec,
+                     hf_labels: bool = False) -> ForwardOut:
     """Stock transformers forward of ONE sample (the reference of `vlpack check`).
 
-    Positions come from the model's own get_rope_index; logits are returned ([L, V]).
+    Positions come from the model's own get_rope_index; logits are returned ([L, V]). With
+    `hf_labels` the call is the model's own `model(..., labels=...)` with the sample's unshifted
+    labels, and `hf_loss` is the token-mean loss transformers computes (its own shift).
     """
     device = _device(model)
     has_images = sample.pixel_values is not None and len(sample.image_grid_thw) > 0
@@ -139,12 +148,18 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
     capture = RouterCapture(model) if spec.is_moe else None
     if capture is not None:
         capture.__enter__()
+    hf_loss = None
     try:
-        out = model.model(**inputs)
+        if hf_labels:
+            extra = dict(output_router_logits=False) if spec.is_moe else {}
+            out = model(**inputs, labels=torch.as_tensor(sample.labels, device=device)[None],
+                        **extra)
+            logits_LV, hf_loss = out.logits[0], out.loss
+        else:
+            logits_LV = model.lm_head(model.model(**inputs).last_hidden_state[0])
     finally:
         if capture is not None:
             capture.__exit__()
-    logits_LV = model.lm_head(out.last_hidden_state[0])
     labels_L = torch.as_tensor(shifted_labels(sample.labels), device=device)
     stats = _moe_stats(spec, capture, torch.ones(len(sample), dtype=torch.bool, device=device))
     return ForwardOut(
@@ -153,4 +168,5 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
         aux_loss=None if stats is None else stats.aux_loss,
         logits=logits_LV,
         router_stats=stats,
+        hf_loss=None if hf_loss is None or not torch.isfinite(hf_loss) else hf_loss.detach(),
     )

@@ -1,0 +1,159 @@
+"""The planted-bug gate: each bug below, planted in a copy of the source tree, must be caught.
+
+Every mutation is a literal text edit of one file of `src/vlpack` (the edit must match exactly
+once, so the gate fails loudly when the code it plants into changes). The copy is put first on
+PYTHONPATH and the mutation's catchers run against it in a fresh process:
+  - `vlpack check` on a tiny preset, in float32 and in bfloat16: it must exit 1 (failed), not 0
+    (passed) or 2 (could not run);
+  - named tests of the fast suite: they must fail.
+docs/pitfalls.md lists each bug with what catches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to src/vlpack
+    old: str
+    new: str
+    check: str | None = None  # the tiny preset `vlpack check` must fail on (fp32 and bf16)
+    tests: tuple[str, ...] = ()  # test node ids that must fail
+    margin: float = 1.0  # the fp32 contract's logit error must exceed margin x its tolerance
+
+
+GDN_PER_SEGMENT = """        outs = [
+            torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                     chunk_size=chunk_size, **common)[0]
+            for s, e in itertools.pairwise(bounds)
+        ]"""
+GDN_CARRIES_STATE = """        outs, state = [], None
+        for s, e in itertools.pairwise(bounds):
+            o, state = torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e],
+                                beta=beta[:, s:e], chunk_size=chunk_size, initial_state=state,
+                                output_final_state=True,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)"""
+
+MUTATIONS = [
+    Mutation("labels shifted by two instead of one", "data/batch.py",
+             "out[:-1] = labels_L[1:]", "out[:-2] = labels_L[2:]", check="tiny-qwen2_vl",
+             tests=("tests/test_thd_literal.py",)),
+    Mutation("last label of a sample not masked", "data/batch.py",
+             "out = np.full_like(labels_L, IGNORE_INDEX)", "out = labels_L.copy()",
+             check="tiny-qwen3_vl", tests=("tests/test_thd_literal.py",)),
+    Mutation("positions not restarted per sample (MRoPE continues across the row)",
+             "data/batch.py", "position_ids[1:, seg] = mrope",
+             "position_ids[1:, seg] = mrope + start",
+             tests=("tests/test_thd_literal.py",
+                    "tests/test_batch.py::test_batch_fields_match_per_sample_reference")),
+    Mutation("image h and w positions swapped", "data/rope.py",
+             "out[1, s:e] = hh.reshape(-1) + pos\n        out[2, s:e] = ww.reshape(-1) + pos",
+             "out[1, s:e] = ww.reshape(-1) + pos\n        out[2, s:e] = hh.reshape(-1) + pos",
+             check="tiny-qwen2_vl", tests=("tests/test_thd_literal.py",), margin=10.0),
+    Mutation("text attention boundaries off by one", "model/attention.py",
+             "bounds = host_bounds(cu)  # one device sync per cu tensor and forward, not per layer\n"
+             "        cu = cu.to(device=query.device, dtype=torch.int32)",
+             "bounds = host_bounds(cu)\n"
+             "        bounds = (bounds[0], *[b + 1 for b in bounds[1:-1]], bounds[-1]) "
+             "if causal else bounds\n"
+             "        cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)",
+             check="tiny-qwen3_vl"),
+    Mutation("images of a bin attend to each other", "model/attention.py",
+             'if not causal and not _vision_varlen(getattr(module, "config", None)):',
+             "if not causal:", check="tiny-qwen2_5_vl"),
+    Mutation("vision tower frozen on the packed path only", "model/forward.py",
+             "out = model.model(**packed_model_inputs(batch))",
+             "model.model.visual.requires_grad_(False)\n"
+             "            out = model.model(**packed_model_inputs(batch))\n"
+             "            model.model.visual.requires_grad_(True)",
+             check="tiny-qwen3_vl"),
+    Mutation("deepstack index reused from the first forward", "model/deepstack.py",
+             "return derived(_INDEX, mask, lambda: torch.nonzero(mask.reshape(-1)).squeeze(1))",
+             'return _INDEX.setdefault("first", torch.nonzero(mask.reshape(-1)).squeeze(1))',
+             check="tiny-qwen3_vl"),
+    Mutation("vision tables reused from the first forward that computed them",
+             "model/vision_tables.py",
+             "kwargs.update(_host_tables(recipe, ctx[1], grid_thw.device))",
+             'kwargs.update(self.__dict__.setdefault("_first", '
+             "_host_tables(recipe, ctx[1], grid_thw.device)))",
+             check="tiny-qwen3_vl"),
+    Mutation("Gated-DeltaNet recurrent state not reset at boundaries", "model/gdn.py",
+             GDN_PER_SEGMENT, GDN_CARRIES_STATE, check="tiny-qwen3_5"),
+    Mutation("MoE aux loss counts padding", "model/forward.py",
+             "stats = _moe_stats(spec, capture, ~batch.padding_mask)",
+             "stats = _moe_stats(spec, capture, torch.ones_like(batch.padding_mask))",
+             check="tiny-qwen3_vl_moe"),
+    Mutation("MoE aux term not averaged over micro-batches", "train/step.py",
+             "obj = obj + aux_coef * out.aux_loss / len(mbs)", "obj = obj + aux_coef * out.aux_loss",
+             tests=("tests/test_step_gradient.py::"
+                    "test_one_process_step_gradient_is_the_global_token_mean",)),
+    Mutation("each micro-batch normalised by its own label count", "train/step.py",
+             "obj = out.loss_sum * (ws / denom)",
+             "obj = out.loss_sum * (ws / max(b.num_label_tokens, 1) / len(mbs))",
+             tests=("tests/test_step_gradient.py::"
+                    "test_one_process_step_gradient_is_the_global_token_mean",
+                    "tests/test_train.py::test_micro_batches_normalise_by_global_token_count")),
+    Mutation("gradients halved on 2 ranks", "train/step.py",
+             "obj = out.loss_sum * (ws / denom)", "obj = out.loss_sum * (1 / denom)",
+             tests=("tests/test_step_gradient.py::"
+                    "test_two_rank_step_gradient_is_the_global_token_mean",)),
+]
+
+
+def _plant(tmp: Path, m: Mutation) -> dict:
+    """A copy of src/ with `m` applied; the environment that imports vlpack from it."""
+    shutil.copytree(ROOT / "src", tmp / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp / "src" / "vlpack" / m.file
+    text = path.read_text()
+    assert text.count(m.old) == 1, f"{m.file}: the mutation's text must occur once: {m.old!r}"
+    path.write_text(text.replace(m.old, m.new))
+    env = {**os.environ, "PYTHONPATH": f"{tmp / 'src'}{os.pathsep}{ROOT}",
+           "OMP_NUM_THREADS": "2", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("VLPACK_TRACEBACK", None)
+    where = subprocess.run([sys.executable, "-c", "import vlpack; print(vlpack.__file__)"],
+                           env=env, capture_output=True, text=True, cwd=ROOT, check=True)
+    assert where.stdout.strip().startswith(str(tmp)), where.stdout  # the mutant is imported
+    return env
+
+
+def _check(env: dict, preset: str, dtype: str) -> tuple[int, dict, str]:
+    run = subprocess.run(
+        [sys.executable, "-m", "vlpack", "check", "--model", preset, "--samples", "3",
+         "--dtype", dtype, "--json"],
+        env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    lines = run.stdout.strip().splitlines()
+    report = json.loads(lines[-1]) if run.returncode == 1 and lines else {}
+    return run.returncode, report, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("m", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_planted_bug_is_caught(m: Mutation, tmp_path: Path) -> None:
+    assert m.check or m.tests, "a mutation needs a catcher"
+    env = _plant(tmp_path, m)
+    if m.check:
+        for dtype in ("float32", "bfloat16"):
+            rc, report, err = _check(env, m.check, dtype)
+            assert rc == 1, f"vlpack check --dtype {dtype} exited {rc} on {m.name!r}: {err}"
+            assert report["failures"], m.name
+            got = report["contract_float32"]["max_logit_diff"]
+            want = m.margin * report["tolerances"]["logits"] if dtype == "float32" else 0.0
+            assert got >= want, f"{m.name}: caught only {got:.1e} against a margin of {want:.1e}"
+    if m.tests:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                              *m.tests], env=env, capture_output=True, text=True, cwd=ROOT,
+                             timeout=900)
+        assert run.returncode == 1, f"{m.tests} did not fail on {m.name!r}:\n{run.stdout[-3000:]}"
