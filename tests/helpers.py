@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
 
@@ -52,3 +53,21 @@ def make_sample(
         image_grid_thw=grid_arr,
         pixel_values=rng.standard_normal((patches, patch_dim)).astype(np.float32) if patches else None,
     )
+
+
+class GradRecorder(torch.optim.SGD):
+    """SGD with lr 0 that keeps a copy of every gradient it is asked to apply: the gradient a
+    training step produced, read where the optimizer sees it (DTensor shards gathered)."""
+
+    def __init__(self, named):
+        self.names = {id(p): n for n, p in named}
+        super().__init__([p for _, p in named], lr=0.0)
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    self.grads[self.names[id(p)]] = g.detach().clone()
+        return super().step(closure)

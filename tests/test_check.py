@@ -38,6 +38,56 @@ def test_check_unknown_model_is_a_user_error(capsys):
     assert main(["check", "--model", "nope"]) == 2
 
 
+def test_check_report_names_every_item(capsys):
+    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["failures"] == [] and r["isolation_float32"]["max_diff"] == 0.0
+    assert r["isolation_float32"]["repeat_diff"] == 0.0
+    assert r["paths_no_grad"] == r["paths"]  # the same kernels with and without gradients
+    assert len(r["hf_label_loss"]) == 2 and all(x > 0 for x in r["hf_label_loss"])
+    assert set(r["grad_rel_diff"]) == {"vision", "merger", "llm"}
+
+
+def test_check_flex_on_cpu_says_unsupported(capsys):
+    assert main(["check", "--model", "tiny-qwen3_vl", "--backend", "flex"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend flex is not supported on cpu" in err and "Traceback" not in err
+
+
+def test_check_needs_two_samples(capsys):
+    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "1"]) == 2
+    assert "--samples must be >= 2" in capsys.readouterr().err
+
+
+def test_check_crash_is_could_not_run_not_failed(monkeypatch, capsys):
+    from vlpack.model import check as check_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(check_mod, "run_unpacked", boom)
+    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "2"]) == 2
+    assert "could not run: kernel exploded (RuntimeError" in capsys.readouterr().err
+
+
+def test_check_fails_with_named_group(monkeypatch, capsys):
+    """A parameter group with a gradient on one side only fails the check by name (exit 1)."""
+    from vlpack.model import check as check_mod
+
+    orig_packed = check_mod.run_packed
+
+    def packed_without_vision(*a, **k):
+        run = orig_packed(*a, **k)
+        run.grads.pop("vision", None)
+        return run
+
+    monkeypatch.setattr(check_mod, "run_packed", packed_without_vision)
+    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "2", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["failures"] == ["float32 packed vs unpacked: the vision parameters get a gradient "
+                             "on the reference side only"]
+
+
 def test_check_bf16_moe_counts_routing_flips(capsys):
     """bf16 near-ties flip a few tokens' expert choice; they are counted, not compared."""
     assert main(["check", "--model", "tiny-qwen3_5_moe", "--samples", "4", "--dtype", "bfloat16",

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import GradRecorder
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model, set_attn_implementation
 from vlpack.model.synthetic import synthetic_sample
@@ -31,23 +32,6 @@ from vlpack.train.step import optimizer_step
 
 NAME, AUX = "tiny-qwen3_vl_moe", 0.5
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-
-
-class GradRecorder(torch.optim.SGD):
-    """SGD with lr 0 that keeps a copy of every gradient it is asked to apply."""
-
-    def __init__(self, named):
-        self.names = {id(p): n for n, p in named}
-        super().__init__([p for _, p in named], lr=0.0)
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    self.grads[self.names[id(p)]] = g.detach().clone()
-        return super().step(closure)
 
 
 def _samples(spec) -> list:

@@ -59,8 +59,6 @@ TOLERANCES = {
 ISOLATION = {"float32": 1e-6, "bfloat16": 1e-5}
 """Largest |Δ final hidden state| of the other samples when one sample of the row is changed: far below the
 rounding of either dtype, so a leak of any size fails."""
-REPEAT_TOL = 1e-4
-"""|Δ hidden| allowed between two forwards of the same bin (one with gradients, one without)."""
 LABEL_SHIFT_TOL = 1e-5
 """Relative difference allowed between the reference's token-mean loss and transformers'."""
 GROUPS = ("vision", "merger", "llm", "experts", "router")
@@ -244,38 +242,40 @@ def _perturbed(spec: ModelSpec, s: EncodedSample, rng: np.random.Generator) -> E
     return replace(s, input_ids=ids, labels=labels, pixel_values=pixels)
 
 
-def _hidden(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int):
-    """Per-sample final hidden states [L, H] of one packed forward (no labels, no loss: the
-    logits are a row-wise function of them) and, for MoE, each token's chosen experts."""
+def _hidden(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
+            total_len: int | None = None):
+    """Per-sample final hidden states [L, H] of one packed forward without gradients (no labels,
+    no loss: the logits are a row-wise function of them), each token's chosen experts (MoE) and
+    the kernels that ran."""
     unlabelled = [replace(s, labels=np.full_like(s.labels, IGNORE_INDEX)) for s in samples]
-    batch = _pack(spec, unlabelled, pad_to, None).to(next(model.parameters()).device)
+    batch = _pack(spec, unlabelled, pad_to, total_len).to(next(model.parameters()).device)
+    _clear_paths()
     with torch.no_grad(), RouterCapture(model) as cap:
         out = packed_forward(model, batch, spec=spec, return_hidden=True)
     segs = [batch.segment(i) for i in range(len(samples))]
     hidden = [out.hidden[seg].float().cpu() for seg in segs]
     topk = [_topk([r[seg] for r in cap.logits], spec.num_experts_per_tok) for seg in segs] \
         if spec.is_moe else None
-    return hidden, topk
+    return hidden, topk, out.paths
 
 
 def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
-              seed: int = 0, earlier: Run | None = None) -> dict:
+              seed: int = 0) -> dict:
     """Change one sample of the row at a time (tokens and pixels) and measure how far every
     OTHER sample's final hidden states move: zero when no layer lets samples see each other.
+    Then the samples reversed in another layout, then the first row again: `repeat_diff` is how
+    far that repeat moved from the first run (state kept from an earlier forward moves it).
+    All forwards run without gradients, so they run the same kernels.
 
     MoE: tokens whose expert choice changed between the runs are left out (a changed token
-    changes the experts' batches, not what a token can see); they are counted.
-    `earlier`: a packed run of the same bin before another bin ran; `repeat_diff` is how far
-    this forward's hidden states are from it (state kept from a previous forward moves them)."""
+    changes the experts' batches, not what a token can see); they are counted."""
     rng = np.random.default_rng(seed)
-    base, base_topk = _hidden(model, spec, samples, pad_to)
-    repeat = None if earlier is None else max(
-        float((a - b).abs().max()) for a, b in zip(base, earlier.hidden, strict=True))
+    base, base_topk, paths = _hidden(model, spec, samples, pad_to)
     worst, per, flips = 0.0, [], 0
     for j in range(len(samples)):
         changed = list(samples)
         changed[j] = _perturbed(spec, samples[j], rng)
-        hidden, topk = _hidden(model, spec, changed, pad_to)
+        hidden, topk, _ = _hidden(model, spec, changed, pad_to)
         d = 0.0
         for i in range(len(samples)):
             if i == j:
@@ -287,8 +287,11 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
                 d = max(d, float((base[i][m] - hidden[i][m]).abs().max()))
         per.append(dict(changed=samples[j].key, max_hidden_diff=d))
         worst = max(worst, d)
+    _hidden(model, spec, samples[::-1], 3, sum(-(-len(s) // 3) * 3 for s in samples) + 11)
+    again, _, _ = _hidden(model, spec, samples, pad_to)
+    repeat = max(float((a - b).abs().max()) for a, b in zip(again, base, strict=True))
     return dict(max_diff=worst, per_sample=per, routing_flips=flips if spec.is_moe else None,
-                repeat_diff=repeat)
+                repeat_diff=repeat, paths=paths)
 
 
 def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
@@ -409,7 +412,7 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
             for p in iso["per_sample"] if p["max_hidden_diff"] > bound] + (
         [f"{label}: the same bin run again after another bin moved its hidden states by "
          f"{iso['repeat_diff']:.2e}: a forward keeps state from an earlier one"]
-        if iso["repeat_diff"] is not None and iso["repeat_diff"] > REPEAT_TOL else [])
+        if iso["repeat_diff"] > bound else [])
 
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
@@ -434,10 +437,10 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
                         tolerances=tol, isolation_bound=ISOLATION[dtype])
     failures: list[str] = []
 
-    # The contract, in fp32. Consecutive packed forwards always hold different bins (the same
-    # samples reversed, other alignment, extra tail padding), so state kept from one forward
-    # (vision tables, deepstack index, boundaries) cannot go unseen: first bin A (forward
-    # only), then bin B, then A with gradients, then the isolation runs (A again first).
+    # The contract, in fp32. Bin A (forward only), bin B (the samples reversed, other alignment,
+    # extra tail padding), then A with gradients: each against the reference, so state kept
+    # from one forward (vision tables, deepstack index, boundaries) cannot go unseen. The
+    # isolation runs end with B and A again, compared bitwise with their first A.
     ref = run_unpacked(model, spec, batch_samples)
     failures += _label_failures(ref)
     first = run_packed(model, spec, batch_samples, pad_to, backward=False)
@@ -456,7 +459,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     keep = stable_tokens(packed, ref)
     d = compare(packed, ref, keep)
     failures += _contract_failures("float32 packed vs unpacked", d, tol32)
-    iso32 = isolation(model, spec, batch_samples, pad_to, seed, earlier=packed)
+    iso32 = isolation(model, spec, batch_samples, pad_to, seed)
     failures += _isolation_failures("float32 isolation", iso32, ISOLATION["float32"])
     report.update(contract_float32=_summary(d), second_bin=_summary(d2),
                   isolation_float32=iso32,
@@ -470,7 +473,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         d = compare(packed, plain, keep)
         dp, d0 = compare(packed, ref, keep), compare(plain, ref, keep)
         failures += _rule_failures(dp, d0, tol) + _group_failures("bfloat16 packed vs unpacked", d)
-        iso16 = isolation(model, spec, batch_samples, pad_to, seed, earlier=packed)
+        iso16 = isolation(model, spec, batch_samples, pad_to, seed)
         failures += _isolation_failures("bfloat16 isolation", iso16, ISOLATION["bfloat16"])
         report.update(rule=dict(packed_vs_fp32=_summary(dp), plain_bf16_vs_fp32=_summary(d0)),
                       isolation_bfloat16=iso16)
@@ -488,6 +491,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         groups_not_exercised=[g for g in GROUPS if g in set(param_groups(model).values())
                               and g not in packed.grads and g not in ref.grads],
         paths=packed.paths,
+        paths_no_grad=(iso16 if dtype == "bfloat16" else iso32)["paths"],
         failures=failures,
         passed=not failures,
     )
@@ -509,6 +513,9 @@ def format_report(r: dict) -> str:
         f"backend {r['backend']} -> {r['attn_implementation']}",
         f"data: {r['data']}, {r['samples']} samples packed into one row",
         "paths: " + ", ".join(f"{k}={v}" for k, v in sorted(r["paths"].items())),
+        *([] if r["paths_no_grad"] == r["paths"] else [
+            "paths without gradients: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(r["paths_no_grad"].items()))]),
         f"{'sample':<24} {'tokens':>6} {'images':>6} {'max|dlogit|':>12} {'dloss(rel)':>11}",
     ]
     for s in r["per_sample"]:
