@@ -87,9 +87,11 @@ def test_build_from_folder(tmp_path):
     assert torch.equal(dict(model.named_parameters())[w], dict(again.named_parameters())[w])
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"config.json but no weights .*model.init=random"):
+        build_model(str(tmp_path / "cfg"), device="cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        build_model(str(tmp_path / "cfg"), device="cpu")
+        build_model(str(tmp_path / "cfg"), device="cpu", random_init=True)
     assert any("RANDOM" in str(w.message) for w in caught)
 
 

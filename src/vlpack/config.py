@@ -142,6 +142,9 @@ class ModelConfig:
 
     name: str = "tiny-qwen3_vl"
     """A preset name (see `vlpack.model.presets`) or a local HF checkpoint folder."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """`pretrained`: a folder's weights (a folder without them is an error); `random`: random
+    weights from the folder's config.json. Presets always start from random weights."""
     backend: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
     """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -218,6 +221,9 @@ class TrainConfig:
     """Checkpoint at the end of the run (off for throughput runs that need no checkpoint)."""
     resume: str = "auto"
     """`auto` (latest checkpoint in output_dir, if any) | a checkpoint folder | `none`."""
+    overwrite: bool = False
+    """A fresh run (`resume=none`) in an output_dir holding another run's checkpoints is refused;
+    with overwrite those checkpoints and the old metrics are deleted first."""
     seed: int = 0
     micro_batches: int = 1
     """Bins (or padded batches) accumulated per optimizer step on each rank."""

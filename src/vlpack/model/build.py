@@ -132,11 +132,14 @@ def build_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
+    random_init: bool = False,
 ) -> tuple[nn.Module, ModelSpec]:
     """Build a model by preset name or from a local HF folder; returns (model, spec).
 
     backend: "auto" | "varlen" (vlpack_varlen) | "flex" (vlpack_flex) | "sdpa" (stock).
     dtype: default float32 on CPU, bfloat16 on CUDA. Random weights are seeded with `seed`.
+    A folder without *.safetensors is an error unless `random_init` (then its config.json
+    builds random weights, with a warning).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):
@@ -147,7 +150,7 @@ def build_model(
     path = Path(name_or_dir)
     torch.manual_seed(seed)
     if path.is_dir():
-        model, config = _from_dir(path, attn, dtype, device)
+        model, config = _from_dir(path, attn, dtype, device, random_init)
         name = str(path)
     else:
         preset = get_preset(name_or_dir)
@@ -166,7 +169,8 @@ def build_model(
     return model, _spec(name, model.config, attn)
 
 
-def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device):
+def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device,
+              random_init: bool):
     from transformers import AutoConfig
 
     cfg_file = path / "config.json"
@@ -179,6 +183,12 @@ def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device):
         model = cls.from_pretrained(path, attn_implementation=attn, dtype=dtype,
                                     local_files_only=True)
         return model, config
+    if not random_init:
+        raise ValueError(
+            f"{path} has config.json but no weights (*.safetensors, or model.safetensors.index.json "
+            "with its shards): copy the checkpoint's weight files into it, or train random weights "
+            "from its config with model.init=random"
+        )
     warnings.warn(f"{path} holds no *.safetensors: building RANDOM weights from its config.json",
                   stacklevel=3)
     with torch.device(device):

@@ -2,8 +2,9 @@
 
 Layout: `output_dir/checkpoints/step_00000020/` holds the DCP shards of model + optimizer, one
 `trainer_rank{r}.pt` per rank (scheduler, RNG, data-loader position, counters) and a COMPLETE
-marker. A save goes to `step_…​.tmp/` and is renamed only after every rank finished, so a kill
-during a save leaves the previous checkpoint as the latest usable one.
+marker (step, world size, run id). A save goes to `step_…​.tmp/` and is renamed only after every
+rank finished, so a kill during a save leaves the previous checkpoint as the latest usable one.
+Rotation deletes only checkpoints of the same run id: a run never deletes another run's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,9 +26,28 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from vlpack.train.parallel import DistInfo, barrier
+from vlpack.train.parallel import DistInfo, all_reduce, barrier
 
 MARKER = "COMPLETE"
+HEADROOM = 1.1
+"""A save starts only when the disk has this many times the checkpoint's size free."""
+
+
+class CheckpointSaveError(ValueError):
+    """A checkpoint could not be written (disk full, write failed); nothing partial is left and
+    the previous checkpoint stays the resume point. The message says how much space it needs."""
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of the tensors in a state dict on this rank (a DTensor's local shard only)."""
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_tensor_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        t = tree.to_local() if hasattr(tree, "to_local") else tree
+        return t.numel() * t.element_size()
+    return 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,6 +69,11 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker of a checkpoint folder: step, world_size, run_id (None if older)."""
+    return json.loads((path / MARKER).read_text())
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under `output_dir/checkpoints`, or None."""
     root = Path(output_dir) / "checkpoints"
@@ -64,8 +90,10 @@ def save_checkpoint(
     info: DistInfo,
     *,
     keep: int = 2,
+    run_id: str | None = None,
 ) -> Path:
-    """Save atomically; keep the newest `keep` checkpoints. Collective: every rank calls it."""
+    """Save atomically; keep the newest `keep` checkpoints of run `run_id` (others are never
+    touched). Collective: every rank calls it."""
     root = Path(output_dir) / "checkpoints"
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -74,14 +102,37 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier(info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{info.rank}.pt")
+    need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], info)[0]
+    free = float(shutil.disk_usage(tmp).free)
+    previous = latest_checkpoint(output_dir)
+    keeps = f"; {previous} stays the resume point" if previous else ""
+    if all_reduce([float(need * HEADROOM > free)], info, "max")[0]:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"disk full: saving step {step} to {root} needs about {need / 1e9:.2f} GB but "
+            f"{free / 1e9:.2f} GB is free: free space there or set train.output_dir to a "
+            f"larger disk{keeps}"
+        )
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{info.rank}.pt")
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP's wraps a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"writing step {step} to {tmp} failed ({type(e).__name__}: {str(e).strip()[:300]}); "
+            f"{shutil.disk_usage(root).free / 1e9:.2f} GB is free there and the checkpoint needs "
+            f"about {need / 1e9:.2f} GB (a full disk shows as this){keeps}. The partial folder "
+            "is removed"
+        ) from None
     barrier(info)
     if info.is_main:
-        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size}))
+        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size,
+                                               "run_id": run_id}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        old = sorted(p for p in root.glob("step_*") if (p / MARKER).is_file())
+        old = sorted(p for p in root.glob("step_*")
+                     if (p / MARKER).is_file() and marker(p).get("run_id") == run_id)
         for p in old[:-keep] if keep else []:
             shutil.rmtree(p, ignore_errors=True)
     barrier(info)
@@ -93,14 +144,15 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model and optimizer in place; return this rank's trainer state (RNG restored)."""
     path = Path(path)
-    marker = path / MARKER
-    if not marker.is_file():
+    marker_file = path / MARKER
+    if not marker_file.is_file():
         raise ValueError(f"{path} is not a complete vlpack checkpoint (no {MARKER} marker)")
-    saved_world = json.loads(marker.read_text())["world_size"]
+    saved_world = json.loads(marker_file.read_text())["world_size"]
     if saved_world != info.world_size:
         raise ValueError(
             f"{path} was saved by {saved_world} ranks but this run has {info.world_size}; resume "
-            f"with the same number of processes, or start anew with train.resume=none"
+            "with the same number of processes, or start anew in another train.output_dir (or in "
+            "this one with train.resume=none train.overwrite=true, which deletes its checkpoints)"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

@@ -13,8 +13,12 @@ import argparse
 import contextlib
 import logging
 import math
+import os
+import shutil
 import signal
+import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from vlpack.train.parallel import (
     DistInfo,
     all_reduce,
     apply_fsdp,
+    barrier,
     ensure_process_group,
     init_distributed,
     shutdown,
@@ -69,7 +74,7 @@ class Trainer:
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
         model, self.spec = build_model(
             cfg.model.name, backend=backend, dtype=torch.float32, device=self.info.device,
-            seed=cfg.train.seed,
+            seed=cfg.train.seed, random_init=cfg.model.init == "random",
         )
         freeze(model, vision=cfg.model.freeze_vision, merger=cfg.model.freeze_merger,
                llm=cfg.model.freeze_llm)
@@ -118,6 +123,9 @@ class Trainer:
         self.last_loss: float | None = None
         self.eval_loss: float | None = None
         self.last_checkpoint: Path | None = None
+        self.run_id: str | None = None
+        self.stop_signal: int | None = None  # the signal that stopped the run
+        self._signal_at = 0.0
         self._stop = False
 
     # ------------------------------------------------------------------ data
@@ -249,20 +257,51 @@ class Trainer:
 
     def save(self) -> Path:
         self.last_checkpoint = ckpt.save_checkpoint(
-            self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(), self.info
+            self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(),
+            self.info, run_id=self.run_id,
         )
         return self.last_checkpoint
+
+    def _claim_output_dir(self) -> None:
+        """A fresh run owns its output folder: another run's checkpoints there are refused, or
+        deleted with train.overwrite=true (with the old metrics), before anything is written."""
+        t = self.cfg.train
+        out = Path(t.output_dir)
+        other = ckpt.latest_checkpoint(out)
+        if other is None:
+            return
+        if not t.overwrite:
+            raise ValueError(
+                f"{out} holds checkpoints of another run (latest {other.name}); train.resume=none "
+                "would mix two runs in one folder. Continue that run with train.resume=auto, "
+                "choose another train.output_dir, or delete them with train.overwrite=true"
+            )
+        barrier(self.info)  # every rank has looked before the main rank deletes
+        if self.info.is_main:
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            print(f"vlpack: train.overwrite=true: deleted the checkpoints and metrics in {out}")
+        barrier(self.info)
 
     def maybe_resume(self) -> Path | None:
         r = self.cfg.train.resume
         if r == "none":
+            self._claim_output_dir()
             return None
         path = ckpt.latest_checkpoint(self.cfg.train.output_dir) if r == "auto" else Path(r)
         if path is None:
             return None
         if not path.is_dir():
             raise ValueError(f"train.resume={r}: {path} is not a checkpoint folder")
+        step = int(ckpt.marker(path)["step"]) if (path / ckpt.MARKER).is_file() else None
+        if step is not None and step > self.cfg.train.max_steps:
+            raise ValueError(
+                f"{path} is at step {step}, past train.max_steps={self.cfg.train.max_steps}: "
+                "raise train.max_steps to train it further, or start anew in another "
+                "train.output_dir (or here with train.resume=none train.overwrite=true)"
+            )
         st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.info)
+        self.run_id = ckpt.marker(path).get("run_id")
         self.step = st["step"]
         self.scheduler.load_state_dict(st["scheduler"])
         self.train_loader.load_state_dict(st["loader"])
@@ -273,27 +312,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def _on_sigint(self, signum, frame) -> None:
-        if self._stop:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
+    def _on_signal(self, signum, frame) -> None:
+        """SIGINT/SIGTERM on any rank: finish the step, save, exit (the ranks agree at the step
+        boundary). A second signal aborts at once; one arriving within REPEAT_S of the first is
+        the same interrupt relayed (torchrun passes a terminal's Ctrl-C on to every worker)."""
+        now = time.monotonic()
+        if self.stop_signal is not None:
+            if now - self._signal_at >= REPEAT_S:
+                # at once, wherever the run is (a save in progress included: its .tmp folder is
+                # never taken for a checkpoint); no exception a library could catch or wrap
+                print("\nvlpack: interrupted again: stopped without saving; the last complete "
+                      "checkpoint stays the resume point", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_ABORTED)
+            return
+        self.stop_signal, self._signal_at = signum, now
         self._stop = True
         if self.info.is_main:
-            print("\nvlpack: Ctrl-C: finishing this step, saving a checkpoint, exiting "
-                  "(Ctrl-C again to abort without saving)", flush=True)
+            name = signal.Signals(signum).name
+            print(f"\nvlpack: {name}: finishing this step, saving a checkpoint, exiting "
+                  f"(exit status {EXIT_STOPPED}; send it again to abort without saving)", flush=True)
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps`; return the summary."""
         cfg, info = self.cfg, self.info
         out_dir = Path(cfg.train.output_dir)
         resumed = self.maybe_resume()
+        if resumed is None:
+            self.run_id = uuid.uuid4().hex[:12]
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out_dir / "config.yaml")
             if resumed:
                 print(f"vlpack: resumed from {resumed} at step {self.step}")
+                if self.step >= cfg.train.max_steps:
+                    print(f"vlpack: that run already reached train.max_steps={cfg.train.max_steps}"
+                          ": nothing to train (raise train.max_steps to continue it)")
+        handled = (signal.SIGINT, signal.SIGTERM)
+        old = {s: signal.signal(s, self._on_signal) for s in handled}
         writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main)
         peak = peak_flops(info.device)
-        old = signal.signal(signal.SIGINT, self._on_sigint) if info.is_main else None
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.train.progress and info.is_main), dynamic_ncols=True)
         it = iter(self.train_loader)
@@ -317,7 +375,12 @@ class Trainer:
                 self._record(r, data_wait, peak, writer, bar)
                 if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
                     self._stop = self.step < cfg.train.max_steps
-                stop = all_reduce([float(self._stop)], info, "max")[0] > 0
+                # every rank learns whether any rank was signalled (and by which signal)
+                flag = self.stop_signal or (0.5 if self._stop else 0.0)
+                flag = all_reduce([float(flag)], info, "max")[0]
+                stop = flag > 0
+                if flag >= 1:
+                    self._stop, self.stop_signal = True, int(flag)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._eval(writer)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
@@ -331,8 +394,9 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
+            if self.stop_signal is None:  # once signalled, a further signal aborts at once,
+                for sig, handler in old.items():  # until the process ends
+                    signal.signal(sig, handler)
         saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
         if not self._stop and cfg.train.save_final and not saved:
             self.save()
@@ -390,6 +454,15 @@ class Trainer:
         return summary
 
 
+REPEAT_S = 2.0
+"""A second signal within this many seconds of the first is taken as the same interrupt."""
+EXIT_STOPPED = 75
+"""Exit status of a run stopped by SIGINT/SIGTERM after saving its checkpoint (EX_TEMPFAIL: run
+the same command again to resume)."""
+EXIT_ABORTED = 130
+"""Exit status of a run aborted by a second signal, without saving."""
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -397,6 +470,7 @@ def run(cfg: Config) -> dict[str, Any]:
     try:
         trainer = Trainer(cfg, info)
         summary = trainer.fit()
+        summary["stop_signal"] = trainer.stop_signal
         if info.is_main:
             print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}")
         return summary
@@ -411,8 +485,8 @@ def train_command(args: argparse.Namespace) -> int:
         config, overrides = None, [config, *overrides]
     cfg = load_config(config or "tiny", overrides)
     try:
-        run(cfg)
+        summary = run(cfg)
     except NonFiniteLossError as e:
         print(f"vlpack: error: {e}")
         return 1
-    return 0
+    return EXIT_STOPPED if summary.get("stop_signal") is not None else 0

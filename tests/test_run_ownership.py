@@ -1,0 +1,87 @@
+"""A run owns its output folder: a fresh run never mixes with (or deletes) another run's
+checkpoints, rotation keeps to its own run, and resume never runs past max_steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import CPU, losses, small_cfg
+from vlpack.train import checkpoint as ckpt
+from vlpack.train.loop import Trainer
+
+
+def _steps(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+
+
+def test_fresh_run_over_an_older_run(tmp_path: Path) -> None:
+    """The sequence that lost a run: an older 6-step run, then a new 4-step run with
+    train.resume=none in the same folder, then a plain `vlpack train`."""
+    out = tmp_path / "run"
+    Trainer(small_cfg(out, "train.max_steps=6", "train.save_every=2"), CPU).fit()
+    assert _steps(out) == ["step_00000004", "step_00000006"]
+    fresh = ["train.max_steps=4", "train.save_every=2", "train.resume=none"]
+    with pytest.raises(ValueError, match=r"another run .*train.overwrite=true"):
+        Trainer(small_cfg(out, *fresh), CPU).fit()
+    assert _steps(out) == ["step_00000004", "step_00000006"]  # refused before writing anything
+
+    summary = Trainer(small_cfg(out, *fresh, "train.overwrite=true"), CPU).fit()
+    assert _steps(out) == ["step_00000002", "step_00000004"]
+    assert Path(summary["checkpoint"]).is_dir()
+    assert len(losses(out)) == 4  # the old run's metrics went with its checkpoints
+
+    again = Trainer(small_cfg(out, "train.max_steps=4", "train.save_every=2"), CPU)
+    again.fit()
+    assert again.step == 4 and _steps(out) == ["step_00000002", "step_00000004"]
+
+
+def test_resume_past_max_steps_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    Trainer(small_cfg(out, "train.max_steps=3"), CPU).fit()
+    with pytest.raises(ValueError, match=r"step 3, past train.max_steps=2: raise train.max_steps"):
+        Trainer(small_cfg(out, "train.max_steps=2"), CPU).fit()
+
+
+def test_rotation_deletes_only_its_own_runs_checkpoints(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.save_checkpoint(tmp_path, 10, model, opt, {}, CPU, keep=2, run_id="old")
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, model, opt, {}, CPU, keep=2, run_id="new")
+    assert _steps(tmp_path) == ["step_00000002", "step_00000003", "step_00000010"]
+    markers = {p.name: json.loads((p / ckpt.MARKER).read_text())["run_id"]
+               for p in (tmp_path / "checkpoints").glob("step_*")}
+    assert markers == {"step_00000002": "new", "step_00000003": "new", "step_00000010": "old"}
+
+
+def test_save_refused_up_front_when_the_disk_is_too_full(tmp_path: Path, monkeypatch) -> None:
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = ckpt.save_checkpoint(tmp_path, 1, model, opt, {}, CPU, run_id="r")
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"disk full: saving step 2 .* needs about "
+                       r"0\.00 GB but 0\.00 GB is free.*step_00000001 stays the resume point"):
+        ckpt.save_checkpoint(tmp_path, 2, model, opt, {}, CPU, run_id="r")
+    assert _steps(tmp_path) == ["step_00000001"] and ckpt.latest_checkpoint(tmp_path) == good
+
+
+def test_failed_write_leaves_nothing_partial(tmp_path: Path, monkeypatch) -> None:
+    """A write that fails half-way (as a full disk does) removes its partial folder."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = ckpt.save_checkpoint(tmp_path, 1, model, opt, {}, CPU, run_id="r")
+
+    def half_written(state, checkpoint_id):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"x" * 4096)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(ckpt.dcp, "save", half_written)
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"writing step 2 .* failed .*unexpected "
+                       r"pos.* GB is free there .*a full disk shows as this"):
+        ckpt.save_checkpoint(tmp_path, 2, model, opt, {}, CPU, run_id="r")
+    assert _steps(tmp_path) == ["step_00000001"] and ckpt.latest_checkpoint(tmp_path) == good
