@@ -187,3 +187,17 @@ def test_bad_fraction_fails_the_run() -> None:
     with pytest.raises(ValueError, match=r"data\.max_bad_fraction=0\.2"):
         list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.2))
     assert list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.3))
+
+
+def test_bad_fraction_applies_to_a_tiny_file() -> None:
+    """16 samples, 13 bad: far fewer than the 100 a larger file is judged after, so the
+    fraction applies once all 16 were seen; the message carries the counts."""
+    sizes = [SampleSize(10, 0) if i % 5 == 0 else BadSampleError("missing_image", "x")
+             for i in range(16)]
+    assert sum(isinstance(s, BadSampleError) for s in sizes) == 12
+    sizes[1] = BadSampleError("bad_schema", "y")
+    sizes[5] = BadSampleError("bad_schema", "y")  # 13 bad, the last sample good
+    with pytest.raises(ValueError, match=r"13 of 16 samples were skipped .*'bad_schema': 2.*"
+                                         r"data\.max_bad_fraction=0\.05"):
+        list(BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_bad_fraction=0.05,
+                       max_consecutive_bad=32))

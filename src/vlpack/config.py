@@ -82,7 +82,8 @@ class DataConfig:
     max_consecutive_bad: int = 32
     """Fail after this many bad samples in a row (a broken dataset, not a bad sample)."""
     max_bad_fraction: float = 0.05
-    """Fail when more than this share of samples seen so far was skipped (checked after 100)."""
+    """Fail when more than this share of samples seen so far was skipped (checked after 100
+    samples, or once all were seen in a smaller dataset)."""
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, ("jsonl", "synthetic", "energon"))

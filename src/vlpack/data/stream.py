@@ -30,6 +30,10 @@ TruncateFn = Callable[[int, int], SampleSize]
 """(sample index, max tokens) → size after text-only truncation; raises BadSampleError."""
 
 
+MIN_SEEN = 100
+"""Samples seen before max_bad_fraction applies (all of them, for a smaller dataset)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedBin:
     """One bin: dataset indices, and a token cap for samples that were truncated."""
@@ -117,7 +121,8 @@ class BinStream:
     max_consecutive_bad: int | None = None
     """Fail after this many skipped samples in a row (a broken dataset, not a bad sample)."""
     max_bad_fraction: float | None = None
-    """Fail when more than this share of the samples seen was skipped (checked after 100)."""
+    """Fail when more than this share of the samples seen was skipped (checked from MIN_SEEN
+    samples on, or once every sample was seen when there are fewer)."""
     account: Accounting = field(default_factory=Accounting)
     _run: int = field(default=0, init=False, repr=False)
     """Skipped samples in a row (for max_consecutive_bad)."""
@@ -143,18 +148,30 @@ class BinStream:
                 f"{self._run} bad samples in a row (last: #{i}, {reason}: {message}); skipped so "
                 f"far: {dict(acc.skipped)}. Fix the data, or raise data.max_consecutive_bad"
             )
+
+    def _check_fraction(self) -> None:
+        """Fail when more than max_bad_fraction of the samples seen were skipped, counted from
+        MIN_SEEN samples on, or from the whole dataset when it is smaller (a tiny file)."""
+        acc = self.account
+        total = sum(acc.skipped.values())
         if (
             self.max_bad_fraction is not None
-            and acc.seen >= 100
+            and acc.seen >= min(MIN_SEEN, len(self.sizes))
             and total > self.max_bad_fraction * acc.seen
         ):
             raise ValueError(
                 f"{total} of {acc.seen} samples were skipped ({dict(acc.skipped)}), more than "
-                f"data.max_bad_fraction={self.max_bad_fraction}. Fix the data or raise the limit"
+                f"data.max_bad_fraction={self.max_bad_fraction}. Fix the data (`vlpack pack` lists "
+                "the bad samples) or raise the limit"
             )
 
     def _admit(self, i: int) -> tuple[SampleSize, int | None] | None:
         """Size to plan with and truncation cap, or None when the sample is skipped."""
+        admitted = self._admit_one(i)
+        self._check_fraction()
+        return admitted
+
+    def _admit_one(self, i: int) -> tuple[SampleSize, int | None] | None:
         size = self.sizes[i]
         self.account.seen += 1
         if isinstance(size, BadSampleError):
