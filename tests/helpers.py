@@ -71,3 +71,30 @@ class GradRecorder(torch.optim.SGD):
                     g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                     self.grads[self.names[id(p)]] = g.detach().clone()
         return super().step(closure)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a test's process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, *args, world: int = 2, timeout: float = 300) -> list[int | None]:
+    """`target(rank, port, *args)` in `world` spawned processes; their exit codes (a process
+    still running after `timeout` is killed)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return [p.exitcode for p in procs]

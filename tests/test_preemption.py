@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,17 +15,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import run_ranks
 from tests.test_train import SMALL
 from vlpack.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 ARGS = [*SMALL, "train.max_steps=4"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out: str, signal_at: int) -> None:
@@ -50,18 +44,8 @@ def _worker(rank: int, port: int, out: str, signal_at: int) -> None:
     sys.exit(main(["train", *ARGS, f"train.output_dir={out}"]))
 
 
-def _two_ranks(out: Path, signal_at: int = 0) -> list[int]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out), signal_at)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return [p.exitcode for p in procs]
+def _two_ranks(out: Path, signal_at: int = 0) -> list[int | None]:
+    return run_ranks(_worker, str(out), signal_at)
 
 
 def _losses(run: Path) -> list[float]:

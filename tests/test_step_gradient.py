@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers import GradRecorder
+from tests.helpers import GradRecorder, run_ranks
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model, set_attn_implementation
 from vlpack.model.synthetic import synthetic_sample
@@ -106,12 +104,6 @@ def test_one_process_step_gradient_is_the_global_token_mean(mbs_samples) -> None
     _assert_close(_trainer_grads(mbs_samples, CPU, fsdp=False), _reference_grads(mbs_samples))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -130,15 +122,6 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_two_rank_step_gradient_is_the_global_token_mean(tmp_path: Path, mbs_samples) -> None:
     out = tmp_path / "grads.pt"
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    codes = run_ranks(_worker, str(out))
+    assert codes == [0, 0], codes
     _assert_close(torch.load(out), _reference_grads(mbs_samples))
