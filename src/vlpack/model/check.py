@@ -227,6 +227,12 @@ def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None) -> dict:
     return dict(logits=logit, loss=lossd, grad=grad, aux=aux, groups_missing=missing)
 
 
+def _other_bin(samples: list[EncodedSample]) -> tuple[list[EncodedSample], int, int]:
+    """The samples reversed, aligned to 3 and padded by 11 more tokens: another layout of the
+    same samples (samples, pad_to, total_len)."""
+    return samples[::-1], 3, sum(-(-len(s) // 3) * 3 for s in samples) + 11
+
+
 def _perturbed(spec: ModelSpec, s: EncodedSample, rng: np.random.Generator) -> EncodedSample:
     """`s` with every plain text token replaced by another id and noise added to its pixels;
     same length, same images and token types, so the row's layout does not move."""
@@ -287,7 +293,7 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
                 d = max(d, float((base[i][m] - hidden[i][m]).abs().max()))
         per.append(dict(changed=samples[j].key, max_hidden_diff=d))
         worst = max(worst, d)
-    _hidden(model, spec, samples[::-1], 3, sum(-(-len(s) // 3) * 3 for s in samples) + 11)
+    _hidden(model, spec, *_other_bin(samples))
     again, _, _ = _hidden(model, spec, samples, pad_to)
     repeat = max(float((a - b).abs().max()) for a, b in zip(again, base, strict=True))
     return dict(max_diff=worst, per_sample=per, routing_flips=flips if spec.is_moe else None,
@@ -445,9 +451,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     failures += _label_failures(ref)
     first = run_packed(model, spec, batch_samples, pad_to, backward=False)
     d1 = compare(first, ref, stable_tokens(first, ref))
-    rev = run_packed(model, spec, batch_samples[::-1], pad_to=3,
-                     total_len=sum(-(-len(s) // 3) * 3 for s in batch_samples) + 11,
-                     backward=False)
+    rev = run_packed(model, spec, *_other_bin(batch_samples), backward=False)
     rev = replace(rev, logits=rev.logits[::-1], losses=rev.losses[::-1],
                   topk=None if rev.topk is None else rev.topk[::-1])
     d2 = compare(rev, ref, stable_tokens(rev, ref))

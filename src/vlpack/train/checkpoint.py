@@ -38,6 +38,12 @@ class CheckpointSaveError(ValueError):
     the previous checkpoint stays the resume point. The message says how much space it needs."""
 
 
+def _resume_point(output_dir: str | Path) -> str:
+    """'; DIR stays the resume point' for a failed save's message ('' without a checkpoint)."""
+    previous = latest_checkpoint(output_dir)
+    return f"; {previous} stays the resume point" if previous else ""
+
+
 def _tensor_bytes(tree) -> int:
     """Bytes of the tensors in a state dict on this rank (a DTensor's local shard only)."""
     if isinstance(tree, dict):
@@ -104,15 +110,13 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], info)[0]
     free = float(shutil.disk_usage(tmp).free)
-    previous = latest_checkpoint(output_dir)
-    keeps = f"; {previous} stays the resume point" if previous else ""
     if all_reduce([float(need * HEADROOM > free)], info, "max")[0]:
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
             f"disk full: saving step {step} to {root} needs about {need / 1e9:.2f} GB but "
             f"{free / 1e9:.2f} GB is free: free space there or set train.output_dir to a "
-            f"larger disk{keeps}"
+            f"larger disk{_resume_point(output_dir)}"
         )
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -122,7 +126,8 @@ def save_checkpoint(
         raise CheckpointSaveError(
             f"writing step {step} to {tmp} failed ({type(e).__name__}: {str(e).strip()[:300]}); "
             f"{shutil.disk_usage(root).free / 1e9:.2f} GB is free there and the checkpoint needs "
-            f"about {need / 1e9:.2f} GB (a full disk shows as this){keeps}. The partial folder "
+            f"about {need / 1e9:.2f} GB (a full disk shows as this)"
+            f"{_resume_point(output_dir)}. The partial folder "
             "is removed"
         ) from None
     barrier(info)
