@@ -35,8 +35,36 @@ def _losses(run: Path) -> list[float]:
             if "loss" in r]
 
 
+def _dirty_data(tmp_path: Path) -> Path:
+    """The 24 synthetic samples and three bad ones: a broken JSON line, a missing image (both
+    skipped while planning) and an image whose header reads but whose body does not (skipped
+    at encode time, by the rank whose bin holds it)."""
+    import shutil
+
+    from PIL import Image
+
+    from vlpack.data.synth import default_dataset
+
+    out = tmp_path / "data"
+    shutil.copytree(default_dataset(n=24).parent, out)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(out / "cut.png")
+    (out / "cut.png").write_bytes((out / "cut.png").read_bytes()[:60])
+    lines = (out / "data.jsonl").read_text().splitlines()
+    ask = [{"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]
+    bad = ["{not json", json.dumps({"id": "gone", "conversations": ask, "image": "nope.png"}),
+           json.dumps({"id": "cut", "conversations": ask, "image": "cut.png"})]
+    (out / "data.jsonl").write_text("\n".join(bad[:1] + lines[:2] + bad[1:] + lines[2:]) + "\n")
+    return out / "data.jsonl"
+
+
+def _accounting_lines(stdout: str) -> list[str]:
+    return [x for x in stdout.splitlines() if x.lstrip().startswith(("samples ", "epochs "))]
+
+
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
-    args = [*SMALL, "train.max_steps=3"]
+    data = _dirty_data(tmp_path)
+    args = [*SMALL, "train.max_steps=3", "data.source=jsonl", f"data.path={data}",
+            "data.max_bad_fraction=0.2", "data.shuffle=false"]
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "vlpack", "train",
@@ -53,6 +81,15 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    # Both runs consumed the same bins: the same samples trained and skipped, the two ranks'
+    # counts added up; each skipped sample printed once.
+    assert _accounting_lines(two.stdout) == _accounting_lines(one.stdout), (two.stdout, one.stdout)
+    assert "3 skipped" in _accounting_lines(one.stdout)[0], one.stdout
+    printed = [x for x in two.stderr.splitlines() if "skipping a sample" in x]
+    for reason, name in (("bad_json", "data.jsonl:1:"), ("missing_image", "gone:"),
+                         ("corrupt_image", "cut:")):
+        hits = [x for x in printed if f"({reason})" in x]
+        assert len(hits) == 1 and name in hits[0], (reason, printed)
 
     # FSDP2 sharded checkpoint: stop after 2 steps (as a time-limited job would), resume, finish.
     for extra in (["train.stop_after=2"], []):

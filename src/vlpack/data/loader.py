@@ -5,25 +5,22 @@ plan is a pure function of lengths and the stream position is one integer (`bins
 Encoding — the expensive part (image decode, resize, patchify) — runs in DataLoader workers,
 in plan order. A sample that fails only at encode time (a corrupt image body) is dropped from
 its bin and counted; a bin that loses every sample becomes a one-token filler so every rank
-still takes the same number of steps.
+still takes the same number of steps. Each rank tallies the bins it consumes (accounting.py).
 """
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
 from vlpack.data.types import BadSampleError, Conversation, EncodedSample
-
-log = logging.getLogger(__name__)
 
 Item = Conversation | BadSampleError
 
@@ -75,18 +72,18 @@ class _BinBuilder(torch.utils.data.Dataset):
     def __len__(self) -> int:  # pragma: no cover - sampler-driven, never sized
         raise TypeError("bins are streamed")
 
-    def __getitem__(self, work: BinWork) -> tuple[ThdBatch | PaddedBatch, Counter]:
+    def __getitem__(self, work: BinWork) -> tuple[ThdBatch | PaddedBatch, PlannedBin, list[Skip]]:
+        """The bin's batch, its plan, and the samples that failed to encode (dropped from it)."""
         caps = dict(work.plan.truncate)
         samples: list[EncodedSample] = []
-        skipped: Counter = Counter()
-        for i in work.plan.items:
+        failed: list[Skip] = []
+        for i, epoch in zip(work.plan.items, work.plan.epochs, strict=True):
             try:
                 sample = self.encoder.encode(self.items[i])
                 if i in caps:
                     sample = self.encoder.truncate(sample, caps[i])
             except BadSampleError as e:
-                log.warning("skipping sample at encode time: %s", e)
-                skipped[e.reason] += 1
+                failed.append(Skip(i, epoch, e.reason, str(e)))
                 continue
             samples.append(sample)
         if not samples:
@@ -98,7 +95,7 @@ class _BinBuilder(torch.utils.data.Dataset):
             )
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
-        return batch, skipped
+        return batch, work.plan, failed
 
 
 def _identity(x):
@@ -165,14 +162,19 @@ class PackedLoader:
             total_len=total_len if self.packed else None, merge=spatial_merge_size,
         )
         self.consumed = 0
-        self.encode_skipped: Counter = Counter()
+        self.tally = Tally()
+        self.report_skip = SkipReporter(rank if world_size > 1 else None)
         self.stream: BinStream | None = None
 
     def _truncated_size(self, i: int, max_tokens: int):
         return self.encoder.truncated_size(self.items[i], max_tokens)
 
+    def _describe(self, i: int) -> str:
+        key = getattr(self.items[i], "key", None)  # a Conversation's id or file:line
+        return key if key is not None else f"sample #{i}"
+
     def _works(self, skip: int) -> Iterator[BinWork]:
-        self.stream = BinStream(sizes=self.sizes, **self.stream_kw)
+        self.stream = BinStream(sizes=self.sizes, describe=self._describe, **self.stream_kw)
         bins = rank_bins(
             iter(self.stream), rank=self.rank, world_size=self.world_size, per_round=self.per_round
         )
@@ -192,26 +194,31 @@ class PackedLoader:
                     pin_memory=self.pin_memory, prefetch_factor=4, persistent_workers=False,
                 )
             )
-        for batch, skipped in results:
+        for batch, plan, failed in results:
             self.consumed += 1
-            self.encode_skipped.update(skipped)
+            self._count(plan, failed)
             yield batch
+
+    def _count(self, plan: PlannedBin, failed: list[Skip]) -> None:
+        """Tally one consumed bin: its trained samples, and the skips it carries."""
+        lost = {s.index for s in failed}
+        caps = dict(plan.truncate)
+        for i, epoch in zip(plan.items, plan.epochs, strict=True):
+            if i not in lost:
+                self.tally.add(epoch, TRUNCATED if i in caps else PACKED)
+        for s in (*plan.skips, *failed):
+            self.tally.add(s.epoch, s.reason)
+            self.report_skip(s)
 
     @property
     def accounting(self) -> dict:
-        """Samples seen by the planner so far: packed, truncated, skipped by reason (planning
-        and encode-time skips merged)."""
-        acc = self.stream.account.as_dict() if self.stream else {"samples": 0, "packed": 0,
-                                                                  "truncated": 0, "skipped": {}}
-        skipped = Counter(acc["skipped"])
-        skipped.update(self.encode_skipped)
-        acc["packed"] -= sum(self.encode_skipped.values())
-        acc["skipped"] = dict(sorted(skipped.items()))
-        return acc
+        """This rank's consumed samples: packed, truncated, skipped by reason, in total and per
+        epoch (`Tally.as_dict`; add up the ranks' `tally.state()` for the run's)."""
+        return self.tally.as_dict()
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "encode_skipped": dict(self.encode_skipped)}
+        return {"consumed": self.consumed, "tally": self.tally.state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = int(state["consumed"])
-        self.encode_skipped = Counter(state.get("encode_skipped", {}))
+        self.tally = Tally.from_state(state.get("tally", {}))

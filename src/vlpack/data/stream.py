@@ -12,18 +12,16 @@ world_size × micro_batches bins balanced by estimated compute → this rank's b
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from vlpack.data.accounting import Skip
 from vlpack.data.plan import assign_bins_to_ranks, check_algo, estimate_bin_cost
 from vlpack.data.plan_online import OnlinePlanner
 from vlpack.data.types import BadSampleError, SampleSize
-
-log = logging.getLogger(__name__)
 
 SizeOrError = SampleSize | BadSampleError
 TruncateFn = Callable[[int, int], SampleSize]
@@ -44,6 +42,10 @@ class PlannedBin:
     lengths: tuple[int, ...] = ()
     """Real tokens of each item (after truncation)."""
     patches: int = 0
+    epochs: tuple[int, ...] = ()
+    """The epoch each item was drawn in (a carried item can share a bin with the next epoch)."""
+    skips: tuple[Skip, ...] = ()
+    """Samples skipped while planning since the previous bin of the stream (see accounting.py)."""
 
     @property
     def tokens(self) -> int:
@@ -52,7 +54,9 @@ class PlannedBin:
 
 @dataclass(slots=True)
 class Accounting:
-    """Where every sample went: packed, truncated (and packed), or skipped with a reason."""
+    """What the planner has seen so far (every rank alike, planned-ahead samples included):
+    packed, truncated (and packed), or skipped with a reason. The per-rank, per-epoch count of
+    what was trained is `accounting.Tally`."""
 
     seen: int = 0
     packed: int = 0
@@ -123,9 +127,14 @@ class BinStream:
     max_bad_fraction: float | None = None
     """Fail when more than this share of the samples seen was skipped (checked from MIN_SEEN
     samples on, or once every sample was seen when there are fewer)."""
+    describe: Callable[[int], str] | None = None
+    """Name of sample i in messages (its id or file:line); default `sample #i` (0-based)."""
     account: Accounting = field(default_factory=Accounting)
     _run: int = field(default=0, init=False, repr=False)
     """Skipped samples in a row (for max_consecutive_bad)."""
+    _epoch: int = field(default=0, init=False, repr=False)
+    _pending: list[Skip] = field(default_factory=list, init=False, repr=False)
+    """Skips not yet attached to an emitted bin."""
 
     def __post_init__(self) -> None:
         if self.algo != "none":
@@ -135,17 +144,18 @@ class BinStream:
         if self.overlong == "truncate" and self.truncate_fn is None:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
 
+    def _name(self, i: int) -> str:
+        return self.describe(i) if self.describe is not None else f"sample #{i}"
+
     def _skip(self, i: int, reason: str, message: str) -> None:
         """Count a skipped sample; fail when the dataset looks broken rather than noisy."""
         acc = self.account
         acc.skipped[reason] += 1
         self._run += 1
-        total = sum(acc.skipped.values())
-        if total <= 10 or total % 100 == 0:
-            log.warning("skipping sample #%d (%s): %s [%d skipped so far]", i, reason, message, total)
+        self._pending.append(Skip(i, self._epoch, reason, message))
         if self.max_consecutive_bad is not None and self._run > self.max_consecutive_bad:
             raise ValueError(
-                f"{self._run} bad samples in a row (last: #{i}, {reason}: {message}); skipped so "
+                f"{self._run} bad samples in a row (last: {reason}: {message}); skipped so "
                 f"far: {dict(acc.skipped)}. Fix the data, or raise data.max_consecutive_bad"
             )
 
@@ -187,13 +197,13 @@ class BinStream:
             )
             if self.overlong == "error":
                 raise ValueError(
-                    f"sample #{i} is overlong ({what}); raise the sequence length / patch budget "
+                    f"{self._name(i)} is overlong ({what}); raise the sequence length / patch budget "
                     "(data.seq_len, data.max_patches; `vlpack pack --seq-len`), or choose the "
                     "overlong policy truncate (text-only cut) or skip (data.overlong=truncate|skip; "
                     "`vlpack pack --overlong`)"
                 )
             if self.overlong == "skip" or too_many_patches:
-                self._skip(i, "overlong", what)
+                self._skip(i, "overlong", f"{self._name(i)}: overlong ({what})")
                 return None
             try:
                 size = self.truncate_fn(i, self.seq_len)
@@ -215,27 +225,31 @@ class BinStream:
                 self.seq_len, self.algo, self.buffer_size, max_patches=self.max_patches, seed=self.seed
             )
         )
-        info: dict[int, tuple[SampleSize, int | None]] = {}
+        info: dict[int, tuple[SampleSize, int | None, int]] = {}
 
         def emit(bins: list[list[int]]) -> Iterator[PlannedBin]:
             for b in bins:
                 entries = [info.pop(i) for i in b]
+                skips, self._pending = tuple(self._pending), []
                 yield PlannedBin(
                     items=tuple(b),
-                    truncate=tuple((i, cap) for i, (_, cap) in zip(b, entries, strict=True) if cap),
-                    lengths=tuple(s.tokens for s, _ in entries),
-                    patches=sum(s.patches for s, _ in entries),
+                    truncate=tuple((i, e[1]) for i, e in zip(b, entries, strict=True) if e[1]),
+                    lengths=tuple(e[0].tokens for e in entries),
+                    patches=sum(e[0].patches for e in entries),
+                    epochs=tuple(e[2] for e in entries),
+                    skips=skips,
                 )
 
-        epoch = 0
+        epoch = self._epoch = 0
         while self.epochs is None or epoch < self.epochs:
+            self._epoch = epoch
             for i in epoch_order(len(self.sizes), epoch, self.seed, self.shuffle).tolist():
                 admitted = self._admit(i)
                 if admitted is None:
                     continue
                 if i in info:  # the same sample again while its previous copy is still buffered
                     yield from emit(planner.flush())
-                info[i] = admitted
+                info[i] = (*admitted, epoch)
                 aligned = _round_up(admitted[0].tokens, self.pad_to_multiple_of)
                 yield from emit(planner.push(i, aligned, admitted[0].patches))
             epoch += 1

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlpack.config import Config, load_config, save_config
+from vlpack.data.accounting import Tally
 from vlpack.data.loader import PackedLoader, measure_all, open_dataset
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.flops import flop_model, peak_flops
@@ -35,6 +36,7 @@ from vlpack.train.module import TrainModule, freeze
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import (
     DistInfo,
+    all_gather_object,
     all_reduce,
     apply_fsdp,
     barrier,
@@ -414,7 +416,6 @@ class Trainer:
         t["seconds"] += r.seconds + data_wait
         self.first_loss = r.loss if self.first_loss is None else self.first_loss
         self.last_loss = r.loss
-        acc = self.train_loader.accounting
         mem = (torch.cuda.max_memory_allocated(self.info.device) / 2**30
                if self.info.device.type == "cuda" else None)
         row = {
@@ -425,19 +426,24 @@ class Trainer:
             "packing_efficiency": r.real_tokens / max(r.tokens, 1),
             "mfu": (r.flops / r.seconds / (peak * self.info.world_size)) if peak else None,
             "peak_mem_gib": mem, "step_s": r.seconds, "data_wait_s": data_wait,
-            "skipped": sum(acc["skipped"].values()), "truncated": acc["truncated"],
         }
-        if self.step % self.cfg.train.log_every == 0:
+        if self.step % self.cfg.train.log_every == 0:  # the same steps on every rank
+            acc = self.accounting()
+            row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"])
             writer.write(row)
         bar.update(1)
         bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                         eff=f"{100 * row['packing_efficiency']:.0f}%", refresh=False)
 
+    def accounting(self) -> dict[str, Any]:
+        """Where the samples consumed so far went, summed over ranks (a collective)."""
+        return Tally.merged(all_gather_object(self.train_loader.tally.state(), self.info)).as_dict()
+
     def _finish(self, out_dir: Path) -> dict[str, Any]:
-        acc = self.train_loader.accounting
+        acc = self.accounting()
         summary = {
             "steps": self.step, "samples": self.totals["samples"], "truncated": acc["truncated"],
-            "skipped": acc["skipped"], "real_tokens": self.totals["real_tokens"],
+            "skipped": acc["skipped"], "epochs": acc["epochs"], "real_tokens": self.totals["real_tokens"],
             "tokens": self.totals["tokens"], "first_loss": self.first_loss,
             "last_loss": self.last_loss, "eval_loss": self.eval_loss,
             "seconds": self.totals["seconds"],

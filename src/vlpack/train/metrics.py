@@ -54,6 +54,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("steps", s["steps"]),
         ("samples", f"{s['samples']} trained ({s['truncated']} of them truncated); "
                     f"{sum(s['skipped'].values())} skipped ({skipped})"),
+        *([("epochs", _epochs(s["epochs"]))] if s.get("epochs") else []),
         ("tokens", f"{s['real_tokens']:,} real of {s['tokens']:,} processed "
                    f"({100 * s['real_tokens'] / max(s['tokens'], 1):.1f}% real)"),
         ("loss", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}"),
@@ -65,3 +66,11 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _epochs(epochs: dict) -> str:
+    """Per epoch (1-based): samples consumed, how many trained, how many skipped."""
+    def one(e, a) -> str:
+        skipped = sum(a["skipped"].values())
+        return f"{int(e) + 1}: {a['samples']} ({a['packed'] + a['truncated']} trained, {skipped} skipped)"
+    return "; ".join(one(e, a) for e, a in epochs.items())

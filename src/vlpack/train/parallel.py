@@ -85,6 +85,15 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def all_gather_object(obj, info: DistInfo) -> list:
+    """Every rank's `obj`, in rank order, on every rank (small picklable objects only)."""
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def apply_fsdp(
     root: torch.nn.Module, model: torch.nn.Module, info: DistInfo, *,
     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype = torch.float32,

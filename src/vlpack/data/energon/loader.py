@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,10 @@ from typing import Any
 import torch.distributed as dist
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
+from vlpack.data.accounting import PACKED, TRUNCATED, Tally
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
+from vlpack.data.stream import MIN_SEEN
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class EnergonLoader:
         self.packing_buffer_size, self.shuffle = packing_buffer_size, shuffle
         self.shuffle_buffer_size, self.max_bad_fraction = shuffle_buffer_size, max_bad_fraction
         self._energon: Any = None
-        self._account = _Account()
+        self._tally = Tally()
 
     def _warn_buffer_over_share(self, buffer: int) -> None:
         """Energon's buffers run across epochs: one larger than a worker's share of the
@@ -151,35 +152,46 @@ class EnergonLoader:
 
     def __iter__(self) -> Iterator[ThdBatch]:
         for row in self._loader():
-            self._account.add(row)
+            self._add(row)
             self._check_bad_fraction()
             if not row.filler:
                 yield row.batch
 
+    def _add(self, row: PackedRow) -> None:
+        """Tally a row (Energon's epochs are not visible here: everything counts as epoch 0)."""
+        self._tally.add(0, PACKED, row.packed)
+        self._tally.add(0, TRUNCATED, row.truncated)
+        for reason, n in row.skipped.items():
+            self._tally.add(0, reason, n)
+
     def _check_bad_fraction(self) -> None:
-        acc = self._account
-        bad = sum(acc.skipped.values())
+        acc = self.accounting
+        bad = sum(acc["skipped"].values())
         limit = self.max_bad_fraction
-        if limit is not None and acc.samples >= 100 and bad > limit * acc.samples:
+        if limit is not None and acc["samples"] >= MIN_SEEN and bad > limit * acc["samples"]:
             raise ValueError(
-                f"{bad} of {acc.samples} samples were skipped ({dict(acc.skipped)}), more than "
+                f"{bad} of {acc['samples']} samples were skipped ({acc['skipped']}), more than "
                 f"data.max_bad_fraction={limit}. Fix the data or raise the limit"
             )
 
     @property
     def accounting(self) -> dict:
-        """Samples of the rows read so far: packed, truncated, skipped by reason."""
-        return self._account.as_dict()
+        """This rank's rows read so far: packed, truncated, skipped by reason (`Tally`)."""
+        return self._tally.as_dict()
+
+    @property
+    def tally(self) -> Tally:
+        return self._tally
 
     def state_dict(self) -> dict[str, Any]:
         """Energon's state of this rank (all workers) and the accounting; picklable."""
-        return {"energon": self._loader().save_state_rank(), "account": self.accounting}
+        return {"energon": self._loader().save_state_rank(), "tally": self._tally.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was saved (on a loader built with the same options)."""
         self.close()
         self._loader().restore_state_rank(state["energon"])
-        self._account = _Account.from_dict(state["account"])
+        self._tally = Tally.from_state(state["tally"])
 
     def close(self) -> None:
         """Stop Energon's worker processes now (otherwise each one costs a 5 s join timeout
@@ -192,29 +204,3 @@ class EnergonLoader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn things down
             self.close()
-
-
-class _Account:
-    """Running totals of `PackedRow` accounting."""
-
-    def __init__(self) -> None:
-        self.packed, self.truncated, self.skipped = 0, 0, Counter()
-
-    @property
-    def samples(self) -> int:
-        return self.packed + self.truncated + sum(self.skipped.values())
-
-    def add(self, row: PackedRow) -> None:
-        self.packed += row.packed
-        self.truncated += row.truncated
-        self.skipped.update(row.skipped)
-
-    def as_dict(self) -> dict:
-        return {"samples": self.samples, "packed": self.packed, "truncated": self.truncated,
-                "skipped": dict(sorted(self.skipped.items()))}  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, d: dict) -> _Account:
-        acc = cls()
-        acc.packed, acc.truncated, acc.skipped = d["packed"], d["truncated"], Counter(d["skipped"])
-        return acc
