@@ -79,3 +79,63 @@ def test_pack_options_match_the_training_config(capsys) -> None:
     assert small["samples"] == base["samples"]
     assert main(["pack", "--seq-len", "1000", "--pad-to-multiple-of", "64"]) == 2
     assert "multiple" in capsys.readouterr().err
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares `width` × `height` and holds no pixel data (enough for a header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b""))
+            + chunk(b"IEND", b""))
+
+
+def _with_extra(data: Path, tmp_path: Path, extra: dict[str, bytes]) -> Path:
+    """A copy of the dataset plus one sample per extra image (named by its file)."""
+    out = tmp_path / "d"
+    shutil.copytree(data.parent, out)
+    lines = (out / "data.jsonl").read_text().splitlines()
+    for name, blob in extra.items():
+        (out / name).write_bytes(blob)
+        lines.append(json.dumps({"id": name, "image": name, "conversations": [
+            {"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]}))
+    (out / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return out / "data.jsonl"
+
+
+def test_validate_lists_every_bad_sample_even_a_corrupt_body(capsys, data_with_bad_lines: Path,
+                                                             tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(tmp_path / "ok.png")
+    cut = (tmp_path / "ok.png").read_bytes()[:60]  # header intact, pixels gone
+    data = _with_extra(data_with_bad_lines, tmp_path, {"cut.png": cut,
+                                                       "bomb.png": _png_header(20000, 20000)})
+    # pack judges images by their headers: the cut body passes, the bomb does not.
+    r = run_json(capsys, str(data), "--seq-len", "4096", "--overlong", "skip")
+    assert "corrupt_image" in r["skipped"] and r["skipped"].get("image_too_large") == 1
+    assert main(["data", "validate", str(data), "--workers", "1"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    problems = out[:-1]
+    assert out[-1].startswith(f"{r['samples']} samples: {r['samples'] - 6} good, 6 bad")
+    assert any(p.startswith("corrupt_image: cut.png: ") for p in problems)  # found only here
+    bomb = next(p for p in problems if p.startswith("image_too_large: bomb.png: "))
+    assert "decompression-bomb" in bomb and "data.max_image_pixels" in bomb
+    assert sum(p.startswith("bad_json: ") and ":11:" in p for p in problems) == 1  # file:line
+    # The limit is the user's to raise (and to lower).
+    assert main(["data", "validate", str(data_with_bad_lines), "--json", "--workers", "2",
+                 "--max-image-pixels", "100"]) == 1
+    v = json.loads(capsys.readouterr().out)
+    assert v["bad"]["image_too_large"] >= 1 and v["samples"] == 28
+
+
+def test_clear_errors_for_a_folder_and_an_empty_file(capsys, tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text("")
+    assert main(["pack", str(tmp_path)]) == 2
+    assert "is a folder (it holds a.jsonl)" in capsys.readouterr().err
+    assert main(["pack", str(tmp_path / "a.jsonl")]) == 2
+    assert "holds no records" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_sigterm_on_one_rank_saves_and_resumes_exactly(tmp_path: Path) -> None:
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "straight")
 
 
-def _slow_run(out: str, err: str) -> None:
+def _slow_run(out: str, err: str, *extra: str) -> None:
     """`vlpack train` whose steps after the first take 6 s each, stderr to a file."""
     sys.stderr = open(err, "w", buffering=1)
     os.dup2(sys.stderr.fileno(), 2)
@@ -76,19 +76,39 @@ def _slow_run(out: str, err: str) -> None:
         return original(self, mbs)
 
     loop.Trainer.train_step = step
-    sys.exit(main(["train", *SMALL, "train.max_steps=50", f"train.output_dir={out}"]))
+    sys.exit(main(["train", *SMALL, "train.max_steps=50", f"train.output_dir={out}", *extra]))
 
 
-def test_second_signal_aborts_without_traceback(tmp_path: Path) -> None:
-    """A second SIGTERM 3 s after the first, while the step is still running: the run ends at
-    once with exit status 130, no traceback, and no checkpoint written."""
+def _start_slow(tmp_path: Path, *extra: str):
+    """A slow run (see _slow_run) once its first step is done."""
     err = tmp_path / "stderr.txt"
-    proc = mp.get_context("spawn").Process(target=_slow_run, args=(str(tmp_path), str(err)))
+    proc = mp.get_context("spawn").Process(target=_slow_run, args=(str(tmp_path), str(err), *extra))
     proc.start()
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
         time.sleep(0.2)  # the first step is done; the second sleeps 6 s
+    return proc, err
+
+
+def test_grace_period_ends_a_stop_that_takes_too_long(tmp_path: Path) -> None:
+    """train.stop_grace_s=1 and a step still 5 s from its end: the run gives up after the grace
+    period (exit 130, no traceback, no checkpoint) instead of waiting to be killed."""
+    proc, err = _start_slow(tmp_path, "train.stop_grace_s=1")
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(timeout=60)
+    text = err.read_text()
+    assert proc.exitcode == 130, text[-3000:]
+    assert time.monotonic() - t0 < 4.5
+    assert "train.stop_grace_s=1 passed" in text and "Traceback" not in text, text[-3000:]
+    assert ckpt.latest_checkpoint(tmp_path) is None
+
+
+def test_second_signal_aborts_without_traceback(tmp_path: Path) -> None:
+    """A second SIGTERM 3 s after the first, while the step is still running: the run ends at
+    once with exit status 130, no traceback, and no checkpoint written."""
+    proc, err = _start_slow(tmp_path)
     os.kill(proc.pid, signal.SIGTERM)
     time.sleep(3)
     os.kill(proc.pid, signal.SIGTERM)

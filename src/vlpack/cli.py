@@ -43,6 +43,35 @@ def _run_energon_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", default="qwen3_vl",
+                   help="tokenizer/processor family: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5")
+    p.add_argument("--tokenizer", default=None, help="local HF checkpoint folder for tokenizer")
+    p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
+    p.add_argument("--max-pixels", type=int, default=None)
+    p.add_argument("--max-image-pixels", type=int, default=None,
+                   help="largest source image opened, width × height (default: Pillow's "
+                        "decompression-bomb limit); as data.max_image_pixels")
+
+
+def _add_validate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="encode every sample in full and list every bad one")
+    p.add_argument("data", help="DATA.jsonl (image paths relative to it)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="also list samples longer than this many tokens")
+    _add_encoder_flags(p)
+    p.add_argument("--workers", type=int, default=None,
+                   help="encoding processes (default: the CPU count, at most 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_validate)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from vlpack.data.validate import validate_command
+
+    return validate_command(args)
+
+
 def _add_pack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="pack a dataset into bins and report how well it packs")
     p.add_argument("data", nargs="?", default=None,
@@ -52,11 +81,7 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--buffer", type=int, default=512, help="samples per planning buffer")
     p.add_argument("--max-patches", type=int, default=None, help="ViT patches per bin (optional)")
     p.add_argument("--overlong", choices=["error", "truncate", "skip"], default="error")
-    p.add_argument("--family", default="qwen3_vl",
-                   help="tokenizer/processor family: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5")
-    p.add_argument("--tokenizer", default=None, help="local HF checkpoint folder for tokenizer")
-    p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
-    p.add_argument("--max-pixels", type=int, default=None)
+    _add_encoder_flags(p)
     p.add_argument("--pad-to-multiple-of", type=int, default=1,
                    help="align each sample's segment, as data.pad_to_multiple_of does")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -120,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = data.add_subparsers(dest="data_cmd", required=True)
     _add_synth(data)
     _add_energon_prepare(data)
+    _add_validate(data)
     _add_pack(sub)
     _add_check(sub)
     _add_train(sub)

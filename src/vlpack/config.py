@@ -70,6 +70,9 @@ class DataConfig:
     min_pixels: int | None = None
     """Image processor bounds (None: the family's default)."""
     max_pixels: int | None = None
+    max_image_pixels: int | None = None
+    """Largest source image (width × height) opened (None: Pillow's decompression-bomb limit,
+    about 179 M pixels); raise it only for files you trust."""
     tokenizer: str | None = None
     """Local HF folder holding the tokenizer (None: the model folder, else built-in)."""
     num_workers: int = 0
@@ -218,6 +221,11 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop after this many steps of THIS run, saving a checkpoint as Ctrl-C would (for
     time-limited jobs: resubmit with train.resume=auto to continue)."""
+    stop_grace_s: float | None = None
+    """After SIGINT/SIGTERM the run finishes its step and saves; past this many seconds it gives
+    up and exits (status 130, the last complete checkpoint stays the resume point). Set it a
+    little under the scheduler's kill delay (SLURM KillWait, Kubernetes
+    terminationGracePeriodSeconds). None: no limit."""
     save_final: bool = True
     """Checkpoint at the end of the run (off for throughput runs that need no checkpoint)."""
     resume: str = "auto"
@@ -270,6 +278,7 @@ class TrainConfig:
         _positive("train.max_steps", self.max_steps)
         _positive("train.save_every", self.save_every, allow_zero=True)
         _positive("train.stop_after", self.stop_after)
+        _positive("train.stop_grace_s", self.stop_grace_s)
         _positive("train.micro_batches", self.micro_batches)
         _positive("train.tokens_per_step", self.tokens_per_step)
         _positive("train.log_every", self.log_every)

@@ -78,7 +78,8 @@ class Encoder:
 
     `min_pixels`/`max_pixels` bound the resized image area (defaults: the family's, see
     `vlpack.data.tokenizer`); `tokenizer_path` is a local HF checkpoint folder, else the built-in
-    offline tokenizer is used.
+    offline tokenizer is used. `max_image_pixels` raises Pillow's decompression-bomb limit on the
+    source images; Pillow keeps that limit process-wide, so the encoder sets it before each open.
     """
 
     def __init__(
@@ -87,8 +88,12 @@ class Encoder:
         tokenizer_path: str | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        max_image_pixels: int | None = None,
     ):
         self.family = family
+        self.max_image_pixels = max_image_pixels
+        """Largest source image (width × height) opened; None: Pillow's decompression-bomb
+        limit (about 179 M pixels)."""
         self.spec: FamilySpec = family_spec(family)
         self.min_pixels = self.spec.min_pixels if min_pixels is None else int(min_pixels)
         self.max_pixels = self.spec.max_pixels if max_pixels is None else int(max_pixels)
@@ -120,7 +125,7 @@ class Encoder:
 
     def encode(self, conv: Conversation) -> EncodedSample:
         """Tokens, labels, token types, pixel values and grids of `conv`."""
-        images = [_open_image(conv.key, ref) for ref in conv.images]
+        images = [_open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
         for ref, image in zip(conv.images, images, strict=True):
             self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
         pixel_values = None
@@ -139,7 +144,8 @@ class Encoder:
 
     def skeleton(self, conv: Conversation) -> EncodedSample:
         """`encode(conv)` without pixels: grids come from the image headers."""
-        grids = [self._grid(conv.key, r, *_image_size(conv.key, r)) for r in conv.images]
+        grids = [self._grid(conv.key, r, *_image_size(conv.key, r, self.max_image_pixels))
+                 for r in conv.images]
         return self._assemble(conv, np.array(grids, np.int64).reshape(-1, 3))
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
@@ -313,29 +319,48 @@ def _split_reasoning(content: str) -> tuple[str, str]:
     return reasoning.strip(), content.split("</think>")[-1].lstrip("\n")
 
 
-def _open_image(key: str, ref: ImageRef) -> PILImage.Image:
+def _image_limit(max_image_pixels: int | None) -> None:
+    """Make Pillow refuse exactly the images above `max_image_pixels` (it errors above twice its
+    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning)."""
+    if max_image_pixels is None:
+        return
+    import warnings
+
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_image_pixels // 2
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+
+
+def _open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> PILImage.Image:
     """Open and decode an image, turning I/O and format errors into BadSampleError."""
     from PIL import Image
 
+    _image_limit(max_image_pixels)
     try:
         image = Image.open(ref.path)
         image.load()  # decode now so a truncated or corrupt file fails here
         return image
     except FileNotFoundError:
         raise _missing(key, ref) from None
+    except Image.DecompressionBombError as e:
+        raise _too_large(key, ref, e) from None
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on bad data
         raise _corrupt(key, ref, e) from None
 
 
-def _image_size(key: str, ref: ImageRef) -> tuple[int, int]:
+def _image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> tuple[int, int]:
     """(width, height) from the image header, without decoding pixels."""
     from PIL import Image
 
+    _image_limit(max_image_pixels)
     try:
         with Image.open(ref.path) as image:
             return image.size
     except FileNotFoundError:
         raise _missing(key, ref) from None
+    except Image.DecompressionBombError as e:
+        raise _too_large(key, ref, e) from None
     except Exception as e:
         raise _corrupt(key, ref, e) from None
 
@@ -345,6 +370,15 @@ def _missing(key: str, ref: ImageRef) -> BadSampleError:
         "missing_image",
         f"{key}: image {ref.path} not found: fix the path (relative paths are resolved against "
         "the JSONL file's folder) or drop the sample",
+    )
+
+
+def _too_large(key: str, ref: ImageRef, e: Exception) -> BadSampleError:
+    return BadSampleError(
+        "image_too_large",
+        f"{key}: image {ref.path} is larger than the decompression-bomb limit ({e}); downscale "
+        "it, or if you trust the file raise the limit: data.max_image_pixels=N (`vlpack pack` "
+        "and `vlpack data validate`: --max-image-pixels N)",
     )
 
 

@@ -35,7 +35,11 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256)
         path = str(default_dataset(n=synthetic_samples))
     elif source != "jsonl":
         raise ValueError(f"data.source={source!r} is not readable here; use jsonl or synthetic")
-    return list(iter_jsonl(path))
+    items = list(iter_jsonl(path))
+    if not items:
+        raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
+                         "conversation (see docs/data.md)")
+    return items
 
 
 def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> list[SizeOrError]:

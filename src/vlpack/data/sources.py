@@ -48,6 +48,11 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
     """Stream the records of a JSONL file: a `Conversation` per good record, the
     `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]
+        hint = (f" (it holds {', '.join(inside)})" if inside
+                else " (an Energon dataset folder trains with data.source=energon)")
+        raise ValueError(f"data file {path} is a folder{hint}: pass the path of a .jsonl file")
     if not path.is_file():
         raise ValueError(f"data file {path} does not exist: pass the path of a .jsonl file")
     base_dir = path.parent.absolute()

@@ -117,3 +117,6 @@ class BadSampleError(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+    def __reduce__(self):  # picklable (worker processes send it back)
+        return type(self), (self.reason, str(self))

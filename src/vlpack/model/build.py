@@ -196,6 +196,24 @@ def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device,
     return model, config
 
 
+def meta_model(name_or_dir: str) -> nn.Module:
+    """The model of a preset or HF folder on the meta device: shapes only, no memory, no
+    weights read (for estimates before building it)."""
+    path = Path(name_or_dir)
+    if path.is_dir():
+        from transformers import AutoConfig
+
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: pass a HF checkpoint folder or a preset name")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        cls, config = _model_class(model_type), AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        preset = get_preset(name_or_dir)
+        cls, config = _model_class(preset.family), preset_config(preset)
+    with torch.device("meta"):
+        return cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
 def set_attn_implementation(model: nn.Module, name: str) -> None:
     """Switch the attention backend of a built model in place (all sub-configs)."""
     configs = [model.config] + [

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -30,6 +31,7 @@ from vlpack.config import Config, load_config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import PackedLoader, measure_all, open_dataset
 from vlpack.train import checkpoint as ckpt
+from vlpack.train import memory
 from vlpack.train.flops import flop_model, peak_flops
 from vlpack.train.metrics import MetricsWriter, format_summary
 from vlpack.train.module import TrainModule, freeze
@@ -72,6 +74,8 @@ class Trainer:
 
         self.cfg = cfg
         self.info = info or init_distributed()
+        _check_writable(Path(cfg.train.output_dir))
+        self._check_memory()
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
         model, self.spec = build_model(
@@ -111,7 +115,8 @@ class Trainer:
         ):
             tok_path = cfg.model.name
         self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
-                               min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+                               min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                               max_image_pixels=cfg.data.max_image_pixels)
         if self.encoder.image_pad_id != self.spec.image_token_id:
             raise ValueError(
                 f"tokenizer image_pad id {self.encoder.image_pad_id} != model image_token_id "
@@ -128,7 +133,22 @@ class Trainer:
         self.run_id: str | None = None
         self.stop_signal: int | None = None  # the signal that stopped the run
         self._signal_at = 0.0
+        self._grace_timer: threading.Timer | None = None
         self._stop = False
+
+    def _check_memory(self) -> None:
+        """Refuse a model that cannot fit before building it (see train/memory.py)."""
+        from vlpack.model.build import meta_model
+
+        m = self.cfg.model
+        shapes = meta_model(m.name)
+        freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+        params = sum(p.numel() for p in shapes.parameters())
+        trainable = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+        device = self.info.device
+        est = memory.estimate(params, trainable, self.info.world_size,
+                              sharing=memory.local_ranks() if device.type == "cpu" else 1)
+        memory.check_fits(est, device, memory.available_bytes(device), model=m.name)
 
     # ------------------------------------------------------------------ data
 
@@ -330,9 +350,15 @@ class Trainer:
             return
         self.stop_signal, self._signal_at = signum, now
         self._stop = True
+        grace = self.cfg.train.stop_grace_s
+        if grace is not None:
+            self._grace_timer = threading.Timer(grace, _grace_expired, (grace,))
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
         if self.info.is_main:
             name = signal.Signals(signum).name
-            print(f"\nvlpack: {name}: finishing this step, saving a checkpoint, exiting "
+            within = f" within {grace:g} s" if grace is not None else ""
+            print(f"\nvlpack: {name}: finishing this step, saving a checkpoint{within}, exiting "
                   f"(exit status {EXIT_STOPPED}; send it again to abort without saving)", flush=True)
 
     def fit(self) -> dict[str, Any]:
@@ -344,6 +370,8 @@ class Trainer:
             self.run_id = uuid.uuid4().hex[:12]
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
+            if resumed:
+                _keep_changed_config(cfg, out_dir / "config.yaml", self.step)
             save_config(cfg, out_dir / "config.yaml")
             if resumed:
                 print(f"vlpack: resumed from {resumed} at step {self.step}")
@@ -388,6 +416,8 @@ class Trainer:
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                     self.save()
                 if stop:
+                    if self._grace_timer is not None:  # saved in time
+                        self._grace_timer.cancel()
                     break
             if not self._stop and self.eval_loader is not None and (
                 not cfg.train.eval_every or self.step % cfg.train.eval_every
@@ -458,6 +488,60 @@ class Trainer:
         if self.info.is_main:
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary
+
+
+UNTRACKED = ("train.resume", "train.overwrite", "train.progress", "train.max_steps",
+             "train.stop_after", "train.output_dir")
+"""Settings a resumed run may change without a warning."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
+    """On resume: warn about every setting that differs from the run's config.yaml and keep the
+    old file as config.stepNNNNNNNN.yaml (the settings up to that step)."""
+    import yaml
+
+    if not path.is_file():
+        return
+    old, new = _flat(yaml.safe_load(path.read_text()) or {}), _flat(cfg.to_dict())
+    changed = [k for k in sorted(old.keys() | new.keys())
+               if old.get(k) != new.get(k) and k not in UNTRACKED]
+    if not changed:
+        return
+    kept = path.with_name(f"config.step{step:08d}.yaml")
+    shutil.copyfile(path, kept)
+    diff = ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in changed)
+    data = (" The data stream continues by position, so the changed data settings change which "
+            "samples come next." if any(k.startswith("data.") for k in changed) else "")
+    log.warning("resuming at step %d with changed settings: %s.%s The settings up to step %d "
+                "are kept in %s", step, diff, data, step, kept)
+
+
+def _grace_expired(grace: float) -> None:
+    """train.stop_grace_s passed before the step and the save finished: exit now."""
+    print(f"\nvlpack: train.stop_grace_s={grace:g} passed before the checkpoint was saved: "
+          "stopped without saving; the last complete checkpoint stays the resume point",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_ABORTED)
+
+
+def _check_writable(out: Path) -> None:
+    """ValueError naming the folder when the run cannot write its outputs there."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"train.output_dir={out} is not writable ({type(e).__name__}: "
+                         f"{e.strerror or e}): choose a folder you can write to") from None
 
 
 REPEAT_S = 2.0

@@ -1,0 +1,72 @@
+"""Will the model fit? An estimate from its shapes (built on the meta device) before anything is
+allocated, so a model too large for the machine fails in a second with the numbers, not after
+minutes with an out-of-memory kill.
+
+Each rank builds the whole model in float32 on its device before FSDP shards it, so the build
+needs 4 bytes per parameter on every device (on a CPU host, times the ranks sharing it). In
+training, FSDP keeps 1/world of the float32 parameters, their gradients and AdamW's two moments
+per device: 16 bytes per trainable parameter (4 per frozen one) over the world size. Activations
+come on top and are not estimated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    params: int
+    trainable: int
+    build_bytes: int
+    """Peak on one device while building (the whole float32 model)."""
+    train_bytes: int
+    """Per device in training: sharded parameters, gradients and optimizer state."""
+
+
+def estimate(params: int, trainable: int, world_size: int, sharing: int = 1) -> MemoryEstimate:
+    """Bytes per device for `params` parameters (`trainable` of them with gradients), FSDP over
+    `world_size` ranks, `sharing` ranks on one memory (CPU ranks of one host)."""
+    build = 4 * params * sharing
+    train = (4 * params + 12 * trainable) * sharing // max(world_size, 1)
+    return MemoryEstimate(params, trainable, build, train)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of `device` now (None where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    meminfo = Path("/proc/meminfo")
+    if device.type == "cpu" and meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_fits(est: MemoryEstimate, device: torch.device, free: int | None, *, model: str) -> None:
+    """ValueError with the numbers and the ways out when the estimate exceeds `free` bytes."""
+    if free is None:
+        return
+    need = max(est.build_bytes, est.train_bytes)
+    if need <= free:
+        return
+    what = "building it in float32 would" if est.build_bytes >= est.train_bytes else (
+        "its float32 weights, gradients and AdamW state (sharded by FSDP) would")
+    raise ValueError(
+        f"model.name={model} has {est.params / 1e9:.2f} B parameters ({est.trainable / 1e9:.2f} B "
+        f"trainable): {what} take about {need / GIB:.1f} GiB on each {device.type} device, but "
+        f"{free / GIB:.1f} GiB is free. Use a smaller model, more GPUs (FSDP shards the training "
+        "state), or freeze parts of it (model.freeze_vision / freeze_llm)"
+    )
+
+
+def local_ranks() -> int:
+    """Ranks of this job on this host (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -1,0 +1,54 @@
+"""What a user sees when a run cannot start or changes under a resume: an unwritable output
+folder, a model too large for the machine, changed settings on resume."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_train import CPU, small_cfg
+from vlpack.train import memory
+from vlpack.train.loop import Trainer
+
+
+def test_unwritable_output_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"  # below a regular file: no folder can be made there
+    with pytest.raises(ValueError, match=rf"train.output_dir={out} is not writable .*choose a"):
+        Trainer(small_cfg(out), CPU)
+
+
+def test_memory_estimate_by_hand() -> None:
+    """10 parameters (4 trainable), FSDP over 2 ranks: 40 bytes to build the fp32 model, then
+    (10·4 + 4·12) / 2 = 44 bytes per rank (weights, grads and two AdamW moments of the
+    trainable ones); two CPU ranks of one host need both shares of it."""
+    est = memory.estimate(10, 4, world_size=2)
+    assert (est.build_bytes, est.train_bytes) == (40, 44)
+    assert memory.estimate(10, 4, world_size=2, sharing=2).train_bytes == 88
+
+
+def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch) -> None:
+    """The 35B-A3B preset on a machine with a few GiB: refused in about a second, with the
+    numbers, instead of running out of host memory while building random weights."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 * memory.GIB)
+    with pytest.raises(ValueError, match=r"model.name=qwen3.5-35b-a3b has 35.1\d B parameters .*"
+                                         r"would take about 5\d\d.\d GiB on each cpu device, but 8.0 GiB"):
+        Trainer(small_cfg(tmp_path, "model.name=qwen3.5-35b-a3b"), CPU)
+
+
+def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: Path,
+                                                                      caplog) -> None:
+    Trainer(small_cfg(tmp_path, "train.max_steps=1", "optim.lr=1e-4"), CPU).fit()
+    caplog.set_level(logging.WARNING, logger="vlpack.train.loop")
+    Trainer(small_cfg(tmp_path, "train.max_steps=2", "optim.lr=2e-4", "data.seq_len=1024"),
+            CPU).fit()
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "resuming at step 1 with changed settings" in text, text
+    assert "data.seq_len 512 → 1024" in text and "optim.lr 0.0001 → 0.0002" in text
+    assert "which samples come next" in text and "max_steps" not in text
+    old = yaml.safe_load((tmp_path / "config.step00000001.yaml").read_text())
+    new = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (old["optim"]["lr"], new["optim"]["lr"]) == (1e-4, 2e-4)
