@@ -1,0 +1,42 @@
+"""The refactoring gate: the `tiny` recipe on CPU, fixed seed, 8 steps. Its losses and a
+checksum of the final parameters are pinned as literals, so a change of mechanism (how the
+boundaries reach the layers, how a seam is installed) that changes any arithmetic fails here.
+
+A change that is MEANT to change the numbers re-pins them: run this file with
+`VLPACK_PRINT_GOLDEN=1 pytest tests/test_golden_loss.py -s` and paste the printed values, and
+say why in the commit message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tests.test_train import CPU
+from vlpack.config import load_config
+from vlpack.train.loop import Trainer
+
+LOSSES = [11.889398662860577, 11.756759065233236, 11.607285916448353, 11.46590238826567,
+          11.329525086937881, 11.116986646719859, 10.92561682146779, 10.743877314814815]
+PARAM_SUM, PARAM_ABS_SUM = 3211.2884332134618, 171888.58667362027
+
+
+def test_tiny_recipe_losses_and_parameters_are_unchanged(tmp_path: Path) -> None:
+    cfg = load_config("tiny", ["train.max_steps=8", "train.save_every=0", "train.eval_every=0",
+                               "data.eval_samples=0", "train.save_final=false",
+                               "train.progress=false", f"train.output_dir={tmp_path}"])
+    trainer = Trainer(cfg, CPU)
+    trainer.fit()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    params = [p.detach().double() for p in trainer.model.parameters()]
+    total = sum(float(p.sum()) for p in params)
+    total_abs = sum(float(p.abs().sum()) for p in params)
+    if os.environ.get("VLPACK_PRINT_GOLDEN"):
+        print(f"LOSSES = {losses}\nPARAM_SUM, PARAM_ABS_SUM = {total!r}, {total_abs!r}")
+    assert losses == LOSSES
+    assert (total, total_abs) == (PARAM_SUM, PARAM_ABS_SUM)
+    assert torch.get_default_dtype() == torch.float32
