@@ -1,5 +1,6 @@
 """The indexed deepstack merge equals transformers' boolean-mask merge bitwise (values and
-gradients), finds the image positions once per forward, and is off outside vlpack's forward."""
+gradients), takes its positions from the forward's Boundaries, and is off outside vlpack's
+forward."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def _merge(lm, hidden, mask, embeds, *, indexed: bool):
     h = hidden.clone().requires_grad_()
     e = embeds.clone().requires_grad_()
     if indexed:
-        with deepstack.indexed():
-            out = lm._deepstack_process(h, mask, e)
+        index = deepstack._Index(torch.nonzero(mask.reshape(-1)).squeeze(1))
+        out = lm._deepstack_process(h, index, e)
     else:
-        out = type(lm)._deepstack_process(lm, h, mask, e)  # transformers' own
+        out = type(lm)._vlpack_stock._deepstack_process(lm, h, mask, e)  # transformers' own
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), h.grad, e.grad
 
@@ -45,24 +46,25 @@ def test_indexed_merge_is_bitwise_the_stock_merge(rows):
         assert torch.equal(a, b)
 
 
-def test_one_index_per_forward_and_stock_outside(monkeypatch):
+def test_every_deepstack_layer_merges_by_the_forwards_index_and_stock_outside(monkeypatch):
     model, spec, lm = _text_model()
     calls = []
-    original = deepstack.mask_index
+    original = type(lm)._deepstack_process
 
-    def spy(mask):
+    def spy(self, hidden, mask, embeds):
         calls.append(mask)
-        return original(mask)
+        return original(self, hidden, mask, embeds)
 
-    monkeypatch.setattr(deepstack, "mask_index", spy)
+    monkeypatch.setattr(type(lm), "_deepstack_process", spy)
     batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id)
-    packed_forward(model, batch, spec=spec)
+    out = packed_forward(model, batch, spec=spec)
     depth = len(model.config.vision_config.deepstack_visual_indexes)
     assert len(calls) == depth >= 2  # every deepstack layer merged by index ...
-    assert all(m is calls[0] for m in calls)  # ... of one mask object, whose positions are
-    assert original(calls[0]) is original(calls[0])  # found once and then reused
+    assert all(isinstance(m, deepstack._Index) and m is calls[0] for m in calls)  # ... one of it
+    assert calls[0].index_N.tolist() == list(batch.image_positions)
+    assert torch.isfinite(out.loss_sum)
     calls.clear()
     hidden = torch.zeros(1, 4, lm.config.hidden_size)
     lm._deepstack_process(hidden, torch.tensor([[True, False, True, False]]),
                           torch.ones(2, lm.config.hidden_size))
-    assert calls == []  # outside vlpack's packed forward: transformers' merge
+    assert len(calls) == 1 and not isinstance(calls[0], deepstack._Index)  # a mask: stock merge

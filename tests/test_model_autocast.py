@@ -14,13 +14,13 @@ from vlpack.model.forward import packed_forward
 def test_kernels_see_one_autocast_dtype(monkeypatch) -> None:
     model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     seen = []
-    original = attention._run_kernel
+    original = attention.attend
 
-    def spy(name, stream, q, k, v, *args):
-        seen.append((stream, q.dtype, k.dtype, v.dtype))
-        return original(name, stream, q, k, v, *args)
+    def spy(name, q, k, v, segs, **kw):
+        seen.append((kw["stream"], q.dtype, k.dtype, v.dtype))
+        return original(name, q, k, v, segs, **kw)
 
-    monkeypatch.setattr(attention, "_run_kernel", spy)
+    monkeypatch.setattr(attention, "attend", spy)
     rng = np.random.default_rng(0)
     samples = [make_sample(f"s{i}", rng, patch_dim=spec.patch_dim) for i in range(2)]
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id)

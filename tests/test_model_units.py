@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import warnings
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from vlpack.data.batch import build_thd_batch
 from vlpack.model import attention, build_model, gdn
+from vlpack.model.bounds import Boundaries, Segments
+from vlpack.model.forward import packed_forward, packed_model_inputs
 from vlpack.model.loss import chunked_linear_ce_sum, linear_ce_sum, plain_ce_sum
 from vlpack.model.presets import PRESETS, get_preset, reduced_depth
 from vlpack.model.synthetic import default_mix
@@ -119,16 +121,24 @@ def _mask_reference(q, k, v, cu, causal):
 @pytest.mark.parametrize("name", ["vlpack_varlen", "vlpack_flex"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_backends_equal_masked_sdpa(name, causal):
+    """Text: the registered function with the forward's Boundaries; vision: `attend`, as the
+    vision attention calls it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     q, k, v = _qkv()
-    cu = torch.tensor([0, 7, 8, 24, 40], dtype=torch.int32)
-    module = _Causal()  # a bidirectional call counts its cu only from a wrapped vision module
-    module.config = SimpleNamespace(vlpack_vision_varlen=not causal, _attn_implementation=name)
-    out, _ = ALL_ATTENTION_FUNCTIONS[name](module, q, k, v, None, scaling=8**-0.5,
-                                           cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=16,
-                                           max_length_k=16, is_causal=causal)
-    assert (out - _mask_reference(q, k, v, cu.long(), causal)).abs().max() < 1e-5
+    host = (0, 7, 8, 24, 40)
+    segs = Segments.from_host(host, torch.device("cpu"))
+    if causal:
+        out, _ = ALL_ATTENTION_FUNCTIONS[name](_Causal(), q, k, v, None, scaling=8**-0.5,
+                                               vlpack_bounds=Boundaries(text=segs))
+    else:
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # the ViT has no grouped heads
+        paths = {}
+        out = attention.attend(name, *(t[0].transpose(0, 1) for t in (q, k, v)), segs,
+                               causal=False, scale=8**-0.5, paths=paths, stream="vision")[None]
+        assert paths["vision"]
+    ref = _mask_reference(q, k, v, torch.tensor(host), causal)
+    assert (out - ref).abs().max() < 1e-5
 
 
 def test_attention_rejects_boundaries_not_covering_the_row():
@@ -146,29 +156,34 @@ def test_attention_refuses_padded_batches_and_windows():
         attention.varlen_attention_forward(_Causal(), *_qkv(), None, sliding_window=16)
 
 
-def test_gqa_probe_is_invisible_to_activation_checkpointing(monkeypatch):
-    """The one-time GQA probe runs a forward and a backward. Inside a checkpointed layer (the
-    first text layer under `checkpoint_share`) its saved tensors counted as the layer's, and the
-    recomputation, finding the answer cached, saved fewer: CheckpointError on the 8B recipe.
-    The caller's saved-tensor hooks must see none of the probe's tensors."""
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_grouped_heads_follow_the_varlen_signature(monkeypatch, takes_gqa):
+    """A varlen_attn whose signature has `enable_gqa` gets the grouped k/v heads as they are;
+    one without it gets them repeated to the query heads. Decided from the signature alone."""
+    seen = {}
 
-    def differentiable_stand_in(q, k, v, cu, max_len, causal, scale, *, repeat):
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        return q * k * v  # saves tensors for backward, as the kernel does
+    def with_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+        seen.update(heads=k.shape[1], enable_gqa=enable_gqa)
+        return q
 
-    monkeypatch.setattr(attention, "_torch_varlen_call", differentiable_stand_in)
-    attention._torch_varlen_gqa.cache_clear()
-    packed = []
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-            assert attention._torch_varlen_gqa(torch.device("cpu"), torch.float32)
-    finally:
-        attention._torch_varlen_gqa.cache_clear()
-    assert packed == []
+    def without(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        seen.update(heads=k.shape[1], enable_gqa=None)
+        return q
+
+    fn = with_gqa if takes_gqa else without
+    monkeypatch.setattr(attention, "_torch_varlen",
+                        lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    q, k, v = (t[0].transpose(0, 1) for t in _qkv())
+    attention._torch_varlen_call(q, k, v, torch.tensor([0, 40]), 40, True, 0.1)
+    assert attention.torch_varlen_native_gqa() is takes_gqa
+    assert seen == ({"heads": 2, "enable_gqa": True} if takes_gqa
+                    else {"heads": 4, "enable_gqa": None})
 
 
-def test_vision_call_outside_wrapper_ignores_text_cu_kwargs():
-    """transformers 5.17 hands the TEXT cu kwargs to per-image vision calls: ignore them."""
+def test_vision_call_outside_vlpack_ignores_text_cu_kwargs():
+    """A bidirectional call through the interface is stock transformers' per-image vision path:
+    text cu kwargs there (transformers hands them to the ViT too) are not its boundaries."""
     q, k, v = _qkv(K=4)
     vis = _Causal()
     vis.is_causal = False
@@ -181,73 +196,72 @@ def test_vision_call_outside_wrapper_ignores_text_cu_kwargs():
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen2_5_vl"])
-def test_vision_tower_guard_and_one_call_per_layer(name, monkeypatch):
-    """Text cu kwargs reaching the ViT (as in 5.17) change nothing; each layer makes one call."""
+def test_vision_tower_one_call_per_layer_with_the_rows_boundaries(name, monkeypatch):
+    """In a packed forward each vision layer makes one attention call over all images of the
+    row, with the per-image (or, in Qwen2.5-VL's windowed layers, per-window) boundaries;
+    the text cu kwargs handed to the tower change nothing."""
     model, spec = build_model(name, device="cpu")
     samples = default_mix(spec, 4, seed=0)
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
                             spatial_merge_size=spec.merge_size)
     calls = []
-    real = attention._run_kernel
+    real = attention.attend
 
-    def spy(name_, stream, q, k, v, cu, *a):
-        calls.append((stream, cu.tolist()))
-        return real(name_, stream, q, k, v, cu, *a)
+    def spy(name_, q, k, v, segs, **kw):
+        calls.append((kw["stream"], segs.host))
+        return real(name_, q, k, v, segs, **kw)
 
-    monkeypatch.setattr(attention, "_run_kernel", spy)
-    visual = model.model.visual
+    monkeypatch.setattr(attention, "attend", spy)
     with torch.no_grad():
-        clean = visual(batch.pixel_values, grid_thw=batch.image_grid_thw)
-        n_clean = len(calls)
-        cu = batch.cu_seqlens_padded
-        dirty = visual(batch.pixel_values, grid_thw=batch.image_grid_thw, cu_seq_lens_q=cu,
-                       cu_seq_lens_k=cu, max_length_q=batch.max_seqlen,
-                       max_length_k=batch.max_seqlen)
-    get = (lambda o: o.pooler_output) if hasattr(clean, "pooler_output") else (lambda o: o)
-    assert torch.equal(get(clean), get(dirty))
-    depth = model.config.vision_config.depth
-    assert n_clean == depth and all(s == "vision" for s, _ in calls)
-    full = [c for _, c in calls[:depth] if c == batch.vision_cu_seqlens.tolist()]
-    assert full, "no vision layer saw the per-image boundaries of the batch"
+        out = packed_forward(model, batch, spec=spec, return_hidden=True)
+    vision = [c for s, c in calls if s == "vision"]
+    assert len(vision) == model.config.vision_config.depth
+    assert tuple(batch.vision_cu_seqlens.tolist()) in vision
     if spec.family == "qwen2_5_vl":  # windowed layers see finer (window) boundaries
-        assert any(len(c) > len(batch.vision_cu_seqlens) for _, c in calls[:depth])
+        assert any(len(c) > len(batch.vision_cu_seqlens) for c in vision)
+    inputs = packed_model_inputs(model, batch, spec)
+    with torch.no_grad():  # without the text kwargs (the tower drops them): the same features
+        img = model.model.get_image_features(batch.pixel_values, batch.image_grid_thw,
+                                             vlpack_bounds=inputs["vlpack_bounds"])
+        dirty = model.model.get_image_features(batch.pixel_values, batch.image_grid_thw,
+                                               **{k: v for k, v in inputs.items()
+                                                  if k.startswith(("cu_", "max_", "vlpack"))})
+    get = (lambda o: o.pooler_output) if hasattr(img, "pooler_output") else (lambda o: o)
+    assert all(torch.equal(a, b) for a, b in zip(get(img), get(dirty), strict=True))
+    assert torch.isfinite(out.hidden).all()
 
 
 # --- GDN ------------------------------------------------------------------------------------------
 def test_segment_conv_restarts_at_boundaries():
     x = torch.randn(1, 6, 20)
     w, b = torch.randn(6, 4), torch.randn(6)
-    cu = torch.tensor([0, 3, 11, 20])
-    y = gdn.segment_conv1d(x, w, b, "silu", cu)
+    segs = Segments.from_host((0, 3, 11, 20), torch.device("cpu"))
+    y = gdn.segment_conv1d(x, w, b, "silu", segs)
     for s, e in [(0, 3), (3, 11), (11, 20)]:
         ref = F.silu(F.conv1d(x[:, :, s:e], w[:, None], b, padding=3, groups=6)[:, :, : e - s])
         assert (y[:, :, s:e] - ref).abs().max() < 1e-6
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
-        gdn.segment_conv1d(x, w, b, "silu", torch.tensor([0, 5, 5, 20]))
+        gdn.segment_conv1d(x, w, b, "silu", Segments(torch.tensor([0, 5, 5, 20]), (0, 5, 5, 20), 15))
 
 
 def test_fla_gets_one_boundary_tensor_pair_per_forward():
     """Every GDN layer of a forward hands fla the same cu_seqlens objects (fla caches its chunk
-    indices by identity: new objects per layer would cost a host sync per layer); a new or
-    modified boundary tensor gets fresh ones."""
+    indices by identity: new objects per layer would cost a host sync per layer); another
+    forward's Boundaries get their own."""
     def fla_fn(x, cu_seqlens=None, cu_seqlens_cpu=None):
         return x
 
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    first = gdn._fla_bounds(fla_fn, cu, (0, 5, 12), "cpu")
-    again = gdn._fla_bounds(fla_fn, cu, (0, 5, 12), "cpu")
+    segs = Segments.from_host((0, 5, 12), torch.device("cpu"))
+    bounds = Boundaries(text=segs)
+    first = gdn._fla_bounds(fla_fn, segs, bounds, "cpu")
+    again = gdn._fla_bounds(fla_fn, segs, bounds, "cpu")
     assert first["cu_seqlens"] is again["cu_seqlens"]
     assert first["cu_seqlens_cpu"] is again["cu_seqlens_cpu"]
     assert first["cu_seqlens"].dtype == torch.long and first["cu_seqlens_cpu"].tolist() == [0, 5, 12]
-    other = gdn._fla_bounds(fla_fn, torch.tensor([0, 12], dtype=torch.int32), (0, 12), "cpu")
-    assert other["cu_seqlens"].tolist() == [0, 12]
-    cu[1] = 6  # modified in place: the cached copies are stale
-    changed = gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "cpu")
-    assert changed["cu_seqlens"].tolist() == [0, 6, 12] and changed["cu_seqlens_cpu"].tolist() == [0, 6, 12]
-    assert "cu_seqlens_cpu" not in gdn._fla_bounds(lambda x, cu_seqlens=None: x, cu, (0, 6, 12), "cpu")
-    # the same boundaries asked for on another device get a tensor on that device
-    assert gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "meta")["cu_seqlens"].device.type == "meta"
-    assert gdn._fla_bounds(fla_fn, cu, (0, 6, 12), "cpu")["cu_seqlens"] is changed["cu_seqlens"]
+    other = gdn._fla_bounds(fla_fn, segs, Boundaries(text=segs), "cpu")
+    assert other["cu_seqlens"] is not first["cu_seqlens"]
+    assert "cu_seqlens_cpu" not in gdn._fla_bounds(lambda x, cu_seqlens=None: x, segs, bounds, "cpu")
+    assert gdn._fla_bounds(fla_fn, segs, bounds, "meta")["cu_seqlens"].device.type == "meta"
 
 
 def test_gdn_dispatch_is_inactive_outside_vlpack_modules():
@@ -370,30 +384,17 @@ def test_check_samples_are_valid_for_the_batch_builder():
         assert np.all(s.labels[s.mm_token_type_ids != 0] == -100)
 
 
-def test_host_bounds_cache_tracks_identity_and_version():
-    from vlpack.model.bounds import host_bounds
+def test_seams_are_installed_by_class_and_survive_copy_and_pickle():
+    """Each family's seam classes become vlpack's subclasses (the config untouched); a deep
+    copy and a pickled model keep them, and a second install changes nothing."""
+    from vlpack.model import seams
 
-    cu = torch.tensor([0, 3, 7])
-    assert host_bounds(cu) == (0, 3, 7) == host_bounds(cu)
-    cu[1] = 4  # in-place change bumps the version counter: no stale values
-    assert host_bounds(cu) == (0, 4, 7)
-    assert host_bounds(torch.tensor([0, 3, 7])) == (0, 3, 7)
-    with torch.inference_mode():
-        assert host_bounds(torch.tensor([0, 5])) == (0, 5)
-
-
-def test_vision_varlen_mark_lives_on_a_view_not_in_the_saved_config():
-    """The wrapped vision attention modules see a marked view of their config; the model's own
-    config (what checkpoints save) carries no mark, and writes through the view reach it."""
     model, _ = build_model("tiny-qwen3_vl", device="cpu")
-    views = [m.config for m in model.modules() if attention.is_vision_attention(m)]
-    assert views and all(isinstance(c, attention.VisionVarlenConfig) for c in views)
-    assert all(c.vlpack_vision_varlen and c._attn_implementation == attention.VARLEN
-               for c in views)
-    assert "vlpack_vision_varlen" not in model.config.to_json_string()
-    views[0].vlpack_probe = 3  # a write through the view lands on the shared config
-    assert model.config.vision_config.vlpack_probe == 3
-    twin = copy.deepcopy(model)  # a copy's views read the copy's config, not the original's
-    twin_view = next(m.config for m in twin.modules() if attention.is_vision_attention(m))
-    assert twin_view._config is twin.config.vision_config is not model.config.vision_config
-    assert pickle.loads(pickle.dumps(views[0])).vlpack_probe == 3
+    kinds = {type(m).__name__ for m in model.modules() if type(m).__module__ == seams.__name__}
+    assert kinds == {"PackedQwen3VLVisionAttention", "PackedQwen3VLVisionModel",
+                     "PackedQwen3VLTextModel"}
+    assert "vlpack" not in model.config.to_json_string()
+    assert seams.install(model, "qwen3_vl") == {"vision_attention": 2, "vision_tower": 1,
+                                                "deepstack": 1}
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert {type(m).__name__ for m in twin.modules()} >= kinds

@@ -38,10 +38,10 @@ class Mutation:
 GDN_PER_SEGMENT = """        outs = [
             torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                      chunk_size=chunk_size, **common)[0]
-            for s, e in itertools.pairwise(bounds)
+            for s, e in itertools.pairwise(segs.host)
         ]"""
 GDN_CARRIES_STATE = """        outs, state = [], None
-        for s, e in itertools.pairwise(bounds):
+        for s, e in itertools.pairwise(segs.host):
             o, state = torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e],
                                 beta=beta[:, s:e], chunk_size=chunk_size, initial_state=state,
                                 output_final_state=True,
@@ -65,31 +65,30 @@ MUTATIONS = [
              "out[1, s:e] = ww.reshape(-1) + pos\n        out[2, s:e] = hh.reshape(-1) + pos",
              check="tiny-qwen2_vl", tests=("tests/test_thd_literal.py",), margin=10.0),
     Mutation("text attention boundaries off by one", "model/attention.py",
-             "bounds = host_bounds(cu)  # one device sync per cu tensor and forward, not per layer\n"
-             "        cu = cu.to(device=query.device, dtype=torch.int32)",
-             "bounds = host_bounds(cu)\n"
-             "        bounds = (bounds[0], *[b + 1 for b in bounds[1:-1]], bounds[-1]) "
-             "if causal else bounds\n"
-             "        cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)",
+             "        segs = bounds.text\n",
+             "        h = bounds.text.host\n"
+             "        h = (h[0], *[b + 1 for b in h[1:-1]], h[-1])\n"
+             "        segs = Segments(torch.tensor(h, dtype=torch.int32), h, "
+             "max(b - a for a, b in itertools.pairwise(h)))\n",
              check="tiny-qwen3_vl"),
-    Mutation("images of a bin attend to each other", "model/attention.py",
-             'if not causal and not _vision_varlen(getattr(module, "config", None)):',
-             "if not causal:", check="tiny-qwen2_5_vl"),
+    Mutation("images of a bin attend to each other", "model/vision.py",
+             "segs = bounds.vision.segments(cu_seqlens)",
+             "segs = Segments.from_host((0, hidden_states.shape[0]), hidden_states.device)",
+             check="tiny-qwen2_5_vl"),
     Mutation("vision tower frozen on the packed path only", "model/forward.py",
-             "out = model.model(**packed_model_inputs(batch))",
+             "out = model.model(**inputs)",
              "model.model.visual.requires_grad_(False)\n"
-             "            out = model.model(**packed_model_inputs(batch))\n"
-             "            model.model.visual.requires_grad_(True)",
+             "        out = model.model(**inputs)\n"
+             "        model.model.visual.requires_grad_(True)",
              check="tiny-qwen3_vl"),
     Mutation("deepstack index reused from the first forward", "model/deepstack.py",
-             "return derived(_INDEX, mask, lambda: torch.nonzero(mask.reshape(-1)).squeeze(1))",
-             'return _INDEX.setdefault("first", torch.nonzero(mask.reshape(-1)).squeeze(1))',
+             "visual_pos_masks = _Index(bounds.image_index)",
+             'visual_pos_masks = _Index(self.__dict__.setdefault("_first", bounds.image_index))',
              check="tiny-qwen3_vl"),
-    Mutation("vision tables reused from the first forward that computed them",
-             "model/vision_tables.py",
-             "kwargs.update(_host_tables(recipe, ctx[1], grid_thw.device))",
-             'kwargs.update(self.__dict__.setdefault("_first", '
-             "_host_tables(recipe, ctx[1], grid_thw.device)))",
+    Mutation("vision tables (positions, interpolation taps) reused from the first forward",
+             "model/vision.py", "kwargs.update(bounds.vision.tables)",
+             'kwargs.update({**self.__dict__.setdefault("_first", bounds.vision.tables), '
+             '"cu_seqlens": bounds.vision.full.cu})',
              check="tiny-qwen3_vl"),
     Mutation("Gated-DeltaNet recurrent state not reset at boundaries", "model/gdn.py",
              GDN_PER_SEGMENT, GDN_CARRIES_STATE, check="tiny-qwen3_5"),

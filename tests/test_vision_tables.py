@@ -1,5 +1,6 @@
 """Host metadata for the model, no device syncs: the vision tower's tables computed on the host
-(`vlpack.model.vision_tables`), the same as the tower's own in every family; the text boundaries."""
+(`vlpack.model.vision.vision_tables`) reach the tower's helpers and are bitwise its own in every
+family; the text boundaries and the deepstack positions come from the batch's host fields."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ import torch
 
 from tests.helpers import make_sample
 from vlpack.data.batch import build_thd_batch
-from vlpack.model import vision_tables
+from vlpack.model import vision
+from vlpack.model.bounds import BOUNDS_KWARG
 from vlpack.model.build import build_model
-from vlpack.model.forward import packed_forward
+from vlpack.model.forward import packed_forward, packed_model_inputs
 
 FAMILIES = ["tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-qwen3_vl_moe",
             "tiny-qwen3_5", "tiny-qwen3_5_moe"]
+HELPERS = {  # transformers.vision_utils helper -> the kwargs keys it takes precomputed values from
+    "get_vision_position_ids": ("position_ids",),
+    "get_vision_interpolation_indices_and_weights": ("interp_indices", "interp_weights"),
+    "get_vision_attention_seqlens": ("cu_seqlens", "max_seqlen"),
+    "get_vision_window_index": ("window_index", "cu_window_seqlens"),
+}
 
 
 def _batch(spec):
@@ -29,92 +37,97 @@ def _batch(spec):
                            spatial_merge_size=spec.merge_size)
 
 
-def _loss_and_grads(model, spec, batch):
-    model.zero_grad()
-    out = packed_forward(model, batch, spec=spec)
-    out.loss_sum.backward()
-    return out, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+def _stock_tables(model, batch):
+    """The tables the stock tower computes from the (device) grid, by its own helpers."""
+    tower = model.model.visual
+    module_globals = inspect.unwrap(type(tower)._vlpack_stock.forward).__globals__
+    return {name: fn for name, fn in module_globals.items() if name in HELPERS}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_host_tables_reach_the_helpers_and_change_nothing(name, monkeypatch):
-    """After the first (recording) forward, the tower's helpers find every table they compute
-    already in their kwargs; loss and gradients stay bitwise those of the stock tower."""
+def test_host_tables_equal_the_towers_own_and_reach_its_helpers(name, monkeypatch):
+    """Every helper the tower calls finds its table already in its kwargs, equal to what the
+    helper computes from the grid itself; loss and gradients are bitwise those of the stock
+    tower (the unpatched class)."""
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
-    stock, _ = build_model(name, dtype=torch.float32, device="cpu", seed=0)
-    del stock.model.visual.forward  # the stock tower
     batch = _batch(spec)
-    visual = model.model.visual
-    module_globals = inspect.unwrap(type(visual).forward).__globals__
+    helpers = _stock_tables(model, batch)
+    assert helpers, "the tower calls none of transformers' vision helpers"
     handed = []
-    for helper, keys in vision_tables._HELPERS.items():
-        if helper in module_globals:
-            fn = module_globals[helper]
+    module_globals = inspect.unwrap(type(model.model.visual)._vlpack_stock.forward).__globals__
+    for helper, fn in helpers.items():
+        def spy(grid_thw, *args, kwargs=None, _fn=fn, _keys=HELPERS[helper], **kw):
+            if kwargs is not None:  # the tower's own call: compare with its own computation
+                mine = {k: kwargs[k] for k in _keys if k in kwargs}
+                own = _fn(grid_thw, *args, **kw)
+                own = own if isinstance(own, tuple) else (own,)
+                handed.append(len(mine) == len(_keys) and all(
+                    (torch.equal(a, b) if isinstance(a, torch.Tensor) else b is None or a == b)
+                    for a, b in zip(mine.values(), own, strict=True)))
+            return _fn(grid_thw, *args, kwargs=kwargs, **kw)
 
-            def spy(grid_thw, *args, kwargs=None, _fn=fn, _keys=keys, **kw):
-                if kwargs is not None:  # the tower's own call
-                    handed.append(all(k in kwargs for k in _keys if k != "max_seqlen"))
-                return _fn(grid_thw, *args, kwargs=kwargs, **kw)
-
-            monkeypatch.setitem(module_globals, helper, spy)
-
-    first, _ = _loss_and_grads(model, spec, batch)  # records
-    assert visual._vlpack_tables, "the host tables did not check out"
-    handed.clear()
-    out, grads = _loss_and_grads(model, spec, batch)
+        monkeypatch.setitem(module_globals, helper, spy)
+    model.zero_grad()
+    out = packed_forward(model, batch, spec=spec)
+    out.loss_sum.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert handed and all(handed), handed
     assert out.paths["vision.tables"] == "host"
-    ref, ref_grads = _loss_and_grads(stock, spec, batch)
-    assert torch.equal(out.loss_sum, ref.loss_sum) and torch.equal(first.loss_sum, ref.loss_sum)
+    monkeypatch.undo()
+
+    stock, _ = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    for m in stock.model.visual.modules():  # transformers' own tower and vision attention
+        m.__class__ = getattr(type(m), "_vlpack_stock", type(m))
+    stock.zero_grad()
+    ref = packed_forward(stock, batch, spec=spec)
+    ref.loss_sum.backward()
+    assert "vision.tables" not in ref.paths
+    assert torch.equal(out.loss_sum, ref.loss_sum)
+    ref_grads = [p.grad for p in stock.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
 
 
-def test_tables_that_differ_keep_the_tower_stock(monkeypatch, caplog):
-    """A recorded helper that gives another result on the host grid leaves the tower stock."""
+def test_text_boundaries_and_image_positions_come_from_the_host(monkeypatch):
+    """The batch brings cu_seqlens_padded and the image-token positions as Python ints: building
+    the forward's Boundaries reads nothing back from a tensor (a device sync on a GPU)."""
     model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     batch = _batch(spec)
-    real = vision_tables._host_grid
-    monkeypatch.setattr(vision_tables, "_host_grid", lambda grids: real(grids) * 2)
-    packed_forward(model, batch, spec=spec)
-    assert model.model.visual._vlpack_tables is False
-    assert "differ" in caplog.text
-    out = packed_forward(model, batch, spec=spec)
-    assert out.paths["vision.tables"] == "device (stock)"
-
-
-def test_text_boundaries_reach_the_layers_from_the_host(monkeypatch):
-    """The batch brings cu_seqlens_padded as Python ints (`padded_bounds`): the layers' host copy
-    of the boundaries then costs no read-back from the tensor (a device sync on a GPU)."""
-    from vlpack.model.bounds import host_bounds
-    from vlpack.model.forward import packed_model_inputs
-
-    _, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="meta", seed=0)
-    batch = _batch(spec)
     assert batch.padded_bounds == tuple(batch.cu_seqlens_padded.tolist())
-    cu = packed_model_inputs(batch)["cu_seq_lens_q"]
+    want = torch.nonzero(batch.input_ids == spec.image_token_id).squeeze(1)
+    for t in (batch.input_ids, batch.cu_seqlens_padded, batch.image_grid_thw,
+              batch.mm_token_type_ids, batch.vision_cu_seqlens):
+        t.vlpack_device = True  # stands for a tensor on the GPU
+    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "nonzero")}
 
-    def read_back(self):
-        raise AssertionError("the boundaries were read back from the tensor")
+    def guarded(name):
+        def call(self, *args, **kwargs):
+            assert not getattr(self, "vlpack_device", False), f"a batch tensor was read: {name}"
+            return real[name](self, *args, **kwargs)
+        return call
 
-    monkeypatch.setattr(torch.Tensor, "tolist", read_back)
-    assert host_bounds(cu) == batch.padded_bounds
+    for name in real:
+        monkeypatch.setattr(torch.Tensor, name, guarded(name))
+    bounds = packed_model_inputs(model, batch, spec)[BOUNDS_KWARG]
+    monkeypatch.undo()
+    assert bounds.text.host == batch.padded_bounds
+    assert torch.equal(bounds.text.cu, batch.cu_seqlens_padded)
+    assert torch.equal(bounds.image_index, want)  # the deepstack merge's positions
+    assert bounds.vision.full.host == tuple(batch.vision_cu_seqlens.tolist())
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2_vl", "tiny-qwen3_vl"])
 def test_tables_on_the_device_are_never_read_back(name, monkeypatch):
     """The tables as a GPU would get them (copies of the host tables, here clones): the tower and
-    the vision attention use them without reading any back (`cu_seqlens`' host copy is the
-    seeded one), and the result is the host run's."""
+    the vision attention use them without reading any back, and the result is the host run's."""
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
     batch = _batch(spec)
-    want = packed_forward(model, batch, spec=spec).loss_sum  # records
+    want = packed_forward(model, batch, spec=spec).loss_sum
     copies = []
+    real = vision.to_device
 
     def to_device(value, device):
-        if not isinstance(value, torch.Tensor):
-            return value
-        copy = value.clone()
-        copy.vlpack_device_copy = True  # marks the object itself (ids get reused)
+        copy = real(value, device).clone()
+        copy.vlpack_device_copy = True  # marks the object itself
         copies.append(copy)
         return copy
 
@@ -124,7 +137,7 @@ def test_tables_on_the_device_are_never_read_back(name, monkeypatch):
         assert not getattr(self, "vlpack_device_copy", False), "a device table was read back"
         return tolist(self)
 
-    monkeypatch.setattr(vision_tables, "_to", to_device)
+    monkeypatch.setattr(vision, "to_device", to_device)
     monkeypatch.setattr(torch.Tensor, "tolist", guarded_tolist)
     got = packed_forward(model, batch, spec=spec)
     assert copies and got.paths["vision.tables"] == "host"

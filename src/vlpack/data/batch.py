@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from vlpack.data.rope import mrope_positions
-from vlpack.data.types import IGNORE_INDEX, EncodedSample
+from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
 
 
 @dataclass
@@ -50,6 +50,7 @@ class ThdBatch:
       max_seqlen         longest padded segment; vision_max_seqlen: longest frame in patches.
       image_grids        image_grid_thw's rows as (t, h, w) tuples.
       padded_bounds      cu_seqlens_padded as a tuple.
+      image_positions    row positions of the image tokens (mm_token_type_ids == 1), ascending.
       sample_keys        S stable sample keys; num_label_tokens: labels != -100.
     """
 
@@ -67,6 +68,7 @@ class ThdBatch:
     vision_max_seqlen: int = 0
     image_grids: tuple[tuple[int, int, int], ...] = ()
     padded_bounds: tuple[int, ...] = ()
+    image_positions: tuple[int, ...] = ()
     sample_keys: list[str] = field(default_factory=list)
     num_label_tokens: int = 0
 
@@ -200,6 +202,7 @@ def build_thd_batch(
         vision_max_seqlen=int(frames.max()) if len(frames) else 0,
         image_grids=tuple(tuple(int(x) for x in row) for row in grid_thw),
         padded_bounds=bounds,
+        image_positions=tuple(np.flatnonzero(types == TOKEN_TYPE_IMAGE).tolist()),
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
     )

@@ -1,54 +1,109 @@
-"""Values derived from boundary tensors, computed once per tensor object, not once per layer.
+"""The boundary contract of one forward: `Boundaries`, built once per packed row from the batch's
+host data and passed to every layer as an argument.
 
-Every attention and Gated-DeltaNet layer of a forward receives the SAME `cu_seqlens` tensor
-object (the batch's, or the one the vision tower built), and the deepstack layers the same image
-mask. Host copies of them (to validate boundaries, read the longest segment) or index tensors
-derived from them need a device sync; deriving them once per layer would stall the GPU queue
-~100 times a step. `derived` caches by object identity, checked with a weak reference and the
-tensor's version counter, so a freed, reused or modified tensor never returns stale values.
+`packed_forward` calls the base model with `vlpack_bounds=Boundaries(...)`. transformers
+forwards the model call's extra keyword arguments to every decoder layer and attention call and,
+through `get_image_features`, to the vision tower and its blocks, the way it forwards
+`cu_seq_lens_q`; vlpack's attention function, its Gated-DeltaNet kernels, the vision attention
+and the deepstack merge read their boundaries from it. Each stream's boundaries are held twice:
+on the device (what the kernels take) and as Python ints (what the host needs to loop over
+segments or size a kernel), so no layer reads a boundary tensor back from the device.
+
+A forward without `vlpack_bounds` (a stock model, the unpacked reference) takes transformers'
+own path in every seam.
+
+Legend: S = segments, N = image tokens of the row.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
-from collections.abc import Callable, Hashable
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-V = TypeVar("V")
-_HOST: dict = {}
+BOUNDS_KWARG = "vlpack_bounds"
+"""The keyword of the base-model call that carries the `Boundaries`."""
 
 
-def derived(cache: dict, t: torch.Tensor, make: Callable[[], V], key: Hashable = ()) -> V:
-    """`make()`, remembered in `cache` for the tensor object `t` (and `key`) while `t` is alive
-    and unmodified. Inference tensors (no version counter) and inference mode are not cached:
-    a value made there must not reach a later training step."""
-    try:
-        version = t._version
-    except RuntimeError:
-        return make()
-    if torch.is_inference_mode_enabled():
-        return make()
-    hit = cache.get((id(t), key))
-    if hit is not None and hit[0]() is t and hit[1] == version:
-        return hit[2]
-    value = make()
-    for k in [k for k, v in cache.items() if v[0]() is None]:  # entries of freed tensors
-        del cache[k]
-    cache[(id(t), key)] = (weakref.ref(t), version, value)
-    return value
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait (pinned, non-blocking)."""
+    if device.type == "cpu":
+        return t
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
-def host_bounds(cu: torch.Tensor) -> tuple[int, ...]:
-    """`cu.tolist()` as a tuple, once per tensor object while it is alive and unmodified."""
-    return derived(_HOST, cu, lambda: tuple(int(x) for x in cu.tolist()))
+@dataclass(frozen=True, slots=True, eq=False)
+class Segments:
+    """Boundaries of one stream: `cu` int32 on the device, the same as Python ints, and the
+    longest segment."""
+
+    cu: torch.Tensor
+    host: tuple[int, ...]
+    max_len: int
+
+    @classmethod
+    def from_host(cls, host: tuple[int, ...], device: torch.device) -> Segments:
+        host = tuple(int(x) for x in host)
+        cu = to_device(torch.tensor(host, dtype=torch.int32), torch.device(device))
+        return cls(cu, host, max_segment(host))
+
+    def check(self, T: int, what: str) -> None:
+        """ValueError unless the segments split a row of `T` tokens into non-empty pieces."""
+        h = self.host
+        if h[0] != 0 or h[-1] != T or any(b <= a for a, b in itertools.pairwise(h)):
+            raise ValueError(f"{what} boundaries {list(h)} do not split a row of {T} tokens into "
+                             "non-empty segments: pass the batch's cu_seqlens_padded")
 
 
-def seed_host_bounds(cu: torch.Tensor, values: tuple[int, ...]) -> None:
-    """Record `values` as `cu`'s host copy, for a tensor made from host data (no device sync)."""
-    derived(_HOST, cu, lambda: values)
+@dataclass(frozen=True, slots=True, eq=False)
+class VisionTables:
+    """What the vision tower would derive from `grid_thw` on the device, computed on the host:
+    the keyword arguments its helpers take precomputed (`tables`), and the attention boundaries
+    of its full (and, for Qwen2.5-VL, windowed) layers."""
+
+    tables: dict[str, Any]
+    full: Segments
+    window: Segments | None = None
+
+    def segments(self, cu: torch.Tensor) -> Segments:
+        """The `Segments` whose device tensor `cu` is (the tower passes one of ours per block)."""
+        for s in (self.full, self.window):
+            if s is not None and cu is s.cu:
+                return s
+        raise ValueError("the vision attention got boundaries that vlpack did not build: this "
+                         "transformers version's vision tower is not supported (tested: 5.17, 5.24)")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Boundaries:
+    """Everything the layers of one packed forward need about its samples.
+
+    `paths` is filled by the layers with the kernel each one ran (attention, Gated-DeltaNet,
+    vision tables); the forward returns it. `gdn_torch_reference` asks the Gated-DeltaNet layers
+    of an unpacked forward for transformers' torch kernels (`vlpack check`'s reference)."""
+
+    text: Segments | None
+    vision: VisionTables | None = None
+    image_index: torch.Tensor | None = None
+    """Row positions of the image tokens (the deepstack merge adds features there)."""
+    image_grids: tuple[tuple[int, int, int], ...] = ()
+    gdn_torch_reference: bool = False
+    paths: dict[str, str] = field(default_factory=dict)
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def fla_cu(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text boundaries as fla takes them: int64 on `device` and int64 on the host. The
+        same two tensor objects for every layer of this forward: fla caches its chunk indices
+        by argument identity, so it builds them once per forward, not once per layer."""
+        key = f"fla:{device}"
+        if key not in self._memo:
+            host = torch.tensor(self.text.host, dtype=torch.long)
+            self._memo[key] = (to_device(host, torch.device(device)), host)
+        return self._memo[key]
 
 
 def max_segment(bounds: tuple[int, ...]) -> int:

@@ -2,9 +2,9 @@
 
 `build_model` never downloads: a preset builds random weights from its config; a folder is read
 with `local_files_only=True` (config.json + *.safetensors; config only → random weights, warned).
-The returned model has vlpack's attention registered and selected, its vision attention wrapped
-(one varlen call per layer, text cu kwargs dropped) and its Gated-DeltaNet layers made
-boundary-aware.
+The returned model has vlpack's attention registered and selected and its family's seams
+installed by class (seams.py): the vision tower and attention (host tables, one varlen call per
+block), the deepstack merge and the Gated-DeltaNet kernels read the forward's Boundaries.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlpack.model import attention, deepstack, gdn, vision_tables
+from vlpack.model import attention, seams
 from vlpack.model.presets import FAMILIES, QWEN2_IDS, QWEN3_5_IDS, Preset, get_preset
 
 logger = logging.getLogger(__name__)
@@ -162,10 +162,7 @@ def build_model(
         name = preset.name
     model.to(device)
     model.config.use_cache = False
-    attention.install_vision_varlen(model)
-    gdn.install_gdn(model)
-    deepstack.install_deepstack(model)
-    vision_tables.install_vision_tables(model)
+    seams.install(model, model.config.model_type)
     return model, _spec(name, model.config, attn)
 
 

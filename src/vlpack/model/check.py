@@ -44,7 +44,7 @@ from torch import nn
 
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
-from vlpack.model import attention, gdn, loss, vision_tables
+from vlpack.model import loss
 from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture, is_router
@@ -139,13 +139,6 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {g: v for g, v in out.items() if bool(v.ne(0).any())}
 
 
-def _clear_paths() -> None:
-    attention.PATHS_USED.clear()
-    gdn.PATHS_USED.clear()
-    loss.PATHS_USED.clear()
-    vision_tables.PATHS_USED.clear()
-
-
 def _pack(spec: ModelSpec, samples: list[EncodedSample], pad_to: int, total_len: int | None):
     return build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=pad_to,
                            total_len=total_len, spatial_merge_size=spec.merge_size)
@@ -156,7 +149,6 @@ def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int
     """vlpack's side: the samples packed into one row (aligned to `pad_to`, optionally padded
     to `total_len`), forward (+ backward of the summed loss)."""
     batch = _pack(spec, samples, pad_to, total_len).to(next(model.parameters()).device)
-    _clear_paths()
     with torch.set_grad_enabled(backward), RouterCapture(model) as cap:
         out = packed_forward(model, batch, spec=spec, return_logits=True, return_hidden=True)
     if backward:
@@ -193,18 +185,17 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
     set_attn_implementation(model, "sdpa")
     try:
         logits, losses, routers, topk, hf, counts = [], [], [], [], [], []
-        with gdn.torch_reference():
-            for s in samples:
-                with RouterCapture(model) as cap:
-                    out = unpacked_forward(model, s, spec=spec, hf_labels=True)
-                out.loss_sum.backward()
-                logits.append(out.logits.detach().float().cpu())
-                losses.append(float(out.loss_sum.detach()))
-                counts.append(out.num_label_tokens)
-                hf.append(None if out.hf_loss is None else float(out.hf_loss))
-                routers.append([r.detach() for r in cap.logits])
-                if spec.is_moe:
-                    topk.append(_topk(cap.logits, spec.num_experts_per_tok))
+        for s in samples:
+            with RouterCapture(model) as cap:
+                out = unpacked_forward(model, s, spec=spec, hf_labels=True, gdn_torch=True)
+            out.loss_sum.backward()
+            logits.append(out.logits.detach().float().cpu())
+            losses.append(float(out.loss_sum.detach()))
+            counts.append(out.num_label_tokens)
+            hf.append(None if out.hf_loss is None else float(out.hf_loss))
+            routers.append([r.detach() for r in cap.logits])
+            if spec.is_moe:
+                topk.append(_topk(cap.logits, spec.num_experts_per_tok))
         aux = _hf_aux(model, spec, routers) if spec.is_moe else None
     finally:
         set_attn_implementation(model, saved)
@@ -255,7 +246,6 @@ def _hidden(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
     the kernels that ran."""
     unlabelled = [replace(s, labels=np.full_like(s.labels, IGNORE_INDEX)) for s in samples]
     batch = _pack(spec, unlabelled, pad_to, total_len).to(next(model.parameters()).device)
-    _clear_paths()
     with torch.no_grad(), RouterCapture(model) as cap:
         out = packed_forward(model, batch, spec=spec, return_hidden=True)
     segs = [batch.segment(i) for i in range(len(samples))]

@@ -1,8 +1,8 @@
 """Regional torch.compile: fuse the elementwise work around the matmuls, in two scopes.
 
-`regions` (`compile_regions`): a profile of the eager packed qwen3-vl-2b step
-(docs/benchmarks.md) spent about half of its kernel time outside matmuls and attention: dtype
-casts, multiplies and adds, many of them in the norms, the gated MLPs and the rotary embeddings.
+`regions` (`compile_regions`): the eager packed step spends much of its kernel time outside
+matmuls and attention (docs/benchmarks/profiles.md): dtype casts, multiplies and adds, many of
+them in the norms, the gated MLPs and the rotary embeddings.
 Compiling those (and only those) lets inductor fuse them; the decoder layers, the attention seams
 and the Gated-DeltaNet kernels stay eager.
 
@@ -18,7 +18,7 @@ bounds, positions) is handled by the same eager code in both scopes.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import logging
 import sys
 import types
@@ -36,22 +36,15 @@ their token dispatch has data-dependent shapes."""
 EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
 """Class-name endings of modules that stay eager inside a compiled layer: routed experts
 (data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
-on host boundaries) and the vision attention. The vision attention traces (its varlen switch is
-a config attribute), but on the H200 the 2B step with it compiled ran at 14,235 tokens/s against
-18,660 eager in the call before, its text forward four times slower; not yet diagnosed
-(docs/benchmarks.md)."""
+on host boundaries) and the vision attention (slower traced on the 2B shape, for a reason not
+yet found: docs/benchmarks/levers.md)."""
 
-ROTARY_FUNCTIONS = ("apply_rotary_pos_emb_vision", "apply_rotary_pos_emb")
-"""The modeling module's rotary functions. The vision one upcasts q and k to fp32 and runs
-about 16 elementwise kernels per block on [patches, heads, head_dim]."""
-
-_STOCK: dict[tuple[str, str], Callable] = {}
 _log = logging.getLogger(__name__)
 
 
 def compile_regions(model: nn.Module) -> list[str]:
-    """Compile every norm and MLP module of `model` in place, and its family's rotary functions;
-    return what was compiled (class and function names)."""
+    """Compile every norm and MLP module of `model` in place, and its vision rotary; return what
+    was compiled (class and function names)."""
     names = _compile_norms_and_mlps(model)
     if not names:
         raise ValueError(
@@ -64,8 +57,7 @@ def compile_regions(model: nn.Module) -> list[str]:
 def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) -> list[str]:
     """Compile every decoder layer and vision block of `model` whole (the attention kernels and
     the modules whose class names end in `eager` stay eager), the norms and MLPs outside them as
-    regions, and the family's rotary functions; return what was compiled (class and function
-    names)."""
+    regions, and the vision rotary; return what was compiled (class and function names)."""
     from vlpack.model.recompute import layer_stacks
 
     layers = [layer for stack in layer_stacks(model).values() for layer in stack]
@@ -113,32 +105,25 @@ def _keep_eager(module: nn.Module) -> None:
     module.forward = types.MethodType(fn, module)
 
 
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)
+
+
 def _compile_rotary(model: nn.Module) -> list[str]:
-    """The rotary functions are globals of the model's modeling module, looked up at each call:
-    replacing them is process-wide, for every model of that family (`restore_rotary` undoes)."""
-    # the first class in the MRO whose module defines them (an FSDP-wrapped class lives in torch)
-    module = next((m for m in map(inspect.getmodule, type(model).__mro__)
-                   if any(callable(getattr(m, name, None)) for name in ROTARY_FUNCTIONS)), None)
-    if module is None:
-        _log.warning("model.compile: %s's modeling module has no %s; rotary stays eager",
-                     type(model).__name__, " or ".join(ROTARY_FUNCTIONS))
-        return []
-    done = []
-    for name in ROTARY_FUNCTIONS:
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            continue
-        key = (module.__name__, name)
-        if key not in _STOCK:
-            _STOCK[key] = fn
-            setattr(module, name, torch.compile(fn, dynamic=True))
-        done.append(name)
-    return done
+    """The vision rotary (`apply_rotary_pos_emb_vision`: it upcasts q and k to fp32 and runs
+    about 16 elementwise kernels per block), compiled and given to each of vlpack's vision
+    attention modules, which call it (vision.py); the modeling module is left as it is. The text
+    rotary runs inside the compiled decoder layers (`layers`) or eager (`regions`)."""
+    from vlpack.model.vision import VisionAttention
 
-
-def restore_rotary() -> None:
-    """Put the stock rotary functions back, for a process that needs the stock model after
-    compiling one (the tests do)."""
-    for (module, name), fn in _STOCK.items():
-        setattr(sys.modules[module], name, fn)
-    _STOCK.clear()
+    done = set()
+    for m in model.modules():
+        if isinstance(m, VisionAttention):
+            fn = sys.modules[m._vlpack_stock.__module__].apply_rotary_pos_emb_vision
+            m.vlpack_rotary = _compiled(fn)
+            done.add("apply_rotary_pos_emb_vision")
+    if not done:
+        _log.warning("model.compile: %s has no vlpack vision attention; its rotary stays eager",
+                     type(model).__name__)
+    return sorted(done)

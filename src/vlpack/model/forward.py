@@ -2,9 +2,12 @@
 
 `packed_forward` adds the batch dimension and calls the base model with
   position_ids [4, 1, T] (row 0 text positions restarting per sample, rows 1-3 per-sample MRoPE),
-  cu_seq_lens_q/k = batch.cu_seqlens_padded, max_length_q/k = batch.max_seqlen,
-  pixel_values / image_grid_thw / mm_token_type_ids, use_cache=False and NO 2-D attention mask,
+  vlpack_bounds = the row's `Boundaries` (bounds.py: text segments = batch.cu_seqlens_padded,
+  the vision tower's tables, the image-token positions), cu_seq_lens_q/k and max_length_q/k for
+  transformers' own use, pixel_values / image_grid_thw / mm_token_type_ids, use_cache=False and
+  NO 2-D attention mask,
 then computes the loss from the hidden states (never the full [T, vocab] logits unless asked).
+The layers record the kernels they ran in the Boundaries; the forward returns them as `paths`.
 
 Legend: T = tokens of the row, H = hidden size, V = vocabulary, L = tokens of one sample.
 """
@@ -19,8 +22,8 @@ from torch import nn
 
 from vlpack.data.batch import ThdBatch, shifted_labels
 from vlpack.data.types import EncodedSample
-from vlpack.model import attention, deepstack, gdn, loss, vision_tables
-from vlpack.model.bounds import seed_host_bounds
+from vlpack.model import loss
+from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments, to_device
 from vlpack.model.build import ModelSpec
 from vlpack.model.moe import RouterCapture, RouterStats, router_stats
 
@@ -48,32 +51,39 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def packed_model_inputs(batch: ThdBatch) -> dict:
+def boundaries(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> Boundaries:
+    """The row's Boundaries, from the batch's host fields (no device sync)."""
+    from vlpack.model.vision import vision_tables
+
+    device = _device(model)
+    text = Segments(batch.cu_seqlens_padded.to(device, torch.int32), batch.padded_bounds,
+                    int(batch.max_seqlen))
+    vision = index = None
+    if batch.image_grids and batch.pixel_values is not None:
+        vision = vision_tables(model.model.visual, spec.family, batch.image_grids, device)
+        if spec.family.startswith("qwen3_vl"):  # the deepstack merge's positions
+            index = to_device(torch.tensor(batch.image_positions, dtype=torch.long), device)
+    return Boundaries(text=text, vision=vision, image_index=index,
+                      image_grids=batch.image_grids)
+
+
+def packed_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> dict:
     """Keyword arguments of the base-model call for one packed row."""
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
-    cu = batch.cu_seqlens_padded.to(torch.int32)
-    if len(batch.padded_bounds) == cu.numel():  # the layers' host copy, without a device sync
-        seed_host_bounds(cu, batch.padded_bounds)
+    bounds = boundaries(model, batch, spec)
     return dict(
         input_ids=batch.input_ids[None],
         position_ids=batch.position_ids[:, None, :],
         mm_token_type_ids=batch.mm_token_type_ids[None],
         pixel_values=batch.pixel_values if has_images else None,
         image_grid_thw=batch.image_grid_thw if has_images else None,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=int(batch.max_seqlen),
-        max_length_k=int(batch.max_seqlen),
+        cu_seq_lens_q=bounds.text.cu,
+        cu_seq_lens_k=bounds.text.cu,
+        max_length_q=bounds.text.max_len,
+        max_length_k=bounds.text.max_len,
         use_cache=False,
+        **{BOUNDS_KWARG: bounds},
     )
-
-
-def _paths() -> dict[str, str]:
-    out = {f"attention.{k}": v for k, v in attention.PATHS_USED.items()}
-    out.update({f"gdn.{k}": v for k, v in gdn.PATHS_USED.items()})
-    out.update({f"vision.{k}": v for k, v in vision_tables.PATHS_USED.items()})
-    out.update(loss.PATHS_USED)
-    return out
 
 
 def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Tensor):
@@ -104,16 +114,17 @@ def packed_forward(
     capture = RouterCapture(model) if spec.is_moe else None
     if capture is not None:
         capture.__enter__()
+    inputs = packed_model_inputs(model, batch, spec)
+    paths = inputs[BOUNDS_KWARG].paths
     try:
-        with deepstack.indexed(), vision_tables.supplied(batch.image_grid_thw, batch.image_grids):
-            out = model.model(**packed_model_inputs(batch))
+        out = model.model(**inputs)
     finally:
         if capture is not None:
             capture.__exit__()
     hidden_TH = out.last_hidden_state[0]
     weight_T = None if token_weights is None else token_weights.to(hidden_TH.device)
     loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, batch.labels, method=loss_method,
-                                     chunk_size=chunk_size, token_weight_T=weight_T)
+                                     chunk_size=chunk_size, token_weight_T=weight_T, paths=paths)
     stats = _moe_stats(spec, capture, ~batch.padding_mask)
     return ForwardOut(
         loss_sum=loss_sum,
@@ -121,18 +132,21 @@ def packed_forward(
         aux_loss=None if stats is None else stats.aux_loss,
         logits=model.lm_head(hidden_TH) if return_logits else None,
         router_stats=stats,
-        paths=_paths(),
+        paths={k if k.startswith(("gdn.", "vision.", "loss")) else f"attention.{k}": v
+               for k, v in sorted(paths.items())},
         hidden=hidden_TH if return_hidden else None,
     )
 
 
 def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec,
-                     hf_labels: bool = False) -> ForwardOut:
+                     hf_labels: bool = False, gdn_torch: bool = False) -> ForwardOut:
     """Stock transformers forward of ONE sample (the reference of `vlpack check`).
 
     Positions come from the model's own get_rope_index; logits are returned ([L, V]). With
     `hf_labels` the call is the model's own `model(..., labels=...)` with the sample's unshifted
-    labels, and `hf_loss` is the token-mean loss transformers computes (its own shift).
+    labels, and `hf_loss` is the token-mean loss transformers computes (its own shift). With
+    `gdn_torch` the Gated-DeltaNet layers run transformers' torch kernels even where fla is
+    importable (no boundaries are given: the sample is one sequence).
     """
     device = _device(model)
     has_images = sample.pixel_values is not None and len(sample.image_grid_thw) > 0
@@ -143,6 +157,7 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
         pixel_values=torch.as_tensor(sample.pixel_values, device=device) if has_images else None,
         image_grid_thw=torch.as_tensor(sample.image_grid_thw, device=device) if has_images else None,
         use_cache=False,
+        **({BOUNDS_KWARG: Boundaries(text=None, gdn_torch_reference=True)} if gdn_torch else {}),
     )
     model.model.rope_deltas = None  # the model caches it across calls
     capture = RouterCapture(model) if spec.is_moe else None

@@ -1,21 +1,25 @@
 """Boundary-aware Gated-DeltaNet (Qwen3.5 linear-attention layers) for packed rows.
 
-transformers' GDN forward calls two module-level kernels: `causal_conv1d_fn` (the short causal
-conv, which receives the text kwargs, `cu_seq_lens_q` among them) and
-`torch_chunk_gated_delta_rule` (receives `cu_seqlens=cu_seq_lens_q`). Their torch fallbacks
-cannot keep samples apart: the conv silently mixes neighbours across a boundary, the delta rule
-raises. vlpack replaces both module attributes with dispatchers that are active only inside a
-GDN module that `install_gdn(model)` wrapped, so stock models in the same process keep stock
-behaviour. Inside, with boundaries given, both restart at every segment:
-  GPU + fla importable → fla's `causal_conv1d` / `chunk_gated_delta_rule` with `cu_seqlens`;
-  otherwise           → the torch reference run once per segment (exact, slower; said once).
-Without boundaries the row is one sequence (an unpacked sample) and the stock kernels run.
+transformers' GDN forward calls two functions of its modeling module: `causal_conv1d_fn` (the
+short causal conv) and `torch_chunk_gated_delta_rule`, and hands both the forward's keyword
+arguments, vlpack's `Boundaries` (`vlpack_bounds`) among them. Their stock implementations
+cannot keep samples apart: the torch conv silently mixes neighbours across a boundary, the torch
+delta rule raises. vlpack replaces the two module functions with dispatchers (`patch_modules`,
+at build time). A dispatcher called with the forward's Boundaries restarts at every segment:
+  GPU + fla importable + half precision → fla's `causal_conv1d` / `chunk_gated_delta_rule`
+                                          with `cu_seqlens`;
+  otherwise → the torch reference run once per segment (exact, slower; said once).
+Called without Boundaries (a stock model in the same process, an unpacked sample) it calls the
+stock function unchanged; with `Boundaries(text=None, gdn_torch_reference=True)` it calls
+transformers' torch kernels even where fla is importable (`vlpack check`'s reference).
+
+This is the one place vlpack replaces names inside transformers (docs/model.md says why: the
+GDN forward differs between supported transformers versions, so a subclass would restate
+version-specific arithmetic, and transformers' own kernel seam needs the hub `kernels` package).
 
 fla 0.6.0 refuses the backward of its gated delta rule on Hopper with Triton 3.4-3.7.0 (wrong
 results, fla #640) unless tilelang is installed; vlpack then runs the delta rule with the
 per-segment torch reference when gradients are needed (the conv still uses fla), and says so.
-`torch_reference()` makes even stock GDN modules use transformers' torch kernels (the reference
-side of `vlpack check`, independent of optional kernels).
 
 Legend: B = batch (1 when packed), C = conv channels, T = tokens, W = conv width,
 Hk/Hv = key/value heads, Dk/Dv = head dims.
@@ -23,34 +27,17 @@ Hk/Hv = key/value heads, Dk/Dv = head dims.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import importlib
 import inspect
 import itertools
-import logging
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from vlpack.model.bounds import derived, host_bounds
-
-logger = logging.getLogger(__name__)
-
-_GDN_MODULES = ("qwen3_5", "qwen3_5_moe")
-_ACTIVE = contextvars.ContextVar("vlpack_gdn_active", default=False)
-_TORCH_REFERENCE = contextvars.ContextVar("vlpack_gdn_torch_reference", default=False)
-PATHS_USED: dict[str, str] = {}
-_WARNED: set[str] = set()
-
-
-def _say_once(key: str, msg: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(msg)
+from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments
 
 
 @functools.cache
@@ -64,19 +51,16 @@ def _fla() -> tuple[Callable, Callable] | None:
     return conv, gdr
 
 
-_FLA_CU: dict = {}
-
-
-def _fla_bounds(fn: Callable, cu: torch.Tensor, bounds: Sequence[int], device) -> dict:
+def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device) -> dict:
     """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes it,
-    `cu_seqlens_cpu`, the host copy we already hold, so fla derives its chunk indices without
-    reading the device tensor back. Every GDN layer of a forward gets the SAME two tensor
-    objects: fla caches its index tensors by argument identity, so it builds (and copies to the
-    device, one host sync) them once per forward instead of once per layer."""
-    device = torch.device(device)
-    cu_dev, cu_cpu = derived(
-        _FLA_CU, cu, lambda: (cu.to(device, torch.long), torch.tensor(bounds, dtype=torch.long)),
-        key=str(device))
+    `cu_seqlens_cpu`, the host copy, so fla derives its chunk indices without reading the device
+    tensor back. Within one forward every GDN layer gets the same two tensors
+    (`Boundaries.fla_cu`)."""
+    if bounds is not None and bounds.text is segs:
+        cu_dev, cu_cpu = bounds.fla_cu(torch.device(device))
+    else:
+        cu_cpu = torch.tensor(segs.host, dtype=torch.long)
+        cu_dev = cu_cpu.to(device)
     kw = {"cu_seqlens": cu_dev}
     if _takes_cu_seqlens_cpu(fn):
         kw["cu_seqlens_cpu"] = cu_cpu
@@ -105,21 +89,9 @@ def fla_delta_rule_backward_ok() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def torch_reference():
-    """Inside, GDN modules that vlpack did not wrap run transformers' torch kernels."""
-    token = _TORCH_REFERENCE.set(True)
-    try:
-        yield
-    finally:
-        _TORCH_REFERENCE.reset(token)
-
-
-def _stock(original: Callable) -> Callable:
-    """The stock kernel, or its pure-torch fallback in `torch_reference()` mode."""
-    if _TORCH_REFERENCE.get():
-        return getattr(original, "__wrapped__", original)
-    return original
+def _torch_kernel(original: Callable) -> Callable:
+    """transformers' pure-torch function behind its kernel-selecting wrapper."""
+    return getattr(original, "__wrapped__", original)
 
 
 def _use_fla(x: torch.Tensor) -> bool:
@@ -130,43 +102,38 @@ def _use_fla(x: torch.Tensor) -> bool:
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if _fla() is None:
-        _say_once("nofla", "vlpack: fla is not importable; Gated-DeltaNet runs the per-segment "
-                  "torch reference (correct, slower). Install fla-core + flash-linear-attention.")
+        warnings.warn("vlpack: fla is not importable; Gated-DeltaNet runs the per-segment torch "
+                      "reference (correct, slower). Install fla-core + flash-linear-attention.",
+                      stacklevel=2)
         return False
     return True
 
 
-def _bounds(cu: torch.Tensor, T: int) -> list[int]:
-    cu_list = list(host_bounds(cu))
-    if cu_list[0] != 0 or cu_list[-1] != T or any(b <= a for a, b in itertools.pairwise(cu_list)):
-        raise ValueError(
-            f"Gated-DeltaNet boundaries {cu_list} do not split a row of {T} tokens into "
-            "non-empty segments: pass the batch's cu_seqlens_padded"
-        )
-    return cu_list
-
-
 # --- short causal conv --------------------------------------------------------------------------
-def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, cu: torch.Tensor):
-    """Causal depthwise conv that restarts at every boundary in `cu` (B must be 1)."""
+def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segments, *,
+                   bounds: Boundaries | None = None):
+    """Causal depthwise conv that restarts at every boundary of `segs` (B must be 1); the
+    kernel's name lands in `bounds.paths` when given."""
     from transformers.activations import ACT2FN
 
     B, C, T = x_BCT.shape
     if B != 1:
         raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
-    bounds = _bounds(cu, T)
+    segs.check(T, "Gated-DeltaNet")
+    paths = bounds.paths if bounds is not None else {}
     if _use_fla(x_BCT):
-        PATHS_USED["conv"] = "fla causal_conv1d (cu_seqlens)"
+        paths["gdn.conv"] = "fla causal_conv1d (cu_seqlens)"
         conv = _fla()[0]
         y_BTC, _ = conv(x_BCT.transpose(1, 2).contiguous(), weight=weight_CW, bias=bias_C,
-                        activation=activation, **_fla_bounds(conv, cu, bounds, x_BCT.device))
+                        activation=activation, **_fla_bounds(conv, segs, bounds, x_BCT.device))
         return y_BTC.transpose(1, 2).to(x_BCT.dtype)
-    PATHS_USED["conv"] = "per-segment torch conv1d"
+    paths["gdn.conv"] = "per-segment torch conv1d"
+    bounds_S1 = segs.host
     pad = weight_CW.shape[-1] - 1
     x = x_BCT.to(weight_CW.dtype)
     outs = [
         F.conv1d(x[:, :, s:e], weight_CW.unsqueeze(1), bias_C, padding=pad, groups=C)[:, :, : e - s]
-        for s, e in itertools.pairwise(bounds)
+        for s, e in itertools.pairwise(bounds_S1)
     ]
     y = torch.cat(outs, dim=-1)
     if activation is not None:
@@ -177,12 +144,14 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, cu: torch.T
 def _conv_dispatch(original: Callable) -> Callable:
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        cu = kwargs.get("cu_seq_lens_q")
-        if not _ACTIVE.get() or cu is None:
-            return _stock(original)(hidden_states, weight, bias, activation=activation, **kwargs)
+        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        if bounds is None or bounds.text is None:
+            fn = _torch_kernel(original) if bounds is not None and bounds.gdn_torch_reference \
+                else original
+            return fn(hidden_states, weight, bias, activation=activation, **kwargs)
         if kwargs.get("seq_idx") is not None:
-            raise ValueError("pass boundaries as cu_seq_lens_q, not seq_idx")
-        return segment_conv1d(hidden_states, weight, bias, activation, cu)
+            raise ValueError("pass boundaries as vlpack's Boundaries, not seq_idx")
+        return segment_conv1d(hidden_states, weight, bias, activation, bounds.text, bounds=bounds)
 
     causal_conv1d_fn._vlpack = True
     return causal_conv1d_fn
@@ -198,37 +167,41 @@ def _gdr_dispatch(original: Callable) -> Callable:
                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        if not _ACTIVE.get() or cu_seqlens is None:
-            return _stock(original)(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
-                                    cu_seqlens=cu_seqlens, **common, **kwargs)
+        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        if bounds is None or bounds.text is None:
+            fn = _torch_kernel(original) if bounds is not None and bounds.gdn_torch_reference \
+                else original
+            return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                      cu_seqlens=cu_seqlens, **common, **kwargs)
         B, T = query.shape[:2]
         if B != 1:
             raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
         if initial_state is not None or output_final_state:
             raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
                              "use_cache=False")
-        bounds = _bounds(cu_seqlens, T)
+        segs = bounds.text
+        segs.check(T, "Gated-DeltaNet")
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value, g, beta))
         if _use_fla(query) and needs_grad and not fla_delta_rule_backward_ok():
-            _say_once("flabwd", "vlpack: fla's gated-delta-rule backward is disabled on this "
-                      "GPU/Triton (Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
-                      ">= 3.7.1); the delta rule runs per segment in torch")
+            warnings.warn("vlpack: fla's gated-delta-rule backward is disabled on this GPU/Triton "
+                          "(Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
+                          ">= 3.7.1); the delta rule runs per segment in torch", stacklevel=2)
         elif _use_fla(query):
-            PATHS_USED["delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
+            bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
             gdr = _fla()[1]
             out, _ = gdr(query, key, value, g=g, beta=beta,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         **_fla_bounds(gdr, cu_seqlens, bounds, query.device))
+                         **_fla_bounds(gdr, segs, bounds, query.device))
             return out, None
         if torch_fn is None:
             raise ValueError("cannot find transformers' torch gated-delta-rule to run per "
                              "segment; install fla (fla-core + flash-linear-attention)")
-        PATHS_USED["delta_rule"] = "per-segment torch chunk_gated_delta_rule"
+        bounds.paths["gdn.delta_rule"] = "per-segment torch chunk_gated_delta_rule"
         outs = [
             torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                      chunk_size=chunk_size, **common)[0]
-            for s, e in itertools.pairwise(bounds)
+            for s, e in itertools.pairwise(segs.host)
         ]
         return torch.cat(outs, dim=1), None
 
@@ -237,43 +210,14 @@ def _gdr_dispatch(original: Callable) -> Callable:
 
 
 @functools.cache
-def _patch_modules() -> None:
-    for fam in _GDN_MODULES:
-        try:
-            mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
-        except ImportError:
-            continue
-        for attr, make in (("causal_conv1d_fn", _conv_dispatch),
-                           ("torch_chunk_gated_delta_rule", _gdr_dispatch)):
-            fn = getattr(mod, attr, None)
-            if fn is None:
-                raise ValueError(
-                    f"transformers.models.{fam} has no {attr}: this transformers version's "
-                    "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)"
-                )
-            if not getattr(fn, "_vlpack", False):
-                setattr(mod, attr, make(fn))
-
-
-def _gdn_forward(self: nn.Module, *args, **kwargs):
-    token = _ACTIVE.set(True)
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        _ACTIVE.reset(token)
-
-
-def is_gdn(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("GatedDeltaNet")
-
-
-def install_gdn(model: nn.Module) -> int:
-    """Make every Gated-DeltaNet module of `model` boundary-aware; returns how many."""
-    n = 0
-    for m in model.modules():
-        if is_gdn(m):
-            _patch_modules()
-            if "forward" not in m.__dict__:
-                m.forward = _gdn_forward.__get__(m)
-            n += 1
-    return n
+def patch_modules(module_name: str) -> None:
+    """Put the dispatchers into the modeling module `module_name` (once per process)."""
+    mod = importlib.import_module(module_name)
+    for attr, make in (("causal_conv1d_fn", _conv_dispatch),
+                       ("torch_chunk_gated_delta_rule", _gdr_dispatch)):
+        fn = getattr(mod, attr, None)
+        if fn is None:
+            raise ValueError(f"{module_name} has no {attr}: this transformers version's "
+                             "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)")
+        if not getattr(fn, "_vlpack", False):
+            setattr(mod, attr, make(fn))

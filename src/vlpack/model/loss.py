@@ -30,7 +30,6 @@ from vlpack.data.types import IGNORE_INDEX
 logger = logging.getLogger(__name__)
 
 LOSS_METHODS = ("auto", "plain", "chunked", "liger")
-PATHS_USED: dict[str, str] = {}
 
 
 def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None):
@@ -128,11 +127,13 @@ def linear_ce_sum(
     method: str = "auto",
     chunk_size: int = 1024,
     token_weight_T: torch.Tensor | None = None,
+    paths: dict[str, str] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(summed CE over label tokens, number of label tokens) from hidden states and lm_head.
 
     With `token_weight_T` the sum is weighted per token (e.g. 1/label tokens of the token's
-    sample, for a per-sample mean); liger has no weights, so the chunked path runs then.
+    sample, for a per-sample mean); liger has no weights, so the chunked path runs then. The
+    method that ran lands in `paths["loss"]` when given.
     """
     if method not in LOSS_METHODS:
         raise ValueError(f"unknown loss method {method!r}: use one of {', '.join(LOSS_METHODS)}")
@@ -145,7 +146,8 @@ def linear_ce_sum(
     if method == "liger" and (not hidden_TH.is_cuda or _liger() is None):
         logger.warning("vlpack: liger-kernel is not usable here; using the chunked loss")
         method = "chunked"
-    PATHS_USED["loss"] = method
+    if paths is not None:
+        paths["loss"] = method
     h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
     n = y_N.numel()
     if method == "plain":

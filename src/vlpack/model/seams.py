@@ -1,0 +1,95 @@
+"""Where vlpack plugs into transformers, family by family, installed by class at build time.
+
+Each seam is a subclass of one stock class that overrides one method (`forward`; the deepstack
+text model also its merge), made once per stock class and given to the model's instances of
+exactly that class (`module.__class__ = subclass`): the weights, config and every other method
+stay the stock ones, and the subclass is a class of this module, so a model pickles and deep-
+copies as usual. The text attention needs no subclass: it is registered with transformers'
+AttentionInterface (attention.py). The Gated-DeltaNet kernels are dispatched inside the modeling
+module (gdn.py explains why).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+from torch import nn
+
+from vlpack.model import gdn
+from vlpack.model.deepstack import DeepstackTextModel
+from vlpack.model.vision import VisionAttention, VisionTower
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySeams:
+    """The stock class names of one family's seams (None: the family has no such part)."""
+
+    vision_attention: str
+    vision_tower: str
+    deepstack_text_model: str | None = None
+    gated_deltanet: str | None = None
+
+
+SEAMS = {
+    "qwen2_vl": FamilySeams("VisionAttention", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": FamilySeams("Qwen2_5_VLVisionAttention", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": FamilySeams("Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel"),
+    "qwen3_vl_moe": FamilySeams("Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel",
+                                "Qwen3VLMoeTextModel"),
+    "qwen3_5": FamilySeams("Qwen3_5VisionAttention", "Qwen3_5VisionModel",
+                           gated_deltanet="Qwen3_5GatedDeltaNet"),
+    "qwen3_5_moe": FamilySeams("Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
+                               gated_deltanet="Qwen3_5MoeGatedDeltaNet"),
+}
+
+
+def modeling_module(family: str):
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+@functools.cache
+def packed_class(stock: type, mixin: type) -> type:
+    """`mixin` over `stock`, once per pair, registered in this module under its own name."""
+    name = f"Packed{stock.__name__}"
+    cls = type(name, (mixin, stock), {"__module__": __name__, "__qualname__": name,
+                                      "_vlpack_stock": stock})
+    globals()[name] = cls
+    if hasattr(stock, "_can_record_outputs"):
+        # transformers finds a model's recordable outputs (router logits, hidden states) by its
+        # class name, registered when a model is constructed; the subclass registers the same
+        from transformers.utils import output_capturing
+
+        dict.__setitem__(output_capturing._CAN_RECORD_REGISTRY, str(cls), stock._can_record_outputs)
+    return cls
+
+
+def install(model: nn.Module, family: str) -> dict[str, int]:
+    """Give `model`'s modules of the family's seam classes their subclasses; returns how many of
+    each kind. Idempotent."""
+    if family not in SEAMS:
+        raise ValueError(f"no vlpack seams for model family {family!r}: supported are "
+                         f"{', '.join(SEAMS)}")
+    seams, mod = SEAMS[family], modeling_module(family)
+    pairs = {"vision_attention": (seams.vision_attention, VisionAttention),
+             "vision_tower": (seams.vision_tower, VisionTower)}
+    if seams.deepstack_text_model is not None:
+        pairs["deepstack"] = (seams.deepstack_text_model, DeepstackTextModel)
+    counts = dict.fromkeys(pairs, 0)
+    for kind, (name, mixin) in pairs.items():
+        stock = getattr(mod, name, None)
+        if stock is None:
+            raise ValueError(f"{mod.__name__} has no {name}: this transformers version is not "
+                             "supported by vlpack (tested: 5.17, 5.24)")
+        sub = packed_class(stock, mixin)
+        for m in model.modules():
+            if type(m) is stock:
+                m.__class__ = sub
+            counts[kind] += type(m) is sub
+    if seams.gated_deltanet is not None:
+        stock = getattr(mod, seams.gated_deltanet)
+        counts["gated_deltanet"] = sum(type(m) is stock for m in model.modules())
+        if counts["gated_deltanet"]:
+            gdn.patch_modules(mod.__name__)
+    return counts

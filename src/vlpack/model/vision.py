@@ -1,0 +1,110 @@
+"""The vision tower on packed rows: its tables from the host, one varlen call per block.
+
+Two subclasses, installed by class at build time (seams.py):
+
+- `VisionTower` overrides the tower's `forward`. At the start of every forward, transformers'
+  vision towers derive tables from `grid_thw` with the helpers of `transformers.vision_utils`
+  (rotary position ids, the position-embedding interpolation taps of Qwen3-VL and Qwen3.5,
+  Qwen2.5-VL's window index, `cu_seqlens`); on a GPU grid each helper makes the host wait for
+  the GPU. Each helper returns a precomputed value instead when the tower's kwargs carry it.
+  `vision_tables` calls the same helpers on the batch's grids (Python ints, on the host), with
+  the arguments each tower family passes; the override hands the results over, copied to the
+  device without blocking. The boundaries the blocks then receive are the ones vlpack built,
+  with their host copies, in the forward's `Boundaries`.
+- `VisionAttention` overrides the vision attention's `forward`: with those boundaries it runs
+  one varlen call per block over all images of the row (`attention.attend`). Stock transformers
+  instead calls attention once per image unless flash attention is requested. Its q/k/v and
+  rotary steps are the stock ones (the same in every supported family and version).
+
+Without the forward's Boundaries (a stock call, the unpacked reference, a rank's blank image)
+both run the stock forward.
+
+Legend: P = patches of the row, H = heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from vlpack.model import attention
+from vlpack.model.attention import TEXT_VARLEN_KWARGS
+from vlpack.model.bounds import BOUNDS_KWARG, Segments, VisionTables, to_device
+
+TOWER_KINDS = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2_5", "qwen3_vl": "qwen3",
+               "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3"}  # fmt: skip
+"""Which helpers (and arguments) each family's tower calls: Qwen2-VL position ids and segments;
+Qwen2.5-VL also its window index; Qwen3-VL and Qwen3.5 also the interpolation taps."""
+
+
+def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.device) -> VisionTables:
+    """The tables `tower` would compute from `grids` ((t, h, w) per image), on the host."""
+    from transformers import vision_utils as vu
+
+    kind = TOWER_KINDS[family]
+    grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+    host: dict = {}
+    if kind == "qwen3":
+        host["interp_indices"], host["interp_weights"] = (
+            vu.get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners,
+                spatial_merge_size=tower.config.spatial_merge_size))
+    host["position_ids"] = vu.get_vision_position_ids(grid, tower.spatial_merge_size)
+    cu = vu.get_vision_cu_seqlens(grid)
+    full = Segments.from_host(tuple(cu.tolist()), device)
+    tables = {k: to_device(v, device) for k, v in host.items()}
+    tables.update(cu_seqlens=full.cu, max_seqlen=full.max_len)
+    window = None
+    if kind == "qwen2_5":
+        index, cu_window = vu.get_vision_window_index(
+            grid, spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+            patch_size=tower.patch_size)
+        window = Segments.from_host(tuple(cu_window.tolist()), device)
+        tables.update(window_index=to_device(index, device), cu_window_seqlens=window.cu,
+                      max_window_seqlen=window.max_len)
+    return VisionTables(tables, full, window)
+
+
+class VisionTower(nn.Module):
+    """Mixin for a vision tower class: the forward's host-built tables, handed over."""
+
+    def forward(self, hidden_states, grid_thw=None, **kwargs):
+        bounds = kwargs.get(BOUNDS_KWARG)
+        if bounds is not None and bounds.vision is not None:
+            kwargs.update(bounds.vision.tables)
+            bounds.paths["vision.tables"] = "host"
+        for k in TEXT_VARLEN_KWARGS:  # the text boundaries, which the model call hands on too
+            kwargs.pop(k, None)
+        return super().forward(hidden_states, grid_thw, **kwargs)
+
+
+class VisionAttention(nn.Module):
+    """Mixin for a vision attention class: one varlen call over all images of the row."""
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None,
+                **kwargs):
+        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        for k in TEXT_VARLEN_KWARGS:
+            kwargs.pop(k, None)
+        if bounds is None or bounds.vision is None:
+            return super().forward(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
+                                   max_seqlen=max_seqlen, **kwargs)
+        segs = bounds.vision.segments(cu_seqlens)
+        P = hidden_states.shape[0]
+        q_PHD, k_PHD, v_PHD = (
+            self.qkv(hidden_states).reshape(P, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0))
+        cos, sin = position_embeddings
+        # the family's own rotary (compiled by model.compile), else where the stock forward
+        # looks it up
+        rotary = self.__dict__.get("vlpack_rotary") or sys.modules[
+            self._vlpack_stock.__module__].apply_rotary_pos_emb_vision
+        q_PHD, k_PHD = rotary(q_PHD, k_PHD, cos, sin)
+        q, k, v = attention.autocast_qkv(q_PHD, k_PHD, v_PHD)  # as the interface casts them
+        out = attention.attend(self.config._attn_implementation, q, k, v, segs, causal=False,
+                     scale=self.scaling, paths=bounds.paths, stream="vision")
+        return self.proj(out.reshape(P, -1).contiguous())
+
+
