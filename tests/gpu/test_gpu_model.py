@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vlpack.model import attention, gdn
+from vlpack.model.bounds import Boundaries, Segments
 from vlpack.model.build import MODEL_CLASSES
 from vlpack.model.check import check
 
@@ -36,13 +36,22 @@ class _Mod(torch.nn.Module):
     is_causal = True
 
 
+PATHS: dict[str, str] = {}
+
+
 def _call(fn, q, k, v, cu, causal):
-    module = _Mod()  # a bidirectional call counts its cu only from a wrapped vision module
-    module.config = SimpleNamespace(vlpack_vision_varlen=not causal,
-                                    _attn_implementation=attention.VARLEN)
-    return fn(module, q, k, v, None, scaling=q.shape[-1] ** -0.5, cu_seq_lens_q=cu,
-              cu_seq_lens_k=cu, max_length_q=int(torch.diff(cu).max()),
-              max_length_k=int(torch.diff(cu).max()), is_causal=causal)[0]
+    """Text: the registered function with Boundaries; vision: `attend`, as the vision
+    attention calls it."""
+    segs = Segments(cu, tuple(cu.tolist()), int(torch.diff(cu).max()))
+    name = attention.VARLEN if fn is attention.varlen_attention_forward else attention.FLEX
+    if causal:
+        bounds = Boundaries(text=segs)
+        out = fn(_Mod(), q, k, v, None, scaling=q.shape[-1] ** -0.5, vlpack_bounds=bounds)[0]
+        PATHS.update(bounds.paths)
+        return out
+    out = attention.attend(name, *(t[0].transpose(0, 1) for t in (q, k, v)), segs, causal=False,
+                           scale=q.shape[-1] ** -0.5, paths=PATHS, stream="vision")
+    return out[None]
 
 
 def _ref(q, k, v, cu, causal):
@@ -71,7 +80,7 @@ def test_kernel_flash_attention_rule(fn, causal):
     for fast, plain in zip(errs["fast"], errs["plain"], strict=True):
         assert fast <= 2 * plain + 1e-5, errs
     if fn is attention.varlen_attention_forward and attention._torch_varlen() is not None:
-        assert attention.PATHS_USED["text" if causal else "vision"].startswith("torch varlen_attn")
+        assert PATHS["text" if causal else "vision"].startswith("torch varlen_attn")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -100,17 +109,20 @@ def test_check_flex_bf16(name):
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
 def test_fla_conv_equals_segment_reference():
     x = torch.randn(1, 96, 700, device="cuda", dtype=torch.bfloat16)
-    w, cu = torch.randn(96, 4, device="cuda"), torch.tensor([0, 3, 300, 301, 700], device="cuda")
-    fast = gdn.segment_conv1d(x, w, None, "silu", cu)
-    assert gdn.PATHS_USED["conv"].startswith("fla")
-    slow = gdn.segment_conv1d(x.cpu().float(), w.cpu(), None, "silu", cu.cpu())
-    plain = gdn.segment_conv1d(x.cpu().float(), w.cpu(), None, "silu", cu.cpu()).bfloat16()
-    assert gdn.PATHS_USED["conv"].startswith("per-segment")
+    w = torch.randn(96, 4, device="cuda")
+    host = (0, 3, 300, 301, 700)
+    gpu, cpu = (Segments.from_host(host, torch.device(d)) for d in ("cuda", "cpu"))
+    b = Boundaries(text=gpu)
+    fast = gdn.segment_conv1d(x, w, None, "silu", gpu, bounds=b)
+    assert b.paths["gdn.conv"].startswith("fla")
+    slow = gdn.segment_conv1d(x.cpu().float(), w.cpu(), None, "silu", cpu)
+    plain = gdn.segment_conv1d(x.cpu().bfloat16(), w.cpu(), None, "silu", cpu)
     err = (fast.cpu().float() - slow).abs().max()
     assert err <= 2 * (plain.float() - slow).abs().max() + 1e-3, err
     # float32 inputs take the exact per-segment path on the GPU too
-    gdn.segment_conv1d(x.float(), w, None, "silu", cu)
-    assert gdn.PATHS_USED["conv"].startswith("per-segment")
+    b32 = Boundaries(text=gpu)
+    gdn.segment_conv1d(x.float(), w, None, "silu", gpu, bounds=b32)
+    assert b32.paths["gdn.conv"].startswith("per-segment")
 
 
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
@@ -138,15 +150,12 @@ def test_fla_delta_rule_forward_rule():
     ref = segments(q, k, v, beta)
     qb, kb, vb, bb = (t.bfloat16() for t in (q, k, v, beta))
     plain = segments(qb, kb, vb, bb)
-    token = gdn._ACTIVE.set(True)
-    try:
-        with torch.no_grad():
-            fast = m.torch_chunk_gated_delta_rule(qb, kb, vb, g=decay, beta=bb,
-                                                  use_qk_l2norm_in_kernel=True,
-                                                  cu_seqlens=cu)[0].float()
-    finally:
-        gdn._ACTIVE.reset(token)
-    assert gdn.PATHS_USED["delta_rule"].startswith("fla")
+    bounds = Boundaries(text=Segments.from_host(tuple(cu.tolist()), torch.device("cuda")))
+    with torch.no_grad():
+        fast = m.torch_chunk_gated_delta_rule(qb, kb, vb, g=decay, beta=bb,
+                                              use_qk_l2norm_in_kernel=True,
+                                              vlpack_bounds=bounds)[0].float()
+    assert bounds.paths["gdn.delta_rule"].startswith("fla")
     err_fast, err_plain = (fast - ref).abs().max(), (plain - ref).abs().max()
     assert err_fast <= 2 * err_plain + 1e-3, (err_fast, err_plain)
 
@@ -196,7 +205,7 @@ def test_host_syncs_do_not_grow_with_depth(name):
         print(preset, syncs)
         ours[preset] = {site: n for site, n in syncs["sites"].items()
                         if site.startswith(("vlpack/", "fla/"))}
-        # the vision tower's tables come from the host (vlpack.model.vision_tables)
+        # the vision tower's tables come from the host (vlpack.model.vision.vision_tables)
         assert not [s for s in syncs["sites"] if s.startswith("transformers/vision_utils.py")], syncs
     full, half = ours.values()
     assert full, "no wait attributed to vlpack: the loss's label rows always take one"
