@@ -156,10 +156,11 @@ def test_attention_refuses_padded_batches_and_windows():
         attention.varlen_attention_forward(_Causal(), *_qkv(), None, sliding_window=16)
 
 
-@pytest.mark.parametrize("takes_gqa", [True, False])
-def test_grouped_heads_follow_the_varlen_signature(monkeypatch, takes_gqa):
-    """A varlen_attn whose signature has `enable_gqa` gets the grouped k/v heads as they are;
-    one without it gets them repeated to the query heads. Decided from the signature alone."""
+@pytest.mark.parametrize("case", ["enable_gqa", "known release", "unknown"])
+def test_grouped_heads_follow_the_varlen_signature(monkeypatch, case):
+    """A varlen_attn whose signature has `enable_gqa` gets the grouped k/v heads as they are, with
+    the flag; one without it gets them as they are on a release known to group them natively,
+    and repeated to the query heads elsewhere. Decided without running a kernel."""
     seen = {}
 
     def with_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
@@ -171,14 +172,17 @@ def test_grouped_heads_follow_the_varlen_signature(monkeypatch, takes_gqa):
         seen.update(heads=k.shape[1], enable_gqa=None)
         return q
 
-    fn = with_gqa if takes_gqa else without
+    fn = with_gqa if case == "enable_gqa" else without
     monkeypatch.setattr(attention, "_torch_varlen",
                         lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    monkeypatch.setattr(attention, "NATIVE_GQA_TORCH", (release,) if case == "known release" else ())
     q, k, v = (t[0].transpose(0, 1) for t in _qkv())
     attention._torch_varlen_call(q, k, v, torch.tensor([0, 40]), 40, True, 0.1)
-    assert attention.torch_varlen_native_gqa() is takes_gqa
-    assert seen == ({"heads": 2, "enable_gqa": True} if takes_gqa
-                    else {"heads": 4, "enable_gqa": None})
+    assert attention.torch_varlen_native_gqa() is (case != "unknown")
+    assert seen == {"enable_gqa": {"heads": 2, "enable_gqa": True},
+                    "known release": {"heads": 2, "enable_gqa": None},
+                    "unknown": {"heads": 4, "enable_gqa": None}}[case]
 
 
 def test_vision_call_outside_vlpack_ignores_text_cu_kwargs():

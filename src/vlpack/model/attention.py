@@ -75,11 +75,21 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+NATIVE_GQA_TORCH = ("2.11",)
+"""torch releases whose varlen_attn, without an `enable_gqa` parameter, takes fewer k/v heads
+than query heads as they are (the FlashAttention kernel behind it groups them):
+tests/gpu/test_gpu_model.py::test_kernel_flash_attention_rule holds on an H200 with torch 2.11."""
+
+
 def torch_varlen_native_gqa() -> bool:
-    """Whether this torch's varlen_attn takes fewer k/v heads than query heads: read from its
-    signature (`enable_gqa`); without it the k/v heads are repeated first."""
+    """Whether this torch's varlen_attn takes grouped k/v heads unrepeated: its signature has
+    `enable_gqa`, or its release is one of NATIVE_GQA_TORCH. Otherwise the k/v heads are
+    repeated to the query heads first."""
     fn = _torch_varlen()
-    return fn is not None and "enable_gqa" in fn[1]
+    if fn is None:
+        return False
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return "enable_gqa" in fn[1] or release in NATIVE_GQA_TORCH
 
 
 def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale):
@@ -90,7 +100,7 @@ def _torch_varlen_call(q_THD, k_TKD, v_TKD, cu_S1, max_len, causal, scale):
     k, v = k_TKD, v_TKD
     if grouped and "enable_gqa" in params:
         kw["enable_gqa"] = True
-    elif grouped:
+    elif grouped and not torch_varlen_native_gqa():
         k, v = _repeat_kv(q_THD, k_TKD, v_TKD)
     if "scale" in params:
         kw["scale"] = scale
