@@ -18,7 +18,7 @@ Legend: S = segments, N = image tokens of the row.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,22 +78,40 @@ class VisionTables:
                          "transformers version's vision tower is not supported (tested: 5.17, 5.24)")
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class Boundaries:
-    """Everything the layers of one packed forward need about its samples.
+    """Everything the layers of one packed forward need about its samples; not changed after
+    construction.
 
     `paths` is filled by the layers with the kernel each one ran (attention, Gated-DeltaNet,
     vision tables); the forward returns it. `gdn_torch_reference` asks the Gated-DeltaNet layers
-    of an unpacked forward for transformers' torch kernels (`vlpack check`'s reference)."""
+    of an unpacked forward for transformers' torch kernels (`vlpack check`'s reference).
 
-    text: Segments | None
-    vision: VisionTables | None = None
-    image_index: torch.Tensor | None = None
-    """Row positions of the image tokens (the deepstack merge adds features there)."""
-    image_grids: tuple[tuple[int, int, int], ...] = ()
-    gdn_torch_reference: bool = False
-    paths: dict[str, str] = field(default_factory=dict)
-    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+    A plain class, not a frozen dataclass: torch.compile looks inside a frozen dataclass handed
+    to a compiled layer and guards on its fields (the host boundaries, new every row), which
+    recompiles the layer for every bin; it passes this object through untouched.
+    """
+
+    __slots__ = (
+        "_memo",
+        "gdn_torch_reference",
+        "image_grids",
+        "image_index",
+        "paths",
+        "text",
+        "vision",
+    )
+
+    def __init__(self, text: Segments | None, vision: VisionTables | None = None,
+                 image_index: torch.Tensor | None = None,
+                 image_grids: tuple[tuple[int, int, int], ...] = (),
+                 gdn_torch_reference: bool = False) -> None:
+        self.text = text
+        self.vision = vision
+        self.image_index = image_index  # row positions of the image tokens (deepstack)
+        self.image_grids = image_grids
+        self.gdn_torch_reference = gdn_torch_reference
+        self.paths: dict[str, str] = {}
+        self._memo: dict[str, Any] = {}
 
     def fla_cu(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The text boundaries as fla takes them: int64 on `device` and int64 on the host. The
