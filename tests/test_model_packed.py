@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from vlpack.data.batch import build_thd_batch
+from vlpack.families import FAMILIES
 from vlpack.model import build_model, packed_forward
-from vlpack.model.build import MODEL_CLASSES
 from vlpack.model.check import compare, isolation, run_packed, run_unpacked
 from vlpack.model.moe import RouterCapture, router_stats
 from vlpack.model.synthetic import default_mix
 
-TINY = [f"tiny-{f}" for f in MODEL_CLASSES]
+TINY = [f"tiny-{f}" for f in FAMILIES]
 
 
 @pytest.fixture(scope="module", params=TINY)
@@ -158,7 +158,7 @@ def test_stock_qwen3_5_leaks_vlpack_does_not():
     model, spec = build_model("tiny-qwen3_5", device="cpu", dtype=torch.float32)
     import transformers
 
-    stock = getattr(transformers, MODEL_CLASSES["qwen3_5"])._from_config(
+    stock = getattr(transformers, FAMILIES["qwen3_5"].hf_class)._from_config(
         model.config, attn_implementation="sdpa", dtype=torch.float32)
     stock.load_state_dict(model.state_dict())
     stock.config.use_cache = False

@@ -402,3 +402,27 @@ def test_seams_are_installed_by_class_and_survive_copy_and_pickle():
                                                 "deepstack": 1}
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert {type(m).__name__ for m in twin.modules()} >= kinds
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                  "qwen3_5_moe"])
+def test_family_registry_names_real_classes(name):
+    """Every class the registry names exists in the installed transformers, and data and model
+    agree on the family's sizes and token ids."""
+    import importlib
+
+    import transformers
+
+    from vlpack.data.tokenizer import family_spec
+    from vlpack.families import family
+
+    f = family(name)
+    assert getattr(transformers, f.hf_class)
+    mod = importlib.import_module(f.modeling_module)
+    for cls in (f.vision_attention, f.vision_tower, f.deepstack_text_model, f.gated_deltanet):
+        assert cls is None or isinstance(getattr(mod, cls), type), cls
+    spec = family_spec(name)
+    assert spec.image_pad_id == f.ids["image_token_id"] and spec.patch_size == f.patch_size
+    assert spec.vision_start_id == f.ids["vision_start_token_id"]
+    with pytest.raises(ValueError, match="not supported: vlpack runs qwen2_vl"):
+        family("llava")

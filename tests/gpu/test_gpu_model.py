@@ -12,16 +12,16 @@ import time
 import pytest
 import torch
 
+from vlpack.families import FAMILIES
 from vlpack.model import attention, gdn
 from vlpack.model.bounds import Boundaries, Segments
-from vlpack.model.build import MODEL_CLASSES
 from vlpack.model.check import check
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-TINY = [f"tiny-{f}" for f in MODEL_CLASSES]
+TINY = [f"tiny-{f}" for f in FAMILIES]
 
 
 def _docs(T=3000, cuts=(0, 17, 900, 901, 2048, 3000), H=16, K=4, D=128, seed=0):

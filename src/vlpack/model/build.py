@@ -18,20 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlpack.families import family as family_of
 from vlpack.model import attention, seams
-from vlpack.model.presets import FAMILIES, QWEN2_IDS, QWEN3_5_IDS, Preset, get_preset
+from vlpack.model.presets import Preset, get_preset
 
 logger = logging.getLogger(__name__)
-
-MODEL_CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -79,18 +70,16 @@ def preset_config(preset: Preset):
     )
 
 
-def _model_class(family: str) -> type[nn.Module]:
+def _model_class(name: str) -> type[nn.Module]:
     import transformers
 
-    if family not in MODEL_CLASSES:
-        raise ValueError(f"model_type {family!r} is not supported: vlpack runs {', '.join(FAMILIES)}")
-    return getattr(transformers, MODEL_CLASSES[family])
+    return getattr(transformers, family_of(name).hf_class)
 
 
 def _spec(name: str, config, attn: str) -> ModelSpec:
     family = config.model_type
     text, vision = config.text_config, config.vision_config
-    defaults = QWEN3_5_IDS if family.startswith("qwen3_5") else QWEN2_IDS
+    defaults = family_of(family).ids
     pad = getattr(text, "pad_token_id", None)
     if pad is None:
         pad = getattr(config, "pad_token_id", None)

@@ -22,6 +22,7 @@ from torch import nn
 
 from vlpack.data.batch import ThdBatch, shifted_labels
 from vlpack.data.types import EncodedSample
+from vlpack.families import family
 from vlpack.model import loss
 from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments, to_device
 from vlpack.model.build import ModelSpec
@@ -61,7 +62,7 @@ def boundaries(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> Boundaries
     vision = index = None
     if batch.image_grids and batch.pixel_values is not None:
         vision = vision_tables(model.model.visual, spec.family, batch.image_grids, device)
-        if spec.family.startswith("qwen3_vl"):  # the deepstack merge's positions
+        if family(spec.family).deepstack:  # the deepstack merge's positions
             index = to_device(torch.tensor(batch.image_positions, dtype=torch.long), device)
     return Boundaries(text=text, vision=vision, image_index=index,
                       image_grids=batch.image_grids)

@@ -5,7 +5,7 @@ Every preset keeps the REAL tokenizer ids of its family (vocab 151,936 for Qwen2
 Tiny presets tie the word embeddings (the vocabulary dominates their size).
 
 Real-size presets carry the official shapes with random weights. `source` names where the
-values were read; `unverified` lists values that the search tool could not confirm.
+values come from; `unverified` lists values not confirmed against a published config.
 """
 
 from __future__ import annotations
@@ -13,17 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# Token ids of the two tokenizer generations (transformers' config defaults agree).
-QWEN2_IDS = dict(
-    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-    vision_end_token_id=151653, eos_token_id=151645, pad_token_id=151643, vocab_size=151936,
-)
-QWEN3_5_IDS = dict(
-    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
-    vision_end_token_id=248054, eos_token_id=248046, pad_token_id=248044, vocab_size=248320,
-)
+from vlpack.families import FAMILIES as REGISTRY
+from vlpack.families import family
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = tuple(REGISTRY)
 
 
 @dataclass(frozen=True)
@@ -40,7 +33,7 @@ class Preset:
 
     @property
     def ids(self) -> dict[str, int]:
-        return dict(QWEN3_5_IDS if self.family.startswith("qwen3_5") else QWEN2_IDS)
+        return dict(family(self.family).ids)
 
 
 def _rope(theta: float, section: list[int], interleaved: bool, partial: float | None = None):

@@ -1,4 +1,5 @@
-"""Where vlpack plugs into transformers, family by family, installed by class at build time.
+"""Where vlpack plugs into transformers, installed by class at build time (the classes per family
+are in `vlpack.families`).
 
 Each seam is a subclass of one stock class that overrides one method (`forward`; the deepstack
 text model also its merge), made once per stock class and given to the model's instances of
@@ -13,40 +14,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
 
 from torch import nn
 
+from vlpack.families import family
 from vlpack.model import gdn
 from vlpack.model.deepstack import DeepstackTextModel
 from vlpack.model.vision import VisionAttention, VisionTower
-
-
-@dataclass(frozen=True, slots=True)
-class FamilySeams:
-    """The stock class names of one family's seams (None: the family has no such part)."""
-
-    vision_attention: str
-    vision_tower: str
-    deepstack_text_model: str | None = None
-    gated_deltanet: str | None = None
-
-
-SEAMS = {
-    "qwen2_vl": FamilySeams("VisionAttention", "Qwen2VisionTransformerPretrainedModel"),
-    "qwen2_5_vl": FamilySeams("Qwen2_5_VLVisionAttention", "Qwen2_5_VisionTransformerPretrainedModel"),
-    "qwen3_vl": FamilySeams("Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel"),
-    "qwen3_vl_moe": FamilySeams("Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel",
-                                "Qwen3VLMoeTextModel"),
-    "qwen3_5": FamilySeams("Qwen3_5VisionAttention", "Qwen3_5VisionModel",
-                           gated_deltanet="Qwen3_5GatedDeltaNet"),
-    "qwen3_5_moe": FamilySeams("Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
-                               gated_deltanet="Qwen3_5MoeGatedDeltaNet"),
-}
-
-
-def modeling_module(family: str):
-    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
 
 @functools.cache
@@ -65,13 +39,11 @@ def packed_class(stock: type, mixin: type) -> type:
     return cls
 
 
-def install(model: nn.Module, family: str) -> dict[str, int]:
-    """Give `model`'s modules of the family's seam classes their subclasses; returns how many of
-    each kind. Idempotent."""
-    if family not in SEAMS:
-        raise ValueError(f"no vlpack seams for model family {family!r}: supported are "
-                         f"{', '.join(SEAMS)}")
-    seams, mod = SEAMS[family], modeling_module(family)
+def install(model: nn.Module, name: str) -> dict[str, int]:
+    """Give `model`'s modules of family `name`'s seam classes (`vlpack.families`) their
+    subclasses; returns how many of each kind. Idempotent."""
+    seams = family(name)
+    mod = importlib.import_module(seams.modeling_module)
     pairs = {"vision_attention": (seams.vision_attention, VisionAttention),
              "vision_tower": (seams.vision_tower, VisionTower)}
     if seams.deepstack_text_model is not None:

@@ -29,21 +29,17 @@ import sys
 import torch
 from torch import nn
 
+from vlpack.families import family as family_of
 from vlpack.model import attention
 from vlpack.model.attention import TEXT_VARLEN_KWARGS
 from vlpack.model.bounds import BOUNDS_KWARG, Segments, VisionTables, to_device
-
-TOWER_KINDS = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2_5", "qwen3_vl": "qwen3",
-               "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_moe": "qwen3"}  # fmt: skip
-"""Which helpers (and arguments) each family's tower calls: Qwen2-VL position ids and segments;
-Qwen2.5-VL also its window index; Qwen3-VL and Qwen3.5 also the interpolation taps."""
 
 
 def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.device) -> VisionTables:
     """The tables `tower` would compute from `grids` ((t, h, w) per image), on the host."""
     from transformers import vision_utils as vu
 
-    kind = TOWER_KINDS[family]
+    kind = family_of(family).tower  # which helpers the tower calls, with which arguments
     grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
     host: dict = {}
     if kind == "qwen3":

@@ -1,0 +1,96 @@
+"""The six Qwen vision-language families: everything vlpack knows about each, in one place.
+
+Data (tokenizer and template, image sizes) and model (classes, seams, capabilities) read this
+table; nothing else keys on a family's name. No torch or transformers import here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QWEN2_IDS = dict(
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+    vision_end_token_id=151653, eos_token_id=151645, pad_token_id=151643, vocab_size=151936,
+)  # fmt: skip
+"""Token ids of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the released tokenizer's)."""
+QWEN3_5_IDS = dict(
+    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+    vision_end_token_id=248054, eos_token_id=248046, pad_token_id=248044, vocab_size=248320,
+)  # fmt: skip
+"""Token ids of Qwen3.5 (the published config.json files and transformers' Qwen3_5Config)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model family (its HF `model_type` is `name`)."""
+
+    name: str
+    hf_class: str
+    """transformers' `*ForConditionalGeneration` class."""
+    ids: dict
+    """Token ids and vocabulary size (QWEN2_IDS or QWEN3_5_IDS)."""
+    patch_size: int
+    tower: str
+    """Which helpers the vision tower calls: "qwen2" (position ids, segments), "qwen2_5" (and
+    the window index), "qwen3" (and the position-embedding interpolation taps)."""
+    vision_attention: str
+    vision_tower: str
+    deepstack_text_model: str | None = None
+    """The text model class with the deepstack merge (Qwen3-VL)."""
+    gated_deltanet: str | None = None
+    """The Gated-DeltaNet class (Qwen3.5)."""
+    moe: bool = False
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    default_system: str | None = None
+    """System prompt the chat template inserts when the conversation has none."""
+    think_prefix: bool = False
+    """The template writes `<think>\\n\\n</think>\\n\\n` before answers after the last user turn."""
+    trim_content: bool = False
+    """The template strips whitespace around each message's rendered content."""
+    image_norm: float | None = None
+    """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
+
+    @property
+    def modeling_module(self) -> str:
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+    @property
+    def deepstack(self) -> bool:
+        return self.deepstack_text_model is not None
+
+    @property
+    def window_attention(self) -> bool:
+        return self.tower == "qwen2_5"
+
+
+_HELPFUL = "You are a helpful assistant."
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("qwen2_vl", "Qwen2VLForConditionalGeneration", QWEN2_IDS, 14, "qwen2",
+           "VisionAttention", "Qwen2VisionTransformerPretrainedModel", default_system=_HELPFUL),
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN2_IDS, 14, "qwen2_5",
+           "Qwen2_5_VLVisionAttention", "Qwen2_5_VisionTransformerPretrainedModel",
+           default_system=_HELPFUL),
+    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
+           "Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel", image_norm=0.5),
+    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
+           "Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel", "Qwen3VLMoeTextModel", moe=True,
+           image_norm=0.5),
+    Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
+           "Qwen3_5VisionAttention", "Qwen3_5VisionModel", gated_deltanet="Qwen3_5GatedDeltaNet",
+           think_prefix=True, trim_content=True, image_norm=0.5),
+    Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
+           "Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
+           gated_deltanet="Qwen3_5MoeGatedDeltaNet", moe=True, think_prefix=True,
+           trim_content=True, image_norm=0.5),
+)}  # fmt: skip
+
+
+def family(name: str) -> Family:
+    """The `Family` called `name` (a HF model_type); a ValueError lists the supported ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"model family {name!r} is not supported: vlpack runs "
+                         f"{', '.join(FAMILIES)}") from None
