@@ -171,8 +171,8 @@ class ModelConfig:
     compilation). See docs/benchmarks.md for what it buys."""
     compile_scope: str = "layers"
     """With compile: `layers` compiles each decoder layer and vision block whole, its attention
-    call eager (fewer host launches per layer; +10% tokens/s on the 2B shape on an H200);
-    `regions` only the norm and MLP modules and the rotary functions (vlpack.model.compile)."""
+    call eager (fewer host launches per layer; docs/benchmarks/levers.md); `regions` only the
+    norm and MLP modules and the vision rotary (vlpack.model.compile)."""
 
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))

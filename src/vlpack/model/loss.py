@@ -8,8 +8,8 @@ Paths (all equal to the plain computation):
   plain   — logits = lm_head(hidden) for the label rows, then cross-entropy in fp32.
   chunked — never holds [T, vocab] logits: a custom autograd function walks the label rows in
             chunks, computes loss and both gradients chunk by chunk, and keeps only the gradients.
-  liger   — liger-kernel's fused linear cross-entropy (GPU, when importable); opt-in only: on
-            an H200 it took 112 ms where chunked took 16 ms (docs/benchmarks.md, loss paths).
+  liger   — liger-kernel's fused linear cross-entropy (GPU, when importable); opt-in only: it
+            is several times slower than chunked at the 2B shape (docs/benchmarks.md, loss paths).
   auto    — chunked.
 
 Legend: T = tokens, N = label tokens, H = hidden size, V = vocabulary, C = chunk rows.
@@ -80,8 +80,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 if half is not None:
                     # as a half-precision linear layer's weight gradient runs: the [V, H]
                     # product in that dtype (fp32 accumulation inside the GEMM), summed into
-                    # fp32 here. In fp32 it would run on CUDA cores: ~25 ms a step on an H200
-                    # under FSDP2's bf16 parameters, where no autocast applies.
+                    # fp32 here. In fp32 it would run on CUDA cores (slow) under FSDP2's bf16
+                    # parameters, where no autocast applies.
                     gw_VH.add_(grad_CV.to(half).T @ h_CH.to(half))
                 else:
                     gw_VH.addmm_(grad_CV.T, h_CH.float())

@@ -137,10 +137,10 @@ _add(Preset(
                 num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
                 hidden_act="gelu_pytorch_tanh"),
     tie_word_embeddings=True,
-    source="Qwen/Qwen3-VL-2B-Instruct config.json (repo listing found via search)",
-    unverified=("all text and vision shapes: the file's contents were not returned by search; "
-                "values follow the published Qwen3-VL-2B card (28 layers, hidden 2048, ViT "
-                "depth 24 / width 1024, deepstack 5,11,17)",),
+    source="the published Qwen3-VL-2B model card (28 layers, hidden 2048, ViT depth 24 / width "
+           "1024, deepstack 5,11,17)",
+    unverified=("all text and vision shapes: not compared with Qwen/Qwen3-VL-2B-Instruct's "
+                "config.json",),
 ))
 _add(Preset(
     "qwen3-vl-8b", "qwen3_vl",

@@ -1,10 +1,9 @@
 """Activation checkpointing, whole or partial: which decoder layers and vision blocks recompute.
 
 Full checkpointing recomputes every layer's forward in backward: about a third more compute for
-the least activation memory. Where memory allows more than that but not everything (qwen3-vl-8b
-on one H200, without optimizer states, keeps three quarters of its layers' activations at 8k
-bins, and runs 20% faster for it), `share` < 1 recomputes only the first part of each layer
-stack and keeps the rest, trading the difference for speed.
+the least activation memory. Where memory allows more than that but not everything (e.g.
+qwen3-vl-8b on one GPU at 8k bins), `share` < 1 recomputes only the first part of each layer
+stack and keeps the rest, trading the difference for speed (docs/benchmarks.md).
 
 The seam is transformers' own: `GradientCheckpointingLayer.gradient_checkpointing`, a per-layer
 flag that HF's enable call sets on every layer; we clear it on the layers that keep their

@@ -89,7 +89,7 @@ class Trainer:
         if cfg.model.compile:
             if cfg.data.packing == "none":
                 log.warning("model.compile with data.packing=none: the compiled padded step ran "
-                            "at about 0.6x the eager speed on an H200 (docs/benchmarks.md); set "
+                            "slower than the eager one (docs/benchmarks/levers.md); set "
                             "model.compile=false for padded runs")
             (compile_layers if cfg.model.compile_scope == "layers" else compile_regions)(model)
         self.model = model
