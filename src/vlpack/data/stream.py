@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vlpack.data.accounting import Skip
+from vlpack.data.admission import PACK, SKIP, Admission, BadLimits
 from vlpack.data.plan import assign_bins_to_ranks, check_algo, estimate_bin_cost
 from vlpack.data.plan_online import OnlinePlanner
 from vlpack.data.types import BadSampleError, SampleSize
@@ -26,10 +27,6 @@ from vlpack.data.types import BadSampleError, SampleSize
 SizeOrError = SampleSize | BadSampleError
 TruncateFn = Callable[[int, int], SampleSize]
 """(sample index, max tokens) → size after text-only truncation; raises BadSampleError."""
-
-
-MIN_SEEN = 100
-"""Samples seen before max_bad_fraction applies (all of them, for a smaller dataset)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +127,8 @@ class BinStream:
     describe: Callable[[int], str] | None = None
     """Name of sample i in messages (its id or file:line); default `sample #i` (0-based)."""
     account: Accounting = field(default_factory=Accounting)
-    _run: int = field(default=0, init=False, repr=False)
-    """Skipped samples in a row (for max_consecutive_bad)."""
+    _admission: Admission = field(init=False, repr=False)
+    _limits: BadLimits = field(init=False, repr=False)
     _epoch: int = field(default=0, init=False, repr=False)
     _pending: list[Skip] = field(default_factory=list, init=False, repr=False)
     """Skips not yet attached to an emitted bin."""
@@ -139,8 +136,8 @@ class BinStream:
     def __post_init__(self) -> None:
         if self.algo != "none":
             check_algo(self.algo)
-        if self.overlong not in ("error", "truncate", "skip"):
-            raise ValueError(f"overlong={self.overlong!r}: choose error, truncate or skip")
+        self._admission = Admission(self.seq_len, self.max_patches, self.overlong)
+        self._limits = BadLimits(self.max_consecutive_bad, self.max_bad_fraction, len(self.sizes))
         if self.overlong == "truncate" and self.truncate_fn is None:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
 
@@ -149,36 +146,14 @@ class BinStream:
 
     def _skip(self, i: int, reason: str, message: str) -> None:
         """Count a skipped sample; fail when the dataset looks broken rather than noisy."""
-        acc = self.account
-        acc.skipped[reason] += 1
-        self._run += 1
+        self.account.skipped[reason] += 1
         self._pending.append(Skip(i, self._epoch, reason, message))
-        if self.max_consecutive_bad is not None and self._run > self.max_consecutive_bad:
-            raise ValueError(
-                f"{self._run} bad samples in a row (last: {reason}: {message}); skipped so "
-                f"far: {dict(acc.skipped)}. Fix the data, or raise data.max_consecutive_bad"
-            )
-
-    def _check_fraction(self) -> None:
-        """Fail when more than max_bad_fraction of the samples seen were skipped, counted from
-        MIN_SEEN samples on, or from the whole dataset when it is smaller (a tiny file)."""
-        acc = self.account
-        total = sum(acc.skipped.values())
-        if (
-            self.max_bad_fraction is not None
-            and acc.seen >= min(MIN_SEEN, len(self.sizes))
-            and total > self.max_bad_fraction * acc.seen
-        ):
-            raise ValueError(
-                f"{total} of {acc.seen} samples were skipped ({dict(acc.skipped)}), more than "
-                f"data.max_bad_fraction={self.max_bad_fraction}. Fix the data (`vlpack pack` lists "
-                "the bad samples) or raise the limit"
-            )
+        self._limits.bad(reason, message, self.account.skipped)
 
     def _admit(self, i: int) -> tuple[SampleSize, int | None] | None:
         """Size to plan with and truncation cap, or None when the sample is skipped."""
         admitted = self._admit_one(i)
-        self._check_fraction()
+        self._limits.check_fraction(self.account.seen, self.account.skipped)
         return admitted
 
     def _admit_one(self, i: int) -> tuple[SampleSize, int | None] | None:
@@ -188,23 +163,13 @@ class BinStream:
             self._skip(i, size.reason, str(size))
             return None
         cap = None
-        too_many_patches = self.max_patches is not None and size.patches > self.max_patches
-        if size.tokens > self.seq_len or too_many_patches:
-            what = (
-                f"{size.tokens} tokens > seq_len {self.seq_len}"
-                if size.tokens > self.seq_len
-                else f"{size.patches} ViT patches > max_patches {self.max_patches}"
-            )
-            if self.overlong == "error":
-                raise ValueError(
-                    f"{self._name(i)} is overlong ({what}); raise the sequence length / patch budget "
-                    "(data.seq_len, data.max_patches; `vlpack pack --seq-len`), or choose the "
-                    "overlong policy truncate (text-only cut) or skip (data.overlong=truncate|skip; "
-                    "`vlpack pack --overlong`)"
-                )
-            if self.overlong == "skip" or too_many_patches:
-                self._skip(i, "overlong", f"{self._name(i)}: overlong ({what})")
-                return None
+        verdict, why = self._admission.judge(self._name(i), size.tokens, size.patches)
+        if verdict == SKIP:
+            self._skip(i, "overlong", why)
+            return None
+        if verdict == PACK:
+            self.account.packed += 1
+        else:
             try:
                 size = self.truncate_fn(i, self.seq_len)
             except BadSampleError as e:
@@ -212,9 +177,7 @@ class BinStream:
                 return None
             cap = size.tokens
             self.account.truncated += 1
-        else:
-            self.account.packed += 1
-        self._run = 0
+        self._limits.good()
         return size, cap
 
     def __iter__(self) -> Iterator[PlannedBin]:

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from vlpack.data.accounting import PACKED, TRUNCATED, Tally
+from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
-from vlpack.data.stream import MIN_SEEN
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +166,8 @@ class EnergonLoader:
 
     def _check_bad_fraction(self) -> None:
         acc = self.accounting
-        bad = sum(acc["skipped"].values())
-        limit = self.max_bad_fraction
-        if limit is not None and acc["samples"] >= MIN_SEEN and bad > limit * acc["samples"]:
-            raise ValueError(
-                f"{bad} of {acc['samples']} samples were skipped ({acc['skipped']}), more than "
-                f"data.max_bad_fraction={limit}. Fix the data or raise the limit"
-            )
+        BadLimits(max_bad_fraction=self.max_bad_fraction).check_fraction(acc["samples"],
+                                                                         acc["skipped"])
 
     @property
     def accounting(self) -> dict:

@@ -38,6 +38,7 @@ from megatron.energon import (
 )
 from megatron.energon.errors import FatalSampleError
 
+from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitError
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.plan import check_algo
 from vlpack.data.plan_online import OnlinePlanner
@@ -137,8 +138,8 @@ class QwenVLTaskEncoder(TaskEncoder):
         max_consecutive_bad: int | None = None,
     ):
         check_algo(algo)
-        if overlong not in ("error", "truncate", "skip"):
-            raise ValueError(f"overlong={overlong!r}: choose error, truncate or skip")
+        self._admission = Admission(seq_len, max_patches, overlong)
+        self._limits = BadLimits(max_consecutive_bad)
         if seq_len % pad_to_multiple_of:
             raise ValueError(f"seq_len={seq_len} must be a multiple of pad_to_multiple_of="
                              f"{pad_to_multiple_of}")  # fmt: skip
@@ -146,7 +147,6 @@ class QwenVLTaskEncoder(TaskEncoder):
         self.max_patches, self.mult, self.total_len = max_patches, pad_to_multiple_of, total_len
         self.overlong, self.seed, self.pad_token_id = overlong, seed, pad_token_id
         self.merge, self.max_consecutive_bad = spatial_merge_size, max_consecutive_bad
-        self._bad_run = 0
 
     # ------------------------------------------------------------------ stage 2: encode
 
@@ -159,7 +159,7 @@ class QwenVLTaskEncoder(TaskEncoder):
             log.warning("skipping sample (%s): %s", e.reason, e)
             self._count_bad(e)
             return EncodedEnergonSample.derive_from(sample, encoded=None, status=e.reason)
-        self._bad_run = 0
+        self._limits.good()
         return EncodedEnergonSample.derive_from(sample, encoded=encoded, status=status)
 
     def _encode(self, sample: ConversationSample) -> EncodedSample:
@@ -177,29 +177,22 @@ class QwenVLTaskEncoder(TaskEncoder):
             return self.encoder.encode(parse_record(record, base_dir=tmp, key=key))
 
     def _admit(self, sample: EncodedSample) -> tuple[EncodedSample, str]:
-        """The overlong policy of the JSONL path (`BinStream._admit`), on an encoded sample."""
-        tokens, patches = len(sample), sample.num_patches
-        too_many_patches = self.max_patches is not None and patches > self.max_patches
-        if tokens <= self.seq_len and not too_many_patches:
+        """The overlong policy of the JSONL path (`admission.Admission`), on an encoded sample."""
+        try:
+            verdict, why = self._admission.judge(sample.key, len(sample), sample.num_patches)
+        except DataLimitError as e:
+            raise FatalSampleError(str(e)) from None
+        if verdict == SKIP:
+            raise BadSampleError("overlong", why)
+        if verdict == PACK:
             return sample, PACKED
-        what = (f"{tokens} tokens > seq_len {self.seq_len}" if tokens > self.seq_len
-                else f"{patches} ViT patches > max_patches {self.max_patches}")  # fmt: skip
-        if self.overlong == "error":
-            raise FatalSampleError(
-                f"sample {sample.key} is overlong ({what}); raise data.seq_len / data.max_patches, "
-                "or set data.overlong=truncate (text-only cut) or data.overlong=skip"
-            )
-        if self.overlong == "skip" or too_many_patches:
-            raise BadSampleError("overlong", f"{sample.key}: overlong ({what})")
         return self.encoder.truncate(sample, self.seq_len), TRUNCATED
 
     def _count_bad(self, e: BadSampleError) -> None:
-        self._bad_run += 1
-        if self.max_consecutive_bad is not None and self._bad_run > self.max_consecutive_bad:
-            raise FatalSampleError(
-                f"{self._bad_run} bad samples in a row (last: {e.reason}: {e}). Fix the data, "
-                "or raise data.max_consecutive_bad"
-            )
+        try:  # the run of bad samples this worker has seen (Energon's workers run apart)
+            self._limits.bad(e.reason, str(e), {})
+        except DataLimitError as err:
+            raise FatalSampleError(str(err)) from None
 
     # ------------------------------------------------------------------ stage 3: select
 

@@ -1,0 +1,43 @@
+"""The one admission policy: overlong samples and bad-sample limits, worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlpack.data.admission import PACK, SKIP, TRUNCATE, Admission, BadLimits, DataLimitError
+
+
+def test_overlong_policy_by_hand() -> None:
+    a = Admission(seq_len=100, max_patches=50, overlong="truncate")
+    assert a.judge("s", 100, 50) == (PACK, "")
+    assert a.judge("s", 101, 10) == (TRUNCATE, "101 tokens > seq_len 100")
+    # too many patches cannot be cut away: skipped even under truncate
+    assert a.judge("s", 90, 51) == (SKIP, "s: overlong (51 ViT patches > max_patches 50)")
+    assert Admission(100, overlong="skip").judge("d.jsonl:3", 150, 0) == (
+        SKIP, "d.jsonl:3: overlong (150 tokens > seq_len 100)")
+    with pytest.raises(DataLimitError, match=r"^d\.jsonl:3 is overlong \(150 tokens > seq_len "
+                                              r"100\).*data\.overlong=truncate\|skip"):
+        Admission(100).judge("d.jsonl:3", 150, 0)
+    with pytest.raises(ValueError, match="choose error, truncate or skip"):
+        Admission(100, overlong="drop")
+
+
+def test_bad_limits_by_hand() -> None:
+    run = BadLimits(max_consecutive_bad=2)
+    run.bad("x", "a", {"x": 1})
+    run.bad("x", "b", {"x": 2})
+    run.good()  # a good sample ends the run
+    run.bad("x", "c", {"x": 3})
+    run.bad("x", "d", {"x": 4})
+    with pytest.raises(DataLimitError, match=r"3 bad samples in a row \(last: x: e\).*"
+                                             r"data\.max_consecutive_bad"):
+        run.bad("x", "e", {"x": 5})
+    share = BadLimits(max_bad_fraction=0.25, dataset_size=8)
+    share.check_fraction(7, {"x": 7})  # fewer than all 8 of a tiny dataset: not judged yet
+    share.check_fraction(8, {"x": 2})  # 2 of 8 = 0.25: not more than the limit
+    with pytest.raises(DataLimitError, match=r"3 of 8 samples were skipped.*max_bad_fraction=0\.25"):
+        share.check_fraction(8, {"x": 3})
+    big = BadLimits(max_bad_fraction=0.25)  # size unknown (Energon): judged from 100 on
+    big.check_fraction(99, {"x": 99})
+    with pytest.raises(DataLimitError):
+        big.check_fraction(100, {"x": 26})
