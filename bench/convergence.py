@@ -35,10 +35,10 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.build import build_model
 from vlpack.model.presets import get_preset, reduced_depth
-from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import DistInfo
+from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.plot import plot_runs
 from vlpack.train.step import optimizer_step
 
@@ -80,12 +80,13 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
         name = reduced_depth(name, args.layers)
     model, spec = build_model(name, backend="auto" if args.mode == "packed" else "sdpa",
                               dtype=torch.float32, device=device, seed=cfg.train.seed)
-    if cfg.model.activation_checkpointing:
-        enable_activation_checkpointing(model, cfg.model.checkpoint_share)
     module = TrainModule(model, spec, loss_method="chunked" if cfg.model.chunked_loss else "plain")
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    parallelize(model, module, info, Parallelism(  # the trainer's preparation, one GPU, eager
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        checkpoint_share=cfg.model.checkpoint_share))
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
     sched = build_scheduler(opt, cfg.optim, len(bins))
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     run = Path(args.out) / args.mode
     run.mkdir(parents=True, exist_ok=True)
     data = torch.utils.data.DataLoader(

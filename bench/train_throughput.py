@@ -51,13 +51,13 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
-from vlpack.model.compile import EAGER_SUFFIXES, compile_layers, compile_regions
+from vlpack.model.compile import EAGER_SUFFIXES
 from vlpack.model.presets import get_preset, reduced_depth
-from vlpack.model.recompute import enable_activation_checkpointing
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
-from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
+from vlpack.train.parallel import DistInfo
+from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.profile import StepProfiler, count_host_syncs
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
@@ -174,19 +174,18 @@ def run_mode(mode: str, args, samples, device) -> dict:
     backend = "auto" if mode == "vlpack_packed" else "sdpa"
     model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
                               device=device, seed=0)
-    if args.activation_checkpointing:
-        enable_activation_checkpointing(model, args.checkpoint_share)
-    if args.compile_layers:
-        traced = ("VisionAttention",) if args.trace_vision_attention else ()
-        compile_layers(model, eager=tuple(s for s in EAGER_SUFFIXES if s not in traced))
-    elif args.compile:
-        compile_regions(model)
     module = TrainModule(model, spec, loss_method=args.loss)
-    if args.bf16_params:  # what `train.fsdp=always` does: FSDP2 on one rank, bf16 compute weights
-        info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-        ensure_process_group(info)
-        apply_fsdp(module if mode.startswith("vlpack") else model, model, info,
-                   param_dtype=torch.bfloat16)
+    traced = ("VisionAttention",) if args.trace_vision_attention else ()
+    # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
+    # one rank, bf16 compute weights
+    parallelize(model, module if mode.startswith("vlpack") else model,
+                DistInfo(rank=0, world_size=1, local_rank=0, device=device), Parallelism(
+                    activation_checkpointing=args.activation_checkpointing,
+                    checkpoint_share=args.checkpoint_share,
+                    compile_scope="layers" if args.compile_layers else
+                    "regions" if args.compile else None,
+                    eager=tuple(s for s in EAGER_SUFFIXES if s not in traced),
+                    fsdp=args.bf16_params, param_dtype=torch.bfloat16))
     opt = build_optimizer(model.parameters(), argparse.Namespace(
         lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
     ) if args.optimizer else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.padded import PaddedBatch, build_padded_batch
@@ -226,3 +227,52 @@ class PackedLoader:
     def load_state_dict(self, state: dict) -> None:
         self.consumed = int(state["consumed"])
         self.tally = Tally.from_state(state.get("tally", {}))
+
+
+def build_loaders(
+    d: DataConfig, encoder, *, seed: int, rank: int = 0, world_size: int = 1, per_round: int = 1,
+    pad_token_id: int, spatial_merge_size: int, pin_memory: bool = False, progress: bool = False,
+):
+    """The training loader of this rank (endless) and the evaluation loader (one pass over the
+    held-out `data.eval_samples` at the end of the dataset, or None), from `data.*`."""
+    import logging
+
+    if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
+        from vlpack.data.energon.loader import EnergonLoader
+
+        if d.eval_samples and rank == 0:
+            logging.getLogger("vlpack.data").warning(
+                "data.eval_samples=%d is ignored with data.source=energon (no held-out split)",
+                d.eval_samples)
+        return EnergonLoader(
+            d.path, encoder, seq_len=d.seq_len, packing=d.packing,
+            packing_buffer_size=d.packing_buffer_size or d.buffer_size,
+            max_patches=d.max_patches, pad_to_multiple_of=d.pad_to_multiple_of,
+            overlong=d.overlong, seed=seed, shuffle=d.shuffle,
+            shuffle_buffer_size=d.shuffle_buffer_size, num_workers=d.num_workers,
+            rank=rank, world_size=world_size, pad_token_id=pad_token_id,
+            spatial_merge_size=spatial_merge_size, max_consecutive_bad=d.max_consecutive_bad,
+            max_bad_fraction=d.max_bad_fraction,
+        ), None
+    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples)
+    if d.eval_samples >= len(items):
+        raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
+                         f"(the dataset has {len(items)}): lower data.eval_samples")
+    n_train = len(items) - d.eval_samples
+    sizes = measure_all(items, encoder, progress=progress)
+    common = dict(
+        seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
+        buffer_size=d.buffer_size, max_patches=d.max_patches,
+        pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong, seed=seed,
+        max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
+        rank=rank, world_size=world_size, pad_token_id=pad_token_id,
+        spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
+        total_len=d.seq_len if d.pad_to_seq_len else None,
+    )
+    train = PackedLoader(items[:n_train], encoder, sizes=sizes[:n_train], shuffle=d.shuffle,
+                         epochs=None, num_workers=d.num_workers, per_round=per_round, **common)
+    evl = None
+    if d.eval_samples:
+        evl = PackedLoader(items[n_train:], encoder, sizes=sizes[n_train:], shuffle=False,
+                           epochs=1, per_round=1, **common)
+    return train, evl

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from vlpack.config import Config, load_config, save_config
 from vlpack.data.accounting import Tally
-from vlpack.data.loader import PackedLoader, measure_all, open_dataset
+from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
 from vlpack.train.flops import flop_model, peak_flops
@@ -40,12 +40,11 @@ from vlpack.train.parallel import (
     DistInfo,
     all_gather_object,
     all_reduce,
-    apply_fsdp,
     barrier,
-    ensure_process_group,
     init_distributed,
     shutdown,
 )
+from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.plot import plot_runs
 from vlpack.train.profile import StepProfiler
 from vlpack.train.step import StepResult, optimizer_step
@@ -69,8 +68,6 @@ class Trainer:
     def __init__(self, cfg: Config, info: DistInfo | None = None):
         from vlpack.data.encode import Encoder
         from vlpack.model.build import build_model
-        from vlpack.model.compile import compile_layers, compile_regions
-        from vlpack.model.recompute import enable_activation_checkpointing
 
         self.cfg = cfg
         self.info = info or init_distributed()
@@ -82,28 +79,27 @@ class Trainer:
             cfg.model.name, backend=backend, dtype=torch.float32, device=self.info.device,
             seed=cfg.train.seed, random_init=cfg.model.init == "random",
         )
-        freeze(model, vision=cfg.model.freeze_vision, merger=cfg.model.freeze_merger,
-               llm=cfg.model.freeze_llm)
-        if cfg.model.activation_checkpointing:
-            enable_activation_checkpointing(model, cfg.model.checkpoint_share)
-        if cfg.model.compile:
-            if cfg.data.packing == "none":
-                log.warning("model.compile with data.packing=none: the compiled padded step ran "
-                            "slower than the eager one (docs/benchmarks/levers.md); set "
-                            "model.compile=false for padded runs")
-            (compile_layers if cfg.model.compile_scope == "layers" else compile_regions)(model)
+        if cfg.model.compile and cfg.data.packing == "none":
+            log.warning("model.compile with data.packing=none: the compiled padded step ran "
+                        "slower than the eager one (docs/benchmarks/levers.md); set "
+                        "model.compile=false for padded runs")
         self.model = model
         self.flops = flop_model(model)
-        self.autocast = _autocast_dtype(cfg, self.info.device)
         self.module = TrainModule(
             model, self.spec, touch_vision=self.info.distributed,
             loss_method="chunked" if cfg.model.chunked_loss else "plain",
         )
-        if self.info.distributed or cfg.train.fsdp == "always":
-            ensure_process_group(self.info)
-            apply_fsdp(self.module, model, self.info, param_dtype=self.autocast,
-                       reduce_dtype=getattr(torch, cfg.train.reduce_dtype),
-                       reshard_after_forward=cfg.train.reshard_after_forward)
+        self.autocast = _autocast_dtype(cfg, self.info.device)
+        m, t = cfg.model, cfg.train
+        sharded = parallelize(model, self.module, self.info, Parallelism(
+            freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
+            activation_checkpointing=m.activation_checkpointing,
+            checkpoint_share=m.checkpoint_share,
+            compile_scope=m.compile_scope if m.compile else None,
+            fsdp=self.info.distributed or t.fsdp == "always", param_dtype=self.autocast,
+            reduce_dtype=getattr(torch, t.reduce_dtype),
+            reshard_after_forward=t.reshard_after_forward))
+        if sharded:
             self.autocast = None  # FSDP's mixed-precision policy casts instead
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type)
@@ -152,49 +148,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def _loaders(self) -> tuple[PackedLoader, PackedLoader | None]:
-        d, t = self.cfg.data, self.cfg.train
-        if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
-            from vlpack.data.energon.loader import EnergonLoader
-
-            if d.eval_samples and self.info.is_main:
-                log.warning("data.eval_samples=%d is ignored with data.source=energon (no "
-                            "held-out split)", d.eval_samples)
-            return EnergonLoader(
-                d.path, self.encoder, seq_len=d.seq_len, packing=d.packing,
-                packing_buffer_size=d.packing_buffer_size or d.buffer_size,
-                max_patches=d.max_patches, pad_to_multiple_of=d.pad_to_multiple_of,
-                overlong=d.overlong, seed=t.seed, shuffle=d.shuffle,
-                shuffle_buffer_size=d.shuffle_buffer_size, num_workers=d.num_workers,
-                rank=self.info.rank, world_size=self.info.world_size,
-                pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
-                max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
-            ), None
-        items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples)
-        if d.eval_samples >= len(items):
-            raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
-                             f"(dataset has {len(items)})")
-        n_train = len(items) - d.eval_samples
-        sizes = measure_all(items, self.encoder, progress=t.progress and self.info.is_main)
-        common = dict(
-            seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
-            buffer_size=d.buffer_size, max_patches=d.max_patches,
-            pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong, seed=t.seed,
-            max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
-            rank=self.info.rank, world_size=self.info.world_size,
+    def _loaders(self):
+        t = self.cfg.train
+        return build_loaders(
+            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.rank,
+            world_size=self.info.world_size,
+            per_round=t.micro_batches if t.tokens_per_step is None else 1,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
-            pin_memory=self.info.device.type == "cuda",
-            total_len=d.seq_len if d.pad_to_seq_len else None,
-        )
-        train = PackedLoader(items[:n_train], self.encoder, sizes=sizes[:n_train],
-                             shuffle=d.shuffle, epochs=None, num_workers=d.num_workers,
-                             per_round=t.micro_batches if t.tokens_per_step is None else 1,
-                             **common)
-        evl = None
-        if d.eval_samples:
-            evl = PackedLoader(items[n_train:], self.encoder, sizes=sizes[n_train:],
-                               shuffle=False, epochs=1, per_round=1, **common)
-        return train, evl
+            pin_memory=self.info.device.type == "cuda", progress=t.progress and self.info.is_main)
 
     def _next_micro_batches(self, it) -> list:
         """This step's micro-batches; with a token budget every rank takes another one while

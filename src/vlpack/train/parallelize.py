@@ -1,0 +1,56 @@
+"""One order for making a built model trainable: freeze → activation checkpointing → compile →
+FSDP2. The trainer and the benchmarks call `parallelize`, so a benchmark's figures come from the
+model `vlpack train` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlpack.train.module import freeze
+from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
+
+
+@dataclass(frozen=True, slots=True)
+class Parallelism:
+    """How to prepare the model (the `model.*` and `train.fsdp*` settings of a run)."""
+
+    freeze_vision: bool = False
+    freeze_merger: bool = False
+    freeze_llm: bool = False
+    activation_checkpointing: bool = False
+    checkpoint_share: float = 1.0
+    compile_scope: str | None = None
+    """`layers`, `regions`, or None (eager)."""
+    eager: tuple[str, ...] | None = None
+    """With `layers`: class-name endings kept eager (None: model.compile's EAGER_SUFFIXES)."""
+    fsdp: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: bool = True
+
+
+def parallelize(model: nn.Module, root: nn.Module, info: DistInfo, p: Parallelism) -> bool:
+    """Apply `p` to the HF `model` in place; FSDP2 shards its blocks and `root` (the module whose
+    forward runs a micro-batch). Returns whether FSDP2 was applied."""
+    from vlpack.model.compile import EAGER_SUFFIXES, compile_layers, compile_regions
+    from vlpack.model.recompute import enable_activation_checkpointing
+
+    freeze(model, vision=p.freeze_vision, merger=p.freeze_merger, llm=p.freeze_llm)
+    if p.activation_checkpointing:
+        enable_activation_checkpointing(model, p.checkpoint_share)
+    if p.compile_scope == "layers":
+        compile_layers(model, eager=EAGER_SUFFIXES if p.eager is None else p.eager)
+    elif p.compile_scope == "regions":
+        compile_regions(model)
+    elif p.compile_scope is not None:
+        raise ValueError(f"compile scope {p.compile_scope!r}: use layers, regions or None")
+    if not p.fsdp:
+        return False
+    ensure_process_group(info)
+    apply_fsdp(root, model, info, param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
+               reshard_after_forward=p.reshard_after_forward)
+    return True
