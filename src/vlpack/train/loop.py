@@ -432,6 +432,7 @@ class Trainer:
 
     def _finish(self, out_dir: Path) -> dict[str, Any]:
         acc = self.accounting()
+        barrier(self.info)  # no rank leaves for teardown while another is still in the gather
         summary = {
             "steps": self.step, "samples": self.totals["samples"], "truncated": acc["truncated"],
             "skipped": acc["skipped"], "epochs": acc["epochs"], "real_tokens": self.totals["real_tokens"],
