@@ -94,7 +94,6 @@ class Boundaries:
     __slots__ = (
         "_memo",
         "gdn_torch_reference",
-        "image_grids",
         "image_index",
         "paths",
         "text",
@@ -103,12 +102,10 @@ class Boundaries:
 
     def __init__(self, text: Segments | None, vision: VisionTables | None = None,
                  image_index: torch.Tensor | None = None,
-                 image_grids: tuple[tuple[int, int, int], ...] = (),
                  gdn_torch_reference: bool = False) -> None:
         self.text = text
         self.vision = vision
         self.image_index = image_index  # row positions of the image tokens (deepstack)
-        self.image_grids = image_grids
         self.gdn_torch_reference = gdn_torch_reference
         self.paths: dict[str, str] = {}
         self._memo: dict[str, Any] = {}

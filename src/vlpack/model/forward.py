@@ -64,8 +64,7 @@ def boundaries(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> Boundaries
         vision = vision_tables(model.model.visual, spec.family, batch.image_grids, device)
         if family(spec.family).deepstack:  # the deepstack merge's positions
             index = to_device(torch.tensor(batch.image_positions, dtype=torch.long), device)
-    return Boundaries(text=text, vision=vision, image_index=index,
-                      image_grids=batch.image_grids)
+    return Boundaries(text=text, vision=vision, image_index=index)
 
 
 def packed_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> dict:
