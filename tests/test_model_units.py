@@ -268,25 +268,20 @@ def test_fla_gets_one_boundary_tensor_pair_per_forward():
     assert gdn._fla_bounds(fla_fn, segs, bounds, "meta")["cu_seqlens"].device.type == "meta"
 
 
-def test_gdn_dispatch_is_inactive_outside_vlpack_modules():
-    """Stock models in the same process keep the stock kernel (5.23+: it raises on cu_seqlens;
-    5.17: it computes without boundaries): vlpack's dispatcher must not change that."""
-    build_model("tiny-qwen3_5", device="cpu")  # installs the module-level dispatchers
+def test_gdn_seam_leaves_transformers_untouched():
+    """Building a packed Qwen3.5 changes the classes of its own GDN modules only: the modeling
+    module's functions stay transformers' own, and a stock GDN module built afterwards keeps
+    the stock class and forward."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    dispatcher = m.torch_chunk_gated_delta_rule
-    assert getattr(dispatcher, "_vlpack", False)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(3))
-    kw = dict(g=-torch.rand(1, 8, 2, generator=g), beta=torch.rand(1, 8, 2, generator=g),
-              use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, 4, 8]))
-    try:
-        want = dispatcher.__wrapped__(q, k, v, **kw)[0]
-    except ValueError:
-        with pytest.raises(ValueError):
-            dispatcher(q, k, v, **kw)
-        return
-    assert torch.equal(dispatcher(q, k, v, **kw)[0], want)
+    before = (m.causal_conv1d_fn, m.torch_chunk_gated_delta_rule, m.Qwen3_5GatedDeltaNet.forward)
+    model, _ = build_model("tiny-qwen3_5", device="cpu")
+    assert (m.causal_conv1d_fn, m.torch_chunk_gated_delta_rule,
+            m.Qwen3_5GatedDeltaNet.forward) == before
+    layers = [x for x in model.modules() if isinstance(x, m.Qwen3_5GatedDeltaNet)]
+    assert layers and all(isinstance(x, gdn.GatedDeltaNet) for x in layers)
+    stock = m.Qwen3_5GatedDeltaNet(model.config.text_config, 0)
+    assert type(stock) is m.Qwen3_5GatedDeltaNet
 
 
 # --- loss -----------------------------------------------------------------------------------------

@@ -35,18 +35,17 @@ class Mutation:
     margin: float | None = None  # the fp32 contract's logit error must exceed margin x tol
 
 
-GDN_PER_SEGMENT = """        outs = [
-            torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                     chunk_size=chunk_size, **common)[0]
-            for s, e in itertools.pairwise(segs.host)
-        ]"""
-GDN_CARRIES_STATE = """        outs, state = [], None
-        for s, e in itertools.pairwise(segs.host):
-            o, state = torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e],
-                                beta=beta[:, s:e], chunk_size=chunk_size, initial_state=state,
-                                output_final_state=True,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-            outs.append(o)"""
+GDN_PER_SEGMENT = """    outs = [
+        torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                 use_qk_l2norm_in_kernel=True)[0]
+        for s, e in itertools.pairwise(segs.host)
+    ]"""
+GDN_CARRIES_STATE = """    outs, state = [], None
+    for s, e in itertools.pairwise(segs.host):
+        o, state = torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e],
+                            beta=beta[:, s:e], initial_state=state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+        outs.append(o)"""
 
 MUTATIONS = [
     Mutation("labels shifted by two instead of one", "data/batch.py",

@@ -128,18 +128,14 @@ def test_fla_conv_equals_segment_reference():
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
 def test_fla_delta_rule_forward_rule():
     """fla's chunk_gated_delta_rule with cu_seqlens (bf16) vs the per-segment torch reference."""
-    from vlpack.model import build_model
-
-    build_model("tiny-qwen3_5", device="cuda")  # installs the dispatchers
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    raw = m.torch_chunk_gated_delta_rule.__wrapped__.__wrapped__
+    raw = m.torch_chunk_gated_delta_rule.__wrapped__
     g = torch.Generator(device="cuda").manual_seed(0)
-    T, Hk, Hv, D = 700, 4, 4, 64  # the GDN module repeats key heads to the value heads
-    q, k = (torch.randn(1, T, Hk, D, device="cuda", generator=g) for _ in range(2))
-    v = torch.randn(1, T, Hv, D, device="cuda", generator=g)
-    decay = -torch.rand(1, T, Hv, device="cuda", generator=g)
-    beta = torch.rand(1, T, Hv, device="cuda", generator=g)
+    T, H, D = 700, 4, 64  # the GDN module repeats key heads to the value heads
+    q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=g) for _ in range(3))
+    decay = -torch.rand(1, T, H, device="cuda", generator=g)
+    beta = torch.rand(1, T, H, device="cuda", generator=g)
     cu = torch.tensor([0, 3, 300, 301, 700], device="cuda")
 
     def segments(q, k, v, beta):
@@ -152,9 +148,8 @@ def test_fla_delta_rule_forward_rule():
     plain = segments(qb, kb, vb, bb)
     bounds = Boundaries(text=Segments.from_host(tuple(cu.tolist()), torch.device("cuda")))
     with torch.no_grad():
-        fast = m.torch_chunk_gated_delta_rule(qb, kb, vb, g=decay, beta=bb,
-                                              use_qk_l2norm_in_kernel=True,
-                                              vlpack_bounds=bounds)[0].float()
+        fast = gdn.segment_delta_rule(qb, kb, vb, decay, bb, bounds.text, bounds,
+                                      torch_fn=raw).float()
     assert bounds.paths["gdn.delta_rule"].startswith("fla")
     err_fast, err_plain = (fast - ref).abs().max(), (plain - ref).abs().max()
     assert err_fast <= 2 * err_plain + 1e-3, (err_fast, err_plain)

@@ -1,21 +1,20 @@
 """Boundary-aware Gated-DeltaNet (Qwen3.5 linear-attention layers) for packed rows.
 
-transformers' GDN forward calls two functions of its modeling module: `causal_conv1d_fn` (the
-short causal conv) and `torch_chunk_gated_delta_rule`, and hands both the forward's keyword
-arguments, vlpack's `Boundaries` (`vlpack_bounds`) among them. Their stock implementations
-cannot keep samples apart: the torch conv silently mixes neighbours across a boundary, the torch
-delta rule raises. vlpack replaces the two module functions with dispatchers (`patch_modules`,
-at build time). A dispatcher called with the forward's Boundaries restarts at every segment:
+`GatedDeltaNet` is the seam: a mixin over transformers' GDN class (one subclass per family,
+installed by class in seams.py) whose `forward` restarts the short causal conv and the recurrent
+delta-rule state at every boundary of the forward's `Boundaries`:
   GPU + fla importable + half precision → fla's `causal_conv1d` / `chunk_gated_delta_rule`
                                           with `cu_seqlens`;
-  otherwise → the torch reference run once per segment (exact, slower; said once).
-Called without Boundaries (a stock model in the same process, an unpacked sample) it calls the
-stock function unchanged; with `Boundaries(text=None, gdn_torch_reference=True)` it calls
-transformers' torch kernels even where fla is importable (`vlpack check`'s reference).
+  otherwise → a per-segment torch conv and transformers' torch delta rule once per segment
+              (exact, slower; said once).
+The projections, gates and norm are the stock forward's, op for op (the CPU suite compares the
+packed forward with the stock one sample at a time). Called without Boundaries (a stock model,
+an unpacked sample) the subclass runs the stock forward unchanged. `Boundaries(text=None,
+gdn_torch_reference=True)` asks for transformers' torch kernels on the whole row where fla is
+importable (the stock forward would pick fla there): `vlpack check`'s reference.
 
-This is the one place vlpack replaces names inside transformers (docs/model.md says why: the
-GDN forward differs between supported transformers versions, so a subclass would restate
-version-specific arithmetic, and transformers' own kernel seam needs the hub `kernels` package).
+transformers' own kernel seam for these functions (`use_kernelized_func`) needs the hub
+`kernels` package, which vlpack does not use (no downloads at run time).
 
 fla 0.6.0 refuses the backward of its gated delta rule on Hopper with Triton 3.4-3.7.0 (wrong
 results, fla #640) unless tilelang is installed; vlpack then runs the delta rule with the
@@ -31,6 +30,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -111,9 +111,9 @@ def _use_fla(x: torch.Tensor) -> bool:
 
 # --- short causal conv --------------------------------------------------------------------------
 def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segments, *,
-                   bounds: Boundaries | None = None):
+                   bounds: Boundaries | None = None, torch_only: bool = False):
     """Causal depthwise conv that restarts at every boundary of `segs` (B must be 1); the
-    kernel's name lands in `bounds.paths` when given."""
+    kernel's name lands in `bounds.paths` when given. `torch_only` keeps fla out."""
     from transformers.activations import ACT2FN
 
     B, C, T = x_BCT.shape
@@ -121,7 +121,7 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segme
         raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
     segs.check(T, "Gated-DeltaNet")
     paths = bounds.paths if bounds is not None else {}
-    if _use_fla(x_BCT):
+    if not torch_only and _use_fla(x_BCT):
         paths["gdn.conv"] = "fla causal_conv1d (cu_seqlens)"
         conv = _fla()[0]
         y_BTC, _ = conv(x_BCT.transpose(1, 2).contiguous(), weight=weight_CW, bias=bias_C,
@@ -141,83 +141,95 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segme
     return y.to(x_BCT.dtype)
 
 
-def _conv_dispatch(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        bounds = kwargs.pop(BOUNDS_KWARG, None)
-        if bounds is None or bounds.text is None:
-            fn = _torch_kernel(original) if bounds is not None and bounds.gdn_torch_reference \
-                else original
-            return fn(hidden_states, weight, bias, activation=activation, **kwargs)
-        if kwargs.get("seq_idx") is not None:
-            raise ValueError("pass boundaries as vlpack's Boundaries, not seq_idx")
-        return segment_conv1d(hidden_states, weight, bias, activation, bounds.text, bounds=bounds)
-
-    causal_conv1d_fn._vlpack = True
-    return causal_conv1d_fn
-
-
 # --- gated delta rule ---------------------------------------------------------------------------
-def _gdr_dispatch(original: Callable) -> Callable:
-    torch_fn = getattr(original, "__wrapped__", None)
+def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Boundaries, *,
+                       torch_fn: Callable, torch_only: bool = False) -> torch.Tensor:
+    """The chunked gated delta rule over a packed row [1, T, H, D] (q/k already repeated to the
+    value heads), its recurrent state restarted at every boundary of `segs`; q and k are
+    L2-normalised in the kernel. `torch_fn` is transformers' torch kernel (the per-segment path);
+    `torch_only` keeps fla out."""
+    B, T = query.shape[:2]
+    if B != 1:
+        raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
+    segs.check(T, "Gated-DeltaNet")
+    use_fla = not torch_only and _use_fla(query)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, g, beta))
+    if use_fla and needs_grad and not fla_delta_rule_backward_ok():
+        warnings.warn("vlpack: fla's gated-delta-rule backward is disabled on this GPU/Triton "
+                      "(Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
+                      ">= 3.7.1); the delta rule runs per segment in torch", stacklevel=2)
+    elif use_fla:
+        bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
+        gdr = _fla()[1]
+        out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                     **_fla_bounds(gdr, segs, bounds, query.device))
+        return out
+    bounds.paths["gdn.delta_rule"] = "per-segment torch chunk_gated_delta_rule"
+    outs = [
+        torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                 use_qk_l2norm_in_kernel=True)[0]
+        for s, e in itertools.pairwise(segs.host)
+    ]
+    return torch.cat(outs, dim=1)
 
-    @functools.wraps(original)
-    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
-                                     initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        common = dict(initial_state=initial_state, output_final_state=output_final_state,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        bounds = kwargs.pop(BOUNDS_KWARG, None)
-        if bounds is None or bounds.text is None:
-            fn = _torch_kernel(original) if bounds is not None and bounds.gdn_torch_reference \
-                else original
-            return fn(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
-                      cu_seqlens=cu_seqlens, **common, **kwargs)
-        B, T = query.shape[:2]
-        if B != 1:
-            raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
-        if initial_state is not None or output_final_state:
+
+def _stock_function(stock: type, name: str) -> Callable:
+    """transformers' pure-torch `name` of the modeling module that defines `stock`."""
+    fn = getattr(sys.modules[stock.__module__], name, None)
+    if fn is None:
+        raise ValueError(f"{stock.__module__} has no {name}: this transformers version's "
+                         "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)")
+    return _torch_kernel(fn)
+
+
+class GatedDeltaNet:
+    """Mixin over a transformers Gated-DeltaNet class (`_vlpack_stock`): the packed forward."""
+
+    _vlpack_stock: type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        bounds: Boundaries | None = kwargs.pop(BOUNDS_KWARG, None)
+        reference = bounds is not None and bounds.text is None and bounds.gdn_torch_reference \
+            and _fla() is not None
+        if bounds is None or (bounds.text is None and not reference):
+            return super().forward(hidden_states, *args, **kwargs)
+        if args or kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
             raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
                              "use_cache=False")
-        segs = bounds.text
-        segs.check(T, "Gated-DeltaNet")
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, g, beta))
-        if _use_fla(query) and needs_grad and not fla_delta_rule_backward_ok():
-            warnings.warn("vlpack: fla's gated-delta-rule backward is disabled on this GPU/Triton "
-                          "(Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
-                          ">= 3.7.1); the delta rule runs per segment in torch", stacklevel=2)
-        elif _use_fla(query):
-            bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
-            gdr = _fla()[1]
-            out, _ = gdr(query, key, value, g=g, beta=beta,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         **_fla_bounds(gdr, segs, bounds, query.device))
-            return out, None
-        if torch_fn is None:
-            raise ValueError("cannot find transformers' torch gated-delta-rule to run per "
-                             "segment; install fla (fla-core + flash-linear-attention)")
-        bounds.paths["gdn.delta_rule"] = "per-segment torch chunk_gated_delta_rule"
-        outs = [
-            torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                     chunk_size=chunk_size, **common)[0]
-            for s, e in itertools.pairwise(segs.host)
-        ]
-        return torch.cat(outs, dim=1), None
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("a packed row has no attention mask: its boundaries come from "
+                             "vlpack's Boundaries")
+        if kwargs.get("seq_idx") is not None:
+            raise ValueError("pass boundaries as vlpack's Boundaries, not seq_idx")
+        T = hidden_states.shape[1]
+        segs = bounds.text if bounds.text is not None else \
+            Segments.from_host((0, T), hidden_states.device)
+        return self._packed(hidden_states, segs, bounds, torch_only=reference)
 
-    torch_chunk_gated_delta_rule._vlpack = True
-    return torch_chunk_gated_delta_rule
-
-
-@functools.cache
-def patch_modules(module_name: str) -> None:
-    """Put the dispatchers into the modeling module `module_name` (once per process)."""
-    mod = importlib.import_module(module_name)
-    for attr, make in (("causal_conv1d_fn", _conv_dispatch),
-                       ("torch_chunk_gated_delta_rule", _gdr_dispatch)):
-        fn = getattr(mod, attr, None)
-        if fn is None:
-            raise ValueError(f"{module_name} has no {attr}: this transformers version's "
-                             "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)")
-        if not getattr(fn, "_vlpack", False):
-            setattr(mod, attr, make(fn))
+    def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
+                torch_only: bool) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        mixed_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
+        z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
+        b = self.in_proj_b(x_BTD)
+        a = self.in_proj_a(x_BTD)
+        mixed_BCT = segment_conv1d(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                   self.activation, segs, bounds=bounds, torch_only=torch_only)
+        query, key, value = torch.split(mixed_BCT.transpose(1, 2),
+                                        [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(B, T, -1, self.head_k_dim)
+        key = key.reshape(B, T, -1, self.head_k_dim)
+        value = value.reshape(B, T, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        # the gates in float32, as the stock forward computes them
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if self.num_v_heads // self.num_k_heads > 1:
+            query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+        out = segment_delta_rule(
+            query, key, value, g, beta, segs, bounds,
+            torch_fn=_stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule"),
+            torch_only=torch_only)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(B, T, -1))

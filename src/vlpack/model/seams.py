@@ -6,8 +6,7 @@ text model also its merge), made once per stock class and given to the model's i
 exactly that class (`module.__class__ = subclass`): the weights, config and every other method
 stay the stock ones, and the subclass is a class of this module, so a model pickles and deep-
 copies as usual. The text attention needs no subclass: it is registered with transformers'
-AttentionInterface (attention.py). The Gated-DeltaNet kernels are dispatched inside the modeling
-module (gdn.py explains why).
+AttentionInterface (attention.py).
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ import importlib
 from torch import nn
 
 from vlpack.families import family
-from vlpack.model import gdn
 from vlpack.model.deepstack import DeepstackTextModel
+from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.vision import VisionAttention, VisionTower
 
 
@@ -48,6 +47,8 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
              "vision_tower": (seams.vision_tower, VisionTower)}
     if seams.deepstack_text_model is not None:
         pairs["deepstack"] = (seams.deepstack_text_model, DeepstackTextModel)
+    if seams.gated_deltanet is not None:
+        pairs["gated_deltanet"] = (seams.gated_deltanet, GatedDeltaNet)
     counts = dict.fromkeys(pairs, 0)
     for kind, (name, mixin) in pairs.items():
         stock = getattr(mod, name, None)
@@ -59,9 +60,4 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
             if type(m) is stock:
                 m.__class__ = sub
             counts[kind] += type(m) is sub
-    if seams.gated_deltanet is not None:
-        stock = getattr(mod, seams.gated_deltanet)
-        counts["gated_deltanet"] = sum(type(m) is stock for m in model.modules())
-        if counts["gated_deltanet"]:
-            gdn.patch_modules(mod.__name__)
     return counts
