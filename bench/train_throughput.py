@@ -51,7 +51,6 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
-from vlpack.model.compile import EAGER_SUFFIXES
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
@@ -175,7 +174,6 @@ def run_mode(mode: str, args, samples, device) -> dict:
     model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
                               device=device, seed=0)
     module = TrainModule(model, spec, loss_method=args.loss)
-    traced = ("VisionAttention",) if args.trace_vision_attention else ()
     # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
     # one rank, bf16 compute weights
     parallelize(model, module if mode.startswith("vlpack") else model,
@@ -184,7 +182,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
                     checkpoint_share=args.checkpoint_share,
                     compile_scope="layers" if args.compile_layers else
                     "regions" if args.compile else None,
-                    eager=tuple(s for s in EAGER_SUFFIXES if s not in traced),
+                    trace_vision_attention=args.trace_vision_attention,
                     fsdp=args.bf16_params, param_dtype=torch.bfloat16))
     opt = build_optimizer(model.parameters(), argparse.Namespace(
         lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type

@@ -39,7 +39,10 @@ class Family:
     """The text model class with the deepstack merge (Qwen3-VL)."""
     gated_deltanet: str | None = None
     """The Gated-DeltaNet class (Qwen3.5)."""
-    moe: bool = False
+    moe: tuple[str, str, str] | None = None
+    """The MoE classes (sparse block, routed experts, top-k router), or None for a dense family."""
+    compiled: tuple[str, ...] = ()
+    """The norm and MLP classes `model.compile` compiles as regions (with torch's LayerNorm)."""
     merge_size: int = 2
     temporal_patch_size: int = 2
     default_system: str | None = None
@@ -56,6 +59,10 @@ class Family:
         return f"transformers.models.{self.name}.modeling_{self.name}"
 
     @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
     def deepstack(self) -> bool:
         return self.deepstack_text_model is not None
 
@@ -68,22 +75,30 @@ _HELPFUL = "You are a helpful assistant."
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2_vl", "Qwen2VLForConditionalGeneration", QWEN2_IDS, 14, "qwen2",
-           "VisionAttention", "Qwen2VisionTransformerPretrainedModel", default_system=_HELPFUL),
+           "VisionAttention", "Qwen2VisionTransformerPretrainedModel", default_system=_HELPFUL,
+           compiled=("Qwen2VLRMSNorm", "Qwen2MLP", "VisionMlp")),
     Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN2_IDS, 14, "qwen2_5",
            "Qwen2_5_VLVisionAttention", "Qwen2_5_VisionTransformerPretrainedModel",
-           default_system=_HELPFUL),
+           default_system=_HELPFUL, compiled=("Qwen2_5_VLRMSNorm", "Qwen2MLP", "Qwen2_5_VLMLP")),
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
-           "Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel", image_norm=0.5),
+           "Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel", image_norm=0.5,
+           compiled=("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLVisionMLP")),
     Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
-           "Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel", "Qwen3VLMoeTextModel", moe=True,
-           image_norm=0.5),
+           "Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel", "Qwen3VLMoeTextModel",
+           moe=("Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextExperts",
+                "Qwen3VLMoeTextTopKRouter"),
+           image_norm=0.5,
+           compiled=("Qwen3VLMoeTextRMSNorm", "Qwen3VLMoeTextMLP", "Qwen3VLMoeVisionMLP")),
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5VisionAttention", "Qwen3_5VisionModel", gated_deltanet="Qwen3_5GatedDeltaNet",
-           think_prefix=True, trim_content=True, image_norm=0.5),
+           think_prefix=True, trim_content=True, image_norm=0.5,
+           compiled=("Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
-           gated_deltanet="Qwen3_5MoeGatedDeltaNet", moe=True, think_prefix=True,
-           trim_content=True, image_norm=0.5),
+           gated_deltanet="Qwen3_5MoeGatedDeltaNet",
+           moe=("Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeExperts", "Qwen3_5MoeTopKRouter"),
+           think_prefix=True, trim_content=True, image_norm=0.5,
+           compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeMLP", "Qwen3_5MoeVisionMLP")),
 )}  # fmt: skip
 
 

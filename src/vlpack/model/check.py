@@ -47,7 +47,8 @@ from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
 from vlpack.model.forward import packed_forward, unpacked_forward
-from vlpack.model.moe import RouterCapture, is_router
+from vlpack.model.moe import RouterCapture
+from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import default_mix
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,11 @@ def param_groups(model: nn.Module) -> dict[str, str]:
     """Group of every parameter: vision tower, merger (incl. deepstack mergers), MoE router,
     routed experts, or the rest of the LLM."""
     owner: dict[str, str] = {}
+    cls = classes_of(model)
     for mname, m in model.named_modules():
-        if is_router(m):
+        if cls.router is not None and isinstance(m, cls.router):
             kind = "router"
-        elif type(m).__name__.endswith("Experts"):
+        elif cls.experts is not None and isinstance(m, cls.experts):
             kind = "experts"
         else:
             continue

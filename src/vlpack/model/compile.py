@@ -27,17 +27,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-COMPILED_SUFFIXES = ("RMSNorm", "LayerNorm", "MLP", "Mlp")
-"""Class-name endings of the compiled modules: text and vision RMSNorms, the vision blocks'
-LayerNorms (which autocast runs in fp32 with a cast on each side), dense and shared-expert MLPs
-of every family (Qwen2-VL's vision `VisionMlp` included). Routed-expert blocks are left eager:
-their token dispatch has data-dependent shapes."""
+from vlpack.model.seams import classes_of
 
-EAGER_SUFFIXES = ("SparseMoeBlock", "GatedDeltaNet", "VisionAttention")
-"""Class-name endings of modules that stay eager inside a compiled layer: routed experts
-(data-dependent token dispatch), Gated-DeltaNet (fla kernels and per-segment state resets keyed
-on host boundaries) and the vision attention (slower traced on the 2B shape, for a reason not
-yet found: docs/benchmarks/levers.md)."""
+# Which modules: the family registry's `compiled` classes (text and vision RMSNorms and MLPs,
+# dense and shared-expert) and torch's LayerNorm (the vision blocks' norms, which autocast runs in
+# fp32 with a cast on each side) are compiled as regions. Inside a compiled layer these stay
+# eager (`StockClasses.eager`): routed-expert blocks (data-dependent token dispatch),
+# Gated-DeltaNet (fla kernels and per-segment state resets keyed on host boundaries) and the
+# vision attention (slower traced on the 2B shape: docs/benchmarks/levers.md).
 
 _log = logging.getLogger(__name__)
 
@@ -54,22 +51,26 @@ def compile_regions(model: nn.Module) -> list[str]:
     return sorted(names) + _compile_rotary(model)
 
 
-def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) -> list[str]:
+def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> list[str]:
     """Compile every decoder layer and vision block of `model` whole (the attention kernels and
-    the modules whose class names end in `eager` stay eager), the norms and MLPs outside them as
-    regions, and the vision rotary; return what was compiled (class and function names)."""
+    the family's eager modules stay eager; the vision attention is traced with
+    `trace_vision_attention`), the norms and MLPs outside them as regions, and the vision rotary;
+    return what was compiled (class and function names)."""
     from vlpack.model.recompute import layer_stacks
 
     layers = [layer for stack in layer_stacks(model).values() for layer in stack]
     if not layers:
         raise ValueError(f"model.compile_scope=layers found no layer stack in "
                          f"{type(model).__name__}: use model.compile_scope=regions")
+    cls = classes_of(model)
+    eager = tuple(c for c in cls.eager
+                  if not (trace_vision_attention and c is cls.vision_attention))
     inside: set[int] = set()
     names: set[str] = set()
     for layer in layers:
         for m in layer.modules():
             inside.add(id(m))
-            if type(m).__name__.endswith(eager):
+            if isinstance(m, eager):
                 _keep_eager(m)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
@@ -78,14 +79,14 @@ def compile_layers(model: nn.Module, eager: tuple[str, ...] = EAGER_SUFFIXES) ->
 
 
 def _compile_norms_and_mlps(model: nn.Module, skip: set[int] | None = None) -> set[str]:
-    """Compile each module of `model` named by COMPILED_SUFFIXES whose id is not in `skip`;
-    return their class names."""
+    """Compile each norm and MLP module of `model` (its family's `compiled` classes) whose id is
+    not in `skip`; return their class names."""
+    compiled = classes_of(model).compiled
     names: set[str] = set()
     for module in model.modules():
-        cls = type(module).__name__
-        if cls.endswith(COMPILED_SUFFIXES) and id(module) not in (skip or ()):
+        if isinstance(module, compiled) and id(module) not in (skip or ()):
             module.compile(dynamic=True)
-            names.add(cls)
+            names.add(type(module).__name__)
     return names
 
 

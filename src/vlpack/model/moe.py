@@ -17,16 +17,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlpack.model.seams import classes_of
 
-def is_router(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("TopKRouter")
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The MoE router modules of `model`, layer order (none for a dense family)."""
+    router = classes_of(model).router
+    return [] if router is None else [m for m in model.modules() if isinstance(m, router)]
 
 
 class RouterCapture:
     """Context manager collecting each router's logits [T, E] during a forward, layer order."""
 
     def __init__(self, model: nn.Module):
-        self.routers = [m for m in model.modules() if is_router(m)]
+        self.routers = routers(model)
         self.logits: list[torch.Tensor] = []
         self._handles: list = []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -61,3 +62,55 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
                 m.__class__ = sub
             counts[kind] += type(m) is sub
     return counts
+
+
+@dataclass(frozen=True)
+class StockClasses:
+    """The transformers classes of one family that vlpack treats specially, resolved from the
+    family registry (`vlpack.families`)."""
+
+    vision_attention: type
+    gated_deltanet: type | None
+    moe_block: type | None
+    experts: type | None
+    router: type | None
+    compiled: tuple[type, ...]
+    """Norms and MLPs `model.compile` compiles as regions (torch's LayerNorm among them)."""
+
+    @property
+    def eager(self) -> tuple[type, ...]:
+        """Modules that stay eager inside a compiled layer (model/compile.py says why)."""
+        return tuple(c for c in (self.moe_block, self.gated_deltanet, self.vision_attention)
+                     if c is not None)
+
+
+@functools.cache
+def stock_classes(name: str) -> StockClasses:
+    """The `StockClasses` of family `name` (a HF model_type)."""
+    fam = family(name)
+    mod = importlib.import_module(fam.modeling_module)
+
+    def get(cls_name: str | None) -> type | None:
+        if cls_name is None:
+            return None
+        cls = getattr(mod, cls_name, None)
+        if cls is None:
+            raise ValueError(f"{mod.__name__} has no {cls_name}: this transformers version is "
+                             "not supported by vlpack (tested: 5.17, 5.24)")
+        return cls
+
+    block, experts, router = fam.moe or (None, None, None)
+    return StockClasses(get(fam.vision_attention), get(fam.gated_deltanet), get(block),
+                        get(experts), get(router),
+                        (*(get(c) for c in fam.compiled), nn.LayerNorm))
+
+
+def classes_of(model: nn.Module) -> StockClasses:
+    """The `StockClasses` of `model`'s family (read from its config's `model_type`); a
+    ValueError for a model outside the six families."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "model_type", None)
+    if name is None:
+        raise ValueError(f"{type(model).__name__} is not a Qwen vision-language model: vlpack "
+                         "finds its layers from the model's config.model_type")
+    return stock_classes(name)

@@ -25,8 +25,8 @@ class Parallelism:
     checkpoint_share: float = 1.0
     compile_scope: str | None = None
     """`layers`, `regions`, or None (eager)."""
-    eager: tuple[str, ...] | None = None
-    """With `layers`: class-name endings kept eager (None: model.compile's EAGER_SUFFIXES)."""
+    trace_vision_attention: bool = False
+    """With `layers`: trace the vision attention into the compiled blocks (else it stays eager)."""
     fsdp: bool = False
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
@@ -36,14 +36,14 @@ class Parallelism:
 def parallelize(model: nn.Module, root: nn.Module, info: DistInfo, p: Parallelism) -> bool:
     """Apply `p` to the HF `model` in place; FSDP2 shards its blocks and `root` (the module whose
     forward runs a micro-batch). Returns whether FSDP2 was applied."""
-    from vlpack.model.compile import EAGER_SUFFIXES, compile_layers, compile_regions
+    from vlpack.model.compile import compile_layers, compile_regions
     from vlpack.model.recompute import enable_activation_checkpointing
 
     freeze(model, vision=p.freeze_vision, merger=p.freeze_merger, llm=p.freeze_llm)
     if p.activation_checkpointing:
         enable_activation_checkpointing(model, p.checkpoint_share)
     if p.compile_scope == "layers":
-        compile_layers(model, eager=EAGER_SUFFIXES if p.eager is None else p.eager)
+        compile_layers(model, trace_vision_attention=p.trace_vision_attention)
     elif p.compile_scope == "regions":
         compile_regions(model)
     elif p.compile_scope is not None:
