@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vlpack.families import FAMILIES
-from vlpack.model import attention, gdn
+from vlpack.model import attention, fla_hopper, gdn
 from vlpack.model.bounds import Boundaries, Segments
 from vlpack.model.check import check
 
@@ -93,9 +93,82 @@ def test_check_varlen_bf16(name):
         assert r["paths"]["attention.vision"] == "torch varlen_attn"
     if "qwen3_5" in name and gdn._fla() is not None:
         assert r["paths"]["gdn.conv"].startswith("fla")
-        # fla refuses its delta-rule backward on Hopper + Triton < 3.7.1 (fla #640).
-        want = "fla" if gdn.fla_delta_rule_backward_ok() else "per-segment"
-        assert r["paths"]["gdn.delta_rule"].startswith(want)
+        # on Hopper + Triton < 3.7.1 (fla #640) fla's backward runs only where the self-test
+        # approved it; the paths name the decision either way
+        assert "gdn.backward" in r["paths"], r["paths"]
+        want = "fla" if "approved" in r["paths"]["gdn.backward"] or \
+            "does not apply" in r["paths"]["gdn.backward"] else "per-segment"
+        assert r["paths"]["gdn.delta_rule"].startswith(want), r["paths"]
+
+
+def _hopper_guard_or_skip():
+    if gdn._fla() is None:
+        pytest.skip("fla not installed")
+    if not fla_hopper.guard_applies():
+        pytest.skip("fla's Hopper guard (Hopper, Triton 3.4-3.7.0, no tilelang) does not apply")
+
+
+def _torch_delta_rule():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    return m.torch_chunk_gated_delta_rule.__wrapped__
+
+
+def test_fla_backward_approved_at_the_qwen3_5_head_shape():
+    """Qwen3.5's linear-attention heads (K = V = 128): fla tiles 128 wide on Hopper, the
+    self-test approves it, and a varlen backward through vlpack's backend meets the bf16 rule
+    on every gradient at a larger shape than the self-test's."""
+    _hopper_guard_or_skip()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    d = fla_hopper.decide(128, 128, dev, _torch_delta_rule())
+    print(d.describe())
+    assert d.ok and d.errors and "approved" in d.reason, d.describe()
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    host = (0, 5, 700, 1500, 1501, 2048)
+    T, H = host[-1], 8
+    base = dict(q=torch.randn(1, T, H, 128, device="cuda", generator=g),
+                k=torch.randn(1, T, H, 128, device="cuda", generator=g),
+                v=torch.randn(1, T, H, 128, device="cuda", generator=g),
+                g=-torch.rand(1, T, H, device="cuda", generator=g),
+                beta=torch.rand(1, T, H, device="cuda", generator=g))
+    do = torch.randn(1, T, H, 128, device="cuda", generator=g)
+    raw = _torch_delta_rule()
+    cu = torch.tensor(host, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
+        torch.autograd.backward(fn(**leaves).float(), do)
+        return {n: t.grad.float() for n, t in leaves.items()}
+
+    def segments(q, k, v, g, beta):
+        return torch.cat([raw(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                              use_qk_l2norm_in_kernel=True)[0]
+                          for s, e in itertools.pairwise(host)], dim=1)
+
+    ref, plain = grads(segments, torch.float32), grads(segments, torch.bfloat16)
+    fast = grads(lambda g, **kw: chunk_gated_delta_rule(g=g.float(), use_qk_l2norm_in_kernel=True,
+                                                        cu_seqlens=cu, **kw)[0], torch.bfloat16)
+    for n in ref:
+        scale = ref[n].abs().max()
+        e_fast, e_plain = ((x[n] - ref[n]).abs().max() / scale for x in (fast, plain))
+        assert e_fast <= 2 * e_plain + 1e-3, (n, float(e_fast), float(e_plain))
+
+
+def test_broken_tiling_is_refused():
+    """Width 64 is refused without running (head dim 64 tiles 64 wide on Hopper), and forced
+    onto the 128 head shape it fails the self-test: the self-test catches the miscompile."""
+    _hopper_guard_or_skip()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    static = fla_hopper.decide(64, 64, dev, _torch_delta_rule())
+    assert not static.ok and "width 64" in static.reason, static.describe()
+    approved = dict(fla_hopper._register().approved)
+    forced = fla_hopper.self_test(128, 128, dev, _torch_delta_rule(), width=(64, 64),
+                                  approve=False)
+    print(forced.describe())
+    assert not forced.ok and forced.errors, forced.describe()
+    assert fla_hopper._register().approved == approved
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])

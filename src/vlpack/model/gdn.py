@@ -17,8 +17,10 @@ transformers' own kernel seam for these functions (`use_kernelized_func`) needs 
 `kernels` package, which vlpack does not use (no downloads at run time).
 
 fla 0.6.0 refuses the backward of its gated delta rule on Hopper with Triton 3.4-3.7.0 (wrong
-results, fla #640) unless tilelang is installed; vlpack then runs the delta rule with the
-per-segment torch reference when gradients are needed (the conv still uses fla), and says so.
+results at one tiling, fla #640) unless tilelang is installed; fla_hopper.py decides per head
+shape, with a self-test on the device, whether fla's backward runs; where it is refused the
+delta rule runs per segment in torch when gradients are needed (the conv still uses fla), and
+the reason is in the paths report (`gdn.backward`).
 
 Legend: B = batch (1 when packed), C = conv channels, T = tokens, W = conv width,
 Hk/Hv = key/value heads, Dk/Dv = head dims.
@@ -37,6 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from vlpack.model import fla_hopper
 from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments
 
 
@@ -73,20 +76,8 @@ def _takes_cu_seqlens_cpu(fn: Callable) -> bool:
 
 
 @functools.cache
-def fla_delta_rule_backward_ok() -> bool:
-    """False where fla's gated-delta-rule backward refuses to run (Hopper + Triton < 3.7.1
-    without tilelang, fla #640)."""
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except Exception:
-        return True
-    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
-        return True
-    try:
-        importlib.import_module("tilelang")
-    except Exception:
-        return False
-    return True
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _torch_kernel(original: Callable) -> Callable:
@@ -155,11 +146,14 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     use_fla = not torch_only and _use_fla(query)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value, g, beta))
-    if use_fla and needs_grad and not fla_delta_rule_backward_ok():
-        warnings.warn("vlpack: fla's gated-delta-rule backward is disabled on this GPU/Triton "
-                      "(Hopper + Triton < 3.7.1, fla #640; install tilelang or Triton "
-                      ">= 3.7.1); the delta rule runs per segment in torch", stacklevel=2)
-    elif use_fla:
+    if use_fla and needs_grad:
+        decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn)
+        bounds.paths["gdn.backward"] = decision.describe()
+        if not decision.ok:
+            _warn_once(f"vlpack: {decision.describe()}; the delta rule runs per segment in "
+                       "torch (install tilelang or Triton >= 3.7.1 for fla's backward)")
+            use_fla = False
+    if use_fla:
         bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
         gdr = _fla()[1]
         out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,

@@ -1,0 +1,231 @@
+"""fla's gated-delta-rule backward on Hopper with Triton 3.4-3.7.0, where it is correct.
+
+fla 0.6.0 refuses its gated-delta-rule backward on Hopper with Triton >= 3.4, < 3.7.1 (unless
+tilelang is installed): one kernel, `chunk_bwd_kernel_dqkwg`, miscompiles there (fla #640). The
+upstream bisection (fla PR #826, PR #983) pins the miscompile to block width 64; 32 and 128
+compute correctly. On a Hopper GPU fla tiles that kernel min(next_pow2(head dim), 128) wide, so
+Qwen3.5's head dim 128 gets the correct width 128.
+
+vlpack decides per (device, key dim, value dim), once per process:
+  1. fla's guard does not apply (another GPU, Triton >= 3.7.1, tilelang) → fla's own backward;
+  2. the tiling fla would use has width 64 → refused, the delta rule runs per segment in torch;
+  3. otherwise a numerical self-test on the device: fla's varlen forward and backward against
+     transformers' torch kernel run per segment in float32, on a small packed row of that head
+     shape. Each gradient's error must be within 2× the error of the same torch kernel fed
+     bfloat16 inputs (the bf16 rule of `vlpack check`). Passed → fla's backward kernel runs
+     through `VlpackHopperBackend`, registered with fla's own backend registry (`fla.backends`)
+     for the approved shapes only; failed → refused.
+The decision and the self-test's errors go into the forward's paths report (`gdn.backward`).
+
+Legend: T = tokens, H = heads, K/V = key/value head dims, BK/BV = the kernel's block widths.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+BROKEN_WIDTH = 64
+"""The block width of `chunk_bwd_kernel_dqkwg` that Triton 3.4-3.7.0 miscompiles on Hopper."""
+SELF_TEST_BOUNDS = (0, 61, 64, 250, 384)
+"""The packed row of the self-test: segments that end on and off fla's 64-token chunks."""
+SELF_TEST_HEADS = 2
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether fla's delta-rule backward runs for one head shape, and why."""
+
+    ok: bool
+    reason: str
+    errors: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per gradient: (fla's relative error, the bf16 torch kernel's), both against fp32 torch."""
+
+    def describe(self) -> str:
+        errs = ", ".join(f"d{k} {a:.4f} vs {b:.4f}" for k, a, b in
+                         ((k, *v) for k, v in self.errors.items()))
+        return self.reason + (f" (self-test, relative error fla vs bf16 torch: {errs})"
+                              if errs else "")
+
+
+def guard_applies() -> bool:
+    """fla's own condition for refusing the backward: Hopper, Triton >= 3.4, < 3.7.1, and no
+    usable tilelang backend."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except Exception:
+        return False
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return False
+    try:
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+    except Exception:
+        return True
+    return not CommonTileLangBackend.can_use()
+
+
+def fla_tiling(K: int, V: int, device_index: int) -> tuple[int, int]:
+    """The block widths (BK, BV) fla 0.6.0's `chunk_bwd_dqkwg` picks for head dims K, V."""
+    import triton
+    from fla.utils import check_shared_mem
+
+    if check_shared_mem("hopper", device_index):
+        cap = 128
+    elif check_shared_mem("ampere", device_index):
+        cap = 128  # 16-bit inputs, as the delta rule's backward passes them
+    elif check_shared_mem("ada", device_index):
+        cap = 64
+    else:
+        cap = 32
+
+    def width(d: int) -> int:
+        return min(max(triton.next_power_of_2(d), 16), cap)
+
+    return width(K), width(V)
+
+
+class VlpackHopperBackend:
+    """fla backend (operation `common`) that runs `chunk_bwd_kernel_dqkwg` for the head shapes
+    vlpack approved (`approved`: (K, V) → (BK, BV)); fla's own function runs every other call.
+    Made a subclass of `fla.backends.BaseBackend` when registered (`_register`)."""
+
+    backend_type = "vlpack_hopper"
+    priority = 6  # after tilelang (5), when that is usable
+    approved: ClassVar[dict[tuple[int, int], tuple[int, int]]] = {}
+
+    def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None,
+                                 dv=None, scale=None, state_v_first=False, cu_seqlens=None,
+                                 chunk_size=64, chunk_indices=None) -> tuple[bool, str | None]:
+        if g is None or g_gamma is not None:
+            return False, "vlpack's backend runs the gated delta rule only"
+        if (k.shape[-1], v.shape[-1]) not in self.approved:
+            return False, "head shape not approved by vlpack's self-test"
+        return True, None
+
+    def chunk_bwd_dqkwg(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None,
+                        scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
+                        chunk_indices=None):
+        import triton
+        from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+        from fla.ops.utils import prepare_chunk_indices
+
+        B, T, H, K = k.shape
+        V, HV = v.shape[-1], v.shape[2]
+        BK, BV = self.approved[(K, V)]
+        if chunk_indices is None and cu_seqlens is not None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+        n_chunks = triton.cdiv(T, chunk_size) if cu_seqlens is None else len(chunk_indices)
+        n_k = triton.cdiv(K, BK)
+        dq, dk = q.new_empty(B, T, HV, K), k.new_empty(B, T, HV, K)
+        dg = torch.empty(n_k, *g.shape, dtype=torch.float32, device=g.device)
+        dw = torch.empty_like(w) if w is not None else None
+        chunk_bwd_kernel_dqkwg[(n_k * n_chunks, B * HV)](
+            q=q, k=k, v=v, g=g, g_gamma=g_gamma, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv,
+            dg=dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            scale=k.shape[-1] ** -0.5 if scale is None else scale, B=B, T=T, H=H, HV=HV, K=K,
+            V=V, BT=chunk_size, BK=BK, BV=BV, STATE_V_FIRST=state_v_first)
+        if H != HV:  # grouped value heads: each q/k head's gradient summed over its value heads
+            dq = dq.view(B, T, H, HV // H, K).sum(3)
+            dk = dk.view(B, T, H, HV // H, K).sum(3)
+        return dq, dk, dw, dg.sum(0)
+
+
+@functools.cache
+def _register() -> type:
+    """Register `VlpackHopperBackend` with fla's `common` registry (once per process)."""
+    from fla.backends import BaseBackend, register
+
+    importlib.import_module("fla.ops.common.chunk_o")  # the registry the kernel dispatches on
+    cls = type("VlpackHopperBackend", (VlpackHopperBackend, BaseBackend), {"__module__": __name__})
+    register("common")(cls)
+    return cls
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+
+
+def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
+              width: tuple[int, int] | None = None, approve: bool = True) -> Decision:
+    """Run fla's varlen gated delta rule forward and backward through vlpack's backend at
+    block widths `width` (default: fla's own tiling) against `torch_fn` (transformers' torch
+    kernel) per segment; approve (K, V) if every gradient meets the bf16 rule (and `approve`;
+    otherwise the approvals are left as they were)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cls = _register()
+    widths = width or fla_tiling(K, V, device.index or 0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    T, H = SELF_TEST_BOUNDS[-1], SELF_TEST_HEADS
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    base = dict(q=rand(1, T, H, K), k=rand(1, T, H, K), v=rand(1, T, H, V),
+                g=-torch.rand(1, T, H, device=device, generator=gen) * 0.5,
+                beta=torch.rand(1, T, H, device=device, generator=gen))
+    do = rand(1, T, H, V)
+
+    def grads(fn, dtype):
+        leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
+        with torch.enable_grad():
+            out = fn(**leaves)
+            torch.autograd.backward(out.float(), do)
+        return {n: t.grad.float() for n, t in leaves.items()}
+
+    def per_segment(q, k, v, g, beta):
+        return torch.cat([torch_fn(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e],
+                                   beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
+                          for s, e in itertools.pairwise(SELF_TEST_BOUNDS)], dim=1)
+
+    cu = torch.tensor(SELF_TEST_BOUNDS, dtype=torch.long, device=device)
+
+    def fla(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+
+    with torch.autocast(device.type, enabled=False):
+        ref = grads(per_segment, torch.float32)
+        plain = grads(per_segment, torch.bfloat16)
+    before = cls.approved.get((K, V))
+    cls.approved[(K, V)] = widths
+    try:
+        with torch.autocast(device.type, enabled=False):
+            fast = grads(fla, torch.bfloat16)
+    except Exception as e:
+        _restore(cls.approved, (K, V), before)
+        return Decision(False, f"fla's backward failed to run in its self-test ({e})")
+    errors = {n: (_rel(fast[n], ref[n]), _rel(plain[n], ref[n])) for n in ref}
+    bad = [n for n, (a, b) in errors.items() if not a <= 2 * b + 1e-3]
+    if bad or not approve:
+        _restore(cls.approved, (K, V), before)
+    if bad:
+        return Decision(False, f"fla's backward at block widths {widths} is refused: "
+                        f"d{', d'.join(bad)} outside the bf16 rule", errors)
+    return Decision(True, f"fla's backward at block widths {widths} approved", errors)
+
+
+def _restore(approved: dict, key: tuple[int, int], before: tuple[int, int] | None) -> None:
+    if before is None:
+        approved.pop(key, None)
+    else:
+        approved[key] = before
+
+
+@functools.cache
+def decide(K: int, V: int, device: torch.device, torch_fn: Callable) -> Decision:
+    """Whether fla's gated-delta-rule backward runs for head dims K, V on `device` (cached per
+    process; see the module docstring for the order of the rules)."""
+    if not guard_applies():
+        return Decision(True, "fla's own backward (fla's Hopper guard does not apply here)")
+    widths = fla_tiling(K, V, device.index or 0)
+    if BROKEN_WIDTH in widths:
+        return Decision(False, f"fla would tile its backward {widths[0]}x{widths[1]}; width "
+                        f"{BROKEN_WIDTH} miscompiles on Hopper with this Triton (fla #640)")
+    return self_test(K, V, device, torch_fn)
