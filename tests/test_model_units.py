@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import pickle
+import typing
 import warnings
 
 import numpy as np
@@ -421,3 +423,40 @@ def test_family_registry_names_real_classes(name):
     assert spec.vision_start_id == f.ids["vision_start_token_id"]
     with pytest.raises(ValueError, match="not supported: vlpack runs qwen2_vl"):
         family("llava")
+
+
+# --- fla's Hopper backward self-test ----------------------------------------------------------
+@pytest.mark.parametrize("leaky", [False, True])
+def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeypatch, leaky):
+    """The self-test's judgement, on CPU with a stand-in for fla's kernel: one that restarts at
+    the boundaries (the per-segment torch kernel) is approved; one that carries state across
+    them is refused, with its errors, and leaves no approval behind."""
+    import sys
+    import types
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from vlpack.model import fla_hopper
+
+    raw = m.torch_chunk_gated_delta_rule.__wrapped__
+
+    def stand_in(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens):
+        host = [0, q.shape[1]] if leaky else cu_seqlens.tolist()
+        return torch.cat([raw(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+                          for s, e in itertools.pairwise(host)], dim=1), None
+
+    ops = types.ModuleType("fla.ops.gated_delta_rule")
+    ops.chunk_gated_delta_rule = stand_in
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", ops)
+
+    class Backend:
+        approved: typing.ClassVar[dict] = {}
+
+    monkeypatch.setattr(fla_hopper, "_register", lambda: Backend)
+    monkeypatch.setattr(fla_hopper, "fla_tiling", lambda K, V, index: (16, 16))
+    d = fla_hopper.self_test(16, 16, torch.device("cpu"), raw)
+    assert set(d.errors) == {"q", "k", "v", "g", "beta"}
+    assert d.ok is not leaky, d.describe()
+    assert (Backend.approved == {}) is leaky
+    assert ("refused" in d.reason) is leaky

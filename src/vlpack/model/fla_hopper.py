@@ -173,7 +173,9 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
     do = rand(1, T, H, V)
 
     def grads(fn, dtype):
-        leaves = {n: t.to(dtype).requires_grad_() for n, t in base.items()}
+        # fresh leaves per run; the decay stays float32, as the GDN layer computes it
+        leaves = {n: t.detach().to(torch.float32 if n == "g" else dtype).clone().requires_grad_()
+                  for n, t in base.items()}
         with torch.enable_grad():
             out = fn(**leaves)
             torch.autograd.backward(out.float(), do)
@@ -187,7 +189,7 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
     cu = torch.tensor(SELF_TEST_BOUNDS, dtype=torch.long, device=device)
 
     def fla(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta,
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
     with torch.autocast(device.type, enabled=False):
