@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vlpack.families import family as family_of
-from vlpack.model import attention, seams
+from vlpack.model import attention, experts, seams
 from vlpack.model.presets import Preset, get_preset
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,8 @@ def build_model(
     model.to(device)
     model.config.use_cache = False
     seams.install(model, model.config.model_type)
+    if family_of(model.config.model_type).is_moe and attn != "sdpa":  # "sdpa" is the stock model
+        model.set_experts_implementation(experts.register())
     return model, _spec(name, model.config, attn)
 
 

@@ -1,0 +1,73 @@
+"""Routed experts under autocast: one grouped GEMM per projection in the autocast dtype.
+
+transformers' `grouped_mm` experts call torch's grouped GEMM in the dtype of the expert weights
+(the grouped GEMM is not autocast-enabled). With float32 master weights under bf16 autocast, the
+recipe's setting, that is torch's float32 grouped GEMM, which splits the rows per expert on the
+host: a host wait per call and one small float32 matmul per expert. `vlpack_grouped_mm`,
+registered with transformers' ExpertsInterface and set on vlpack's MoE models at build time,
+casts the weights and the routed rows to the autocast dtype first, as autocast does for a linear
+layer, and computes the group offsets on the device. Outside autocast, or where the weights
+already have the autocast dtype, it is transformers' `grouped_mm` unchanged.
+
+Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
+token, P = routed (token, expert) pairs = T * K.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATION = "vlpack_grouped_mm"
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _grouped_mm(a_PX: torch.Tensor, b_EXY: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return fn(a_PX, b_EXY, offs=offs_E)
+
+
+def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts forward of `self` (a transformers experts module with concatenated gate/up
+    weights [E, 2I, D] and down weights [E, D, I])."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    dtype = _autocast_dtype(hidden_states)
+    plain = (dtype is None or self.gate_up_proj.dtype == dtype or self.has_bias
+             or not self.has_gate or self.is_transposed or not self.is_concatenated
+             or self.has_post_expert_norm or self._is_expert_parallel)
+    if plain:
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    x_TD, idx_TK = hidden_states, top_k_index
+    K = idx_TK.shape[1]
+    E = self.num_experts
+    expert_P = idx_TK.reshape(-1)
+    order_P = torch.argsort(expert_P, stable=True)  # pairs grouped by expert
+    token_P = order_P // K
+    ones = torch.ones_like(expert_P, dtype=torch.int32)
+    per_expert_E = torch.zeros(E, dtype=torch.int32, device=x_TD.device).index_add_(0, expert_P, ones)
+    offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
+    rows_PD = x_TD[token_P].to(dtype)
+    gate_up_P2I = _grouped_mm(rows_PD, self.gate_up_proj.to(dtype).transpose(-2, -1), offs_E)
+    h_PI = self._apply_gate(gate_up_P2I)
+    out_PD = _grouped_mm(h_PI, self.down_proj.to(dtype).transpose(-2, -1), offs_E)
+    out_PD = out_PD * top_k_weights.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
+    # summed over each token's K experts in the residual stream's dtype, as transformers does
+    return torch.zeros_like(x_TD).index_add_(0, token_P, out_PD.to(x_TD.dtype))
+
+
+@functools.cache
+def register() -> str:
+    """Register `vlpack_experts_forward` with transformers' ExpertsInterface (once); returns
+    its name."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, vlpack_experts_forward)
+    return IMPLEMENTATION
