@@ -33,6 +33,15 @@ def _grouped_mm(a_PX: torch.Tensor, b_EXY: torch.Tensor, offs_E: torch.Tensor) -
     return fn(a_PX, b_EXY, offs=offs_E)
 
 
+def _plain_layout(experts) -> bool:
+    """Concatenated [gate; up] weights [E, 2I, D], down [E, D, I], no bias, no post-expert norm,
+    no expert parallelism: the layout of every Qwen MoE family (attributes that a transformers
+    version does not set are taken at their defaults)."""
+    flags = dict(has_bias=False, has_gate=True, is_transposed=False, is_concatenated=True,
+                 has_post_expert_norm=False, _is_expert_parallel=False)
+    return all(getattr(experts, k, default) == default for k, default in flags.items())
+
+
 def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of `self` (a transformers experts module with concatenated gate/up
@@ -40,9 +49,8 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     dtype = _autocast_dtype(hidden_states)
-    plain = (dtype is None or self.gate_up_proj.dtype == dtype or self.has_bias
-             or not self.has_gate or self.is_transposed or not self.is_concatenated
-             or self.has_post_expert_norm or self._is_expert_parallel)
+    plain = (dtype is None or self.gate_up_proj.dtype == dtype
+             or not _plain_layout(self))
     if plain:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     x_TD, idx_TK = hidden_states, top_k_index
