@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-from vlpack.data.plan import bin_stats, plan_bins
-from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.plan import OnlinePlanner, bin_stats, plan_bins
 
 ALGOS = ("greedy", "ffd", "bfd")
 

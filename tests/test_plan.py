@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlpack.data import plan as P
+from vlpack.data.plan import algorithms as P
 from vlpack.data.plan import (
     assign_bins_to_ranks,
     best_fit_decreasing,

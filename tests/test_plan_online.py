@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlpack.data.plan import bin_stats, plan_bins
-from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.plan import OnlinePlanner, bin_stats, plan_bins
 
 CAP, MAXP = 64, 48
 

@@ -20,8 +20,7 @@ import numpy as np
 
 from vlpack.data.accounting import Skip
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits
-from vlpack.data.plan import assign_bins_to_ranks, check_algo, estimate_bin_cost
-from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.plan import OnlinePlanner, assign_bins_to_ranks, check_algo, estimate_bin_cost
 from vlpack.data.types import BadSampleError, SampleSize
 
 SizeOrError = SampleSize | BadSampleError

@@ -40,8 +40,7 @@ from megatron.energon.errors import FatalSampleError
 
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitError
 from vlpack.data.batch import ThdBatch, build_thd_batch
-from vlpack.data.plan import check_algo
-from vlpack.data.plan_online import OnlinePlanner
+from vlpack.data.plan import OnlinePlanner, check_algo
 from vlpack.data.sources import parse_record
 from vlpack.data.types import BadSampleError, EncodedSample
 

@@ -21,7 +21,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import repeat
 
-from vlpack.data.plan import Algo, _plan_lists, check_algo
+from vlpack.data.plan.algorithms import Algo, check_algo, plan_lists
 
 __all__ = ["OnlinePlanner"]
 
@@ -44,7 +44,7 @@ class OnlinePlanner:
 
     Args:
       capacity: tokens per bin.
-      algo: "greedy", "ffd" or "bfd" (see `vlpack.data.plan`).
+      algo: "greedy", "ffd" or "bfd" (see `vlpack.data.plan.algorithms`).
       buffer_size: items planned together; a round runs when the buffer is full.
       max_patches: ViT patches per bin (None: no patch budget).
       seed: seeds the per-round shuffle of the emitted bins.
@@ -162,7 +162,7 @@ class OnlinePlanner:
     def _plan(self, *, final: bool) -> Bins:
         buf = self._buf
         ids, tok, pat, born = (list(c) for c in zip(*buf, strict=True))
-        bins = _plan_lists(self.algo, tok, pat, self.capacity, self.max_patches)
+        bins = plan_lists(self.algo, tok, pat, self.capacity, self.max_patches)
         if final:
             ready, carried = bins, []
         else:

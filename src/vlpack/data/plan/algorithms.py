@@ -22,13 +22,13 @@ were opened, unless `seed` is given: then the list of bins is shuffled with `ran
 so that a stream of bins does not run from the longest items to the shortest. Bins themselves
 are identical with or without a seed.
 
-Also here: `bin_stats` (fill efficiency), `estimate_bin_cost` (a compute model for one bin) and
-`assign_bins_to_ranks` (data-parallel balancing with an equal number of bins per rank).
+`plan_lists` is the core both `plan_bins` and `OnlinePlanner` (online.py) run. The product
+plans buffers of `data.buffer_size` items (256 by default) with the list-based paths; a buffer of
+more than 4,096 items takes the tree-based paths.
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
@@ -37,13 +37,12 @@ from typing import Literal
 __all__ = [
     "ALGORITHMS",
     "Algo",
-    "assign_bins_to_ranks",
     "best_fit_decreasing",
-    "bin_stats",
-    "estimate_bin_cost",
+    "check_algo",
     "first_fit_decreasing",
     "greedy_knapsack",
     "plan_bins",
+    "plan_lists",
 ]
 
 Algo = Literal["greedy", "ffd", "bfd"]
@@ -254,7 +253,7 @@ def greedy_knapsack(
     """Energon/Megatron-Bridge greedy knapsack: fill bins one at a time, each time taking the
     largest remaining item that still fits. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(_plan_lists("greedy", lens, pats, capacity, max_patches), seed)
+    return _shuffled(plan_lists("greedy", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- first fit
@@ -425,7 +424,7 @@ def first_fit_decreasing(
     """First-fit decreasing: longest item first (ties: lower index first), each into the
     lowest-numbered open bin that fits, else a new bin. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(_plan_lists("ffd", lens, pats, capacity, max_patches), seed)
+    return _shuffled(plan_lists("ffd", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- best fit
@@ -541,13 +540,13 @@ def best_fit_decreasing(
     bin with the least token room that still fits it (ties: lowest bin number), else a new
     bin. Returns bins of item indices."""
     lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(_plan_lists("bfd", lens, pats, capacity, max_patches), seed)
+    return _shuffled(plan_lists("bfd", lens, pats, capacity, max_patches), seed)
 
 
 # --------------------------------------------------------------------------- dispatcher
 
 
-def _plan_lists(
+def plan_lists(
     algo: str,
     lens: Sequence[int],
     pats: Sequence[int] | None,
@@ -609,88 +608,3 @@ def plan_bins(
     return ALGORITHMS[algo](
         lengths, capacity, patches=patches, max_patches=max_patches, seed=seed
     )
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def bin_stats(bins: Sequence[Sequence[int]], lengths: Sequence[int], capacity: int) -> dict:
-    """Fill statistics: `efficiency` = real tokens / (bins × capacity); fills are per bin."""
-    lens = _as_int_list(lengths, "lengths")
-    fills = [sum(lens[i] for i in b) / capacity for b in bins]
-    tokens = sum(sum(lens[i] for i in b) for b in bins)
-    n = len(fills)
-    return {
-        "bins": n,
-        "items": sum(len(b) for b in bins),
-        "tokens": tokens,
-        "efficiency": tokens / (n * capacity) if n else 0.0,
-        "mean_fill": sum(fills) / n if n else 0.0,
-        "min_fill": min(fills) if n else 0.0,
-        "max_fill": max(fills) if n else 0.0,
-    }
-
-
-# --------------------------------------------------------------------------- data parallel
-
-TOKEN_COST = 1.0
-"""Cost of one LLM token's linear layers (the unit)."""
-
-ATTN_COST = 1.0 / (12 * 2048)
-"""Cost per unit of Σ len² (causal attention). Per token, causal attention over L keys costs
-≈ 2·d·L FLOPs against ≈ 24·d² for a layer's linear maps, so the ratio is L / (12·d); the
-default takes d = 2048 (Qwen3-VL-2B); use 1/(12·d) for another hidden size."""
-
-PATCH_COST = 0.25
-"""Cost of one ViT patch relative to one LLM token: ≈ vision-tower params / LLM params
-(≈ 0.4 B / 1.7 B for Qwen3-VL-2B; ≈ 0.1 for 7B models)."""
-
-
-def estimate_bin_cost(
-    seg_lengths: Sequence[int],
-    patches: int,
-    *,
-    token_cost: float = TOKEN_COST,
-    attn_cost: float = ATTN_COST,
-    patch_cost: float = PATCH_COST,
-) -> float:
-    """Relative compute of one bin: token_cost·Σ len + attn_cost·Σ len² + patch_cost·patches.
-
-    `seg_lengths` are the samples' token counts (attention stays inside a sample, so the
-    quadratic term is per segment); `patches` is the bin's total of ViT patches.
-    """
-    if patches < 0 or any(v < 0 for v in seg_lengths):
-        raise ValueError("seg_lengths and patches must be ≥ 0")
-    return (
-        token_cost * sum(seg_lengths)
-        + attn_cost * sum(v * v for v in seg_lengths)
-        + patch_cost * patches
-    )
-
-
-def assign_bins_to_ranks(bin_costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Splits bins over data-parallel ranks: same NUMBER of bins per rank (unequal step counts
-    hang collectives), compute balanced by LPT (costliest bin to the least-loaded rank that
-    still has a free slot; ties: lower bin index, lower rank).
-
-    Each rank's list is ordered by descending cost, so step k on every rank runs a bin of
-    similar rank in cost (FSDP synchronises every micro-batch, not only per optimizer step).
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be ≥ 1; got {world_size}")
-    n = len(bin_costs)
-    if n % world_size:
-        raise ValueError(
-            f"{n} bins cannot be split evenly over {world_size} ranks; plan a multiple of "
-            f"world_size bins (carry {n % world_size} to the next step or add filler bins)"
-        )
-    slots = n // world_size
-    order = sorted(range(n), key=lambda i: (-bin_costs[i], i))
-    heap = [(0.0, r) for r in range(world_size)]
-    out: list[list[int]] = [[] for _ in range(world_size)]
-    for i in order:
-        load, r = heapq.heappop(heap)
-        out[r].append(i)
-        if len(out[r]) < slots:
-            heapq.heappush(heap, (load + bin_costs[i], r))
-    return out

@@ -1,0 +1,38 @@
+"""Bin planning: pure functions and one bounded-buffer planner over sample lengths (no torch).
+
+- `algorithms`: `plan_bins` and the three planners (greedy knapsack, first fit decreasing,
+  best fit decreasing) over a list of lengths (and ViT patches);
+- `online`: `OnlinePlanner`, what the training stream runs: a bounded buffer planned with
+  `plan_lists`, underfilled bins carried to the next round, exact resume from `state_dict()`;
+- `ranks`: `estimate_bin_cost` and `assign_bins_to_ranks`, data-parallel balancing;
+- `stats`: `bin_stats`, fill efficiency.
+"""
+
+from vlpack.data.plan.algorithms import (
+    ALGORITHMS,
+    Algo,
+    best_fit_decreasing,
+    check_algo,
+    first_fit_decreasing,
+    greedy_knapsack,
+    plan_bins,
+    plan_lists,
+)
+from vlpack.data.plan.online import OnlinePlanner
+from vlpack.data.plan.ranks import assign_bins_to_ranks, estimate_bin_cost
+from vlpack.data.plan.stats import bin_stats
+
+__all__ = [
+    "ALGORITHMS",
+    "Algo",
+    "OnlinePlanner",
+    "assign_bins_to_ranks",
+    "best_fit_decreasing",
+    "bin_stats",
+    "check_algo",
+    "estimate_bin_cost",
+    "first_fit_decreasing",
+    "greedy_knapsack",
+    "plan_bins",
+    "plan_lists",
+]
