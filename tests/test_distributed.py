@@ -247,3 +247,34 @@ def test_fsdp_root_keeps_fp32_loss_weights() -> None:
     finally:
         shutdown()
     assert seen == [torch.float32]
+
+
+def test_two_process_lora_equals_one_process(tmp_path: Path) -> None:
+    """LoRA under FSDP2 (frozen base weights and trainable adapters in one FSDP unit) on 2
+    processes gives the 1-process losses, and rank 0 writes the adapter from the gathered
+    shards."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("peft")
+    args = [*SMALL, "train.max_steps=3", "data.shuffle=false", "model.lora.rank=4",
+            "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "vlpack", "train",
+         f"train.output_dir={tmp_path / 'two'}", *args],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "vlpack", "train", f"train.output_dir={tmp_path / 'one'}",
+         "train.micro_batches=2", *args],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 3
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    w1, w2 = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors"))
+              for r in ("one", "two"))
+    assert set(w1) == set(w2) and all(k.startswith("base_model.model.") for k in w1)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5

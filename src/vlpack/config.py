@@ -141,6 +141,26 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA adapters through peft (`vlpack.model.lora`); `rank` 0 trains the full model."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    """Leaf names of the linears to adapt; None: the LLM's attention, Gated-DeltaNet and MLP
+    projections (routed experts stay frozen)."""
+    vision: bool = False
+    """Also adapt the vision tower's and merger's linears."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank={self.rank}: use 0 (off) or a positive rank, e.g. 8")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout}: use a value in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Which model, on which kernels, and what trains."""
 
@@ -173,6 +193,7 @@ class ModelConfig:
     """With compile: `layers` compiles each decoder layer and vision block whole, its attention
     call eager (fewer host launches per layer; docs/benchmarks/levers.md); `regions` only the
     norm and MLP modules and the vision rotary (vlpack.model.compile)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
@@ -343,6 +364,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             choices = ", ".join(map(str, typing.get_args(tp)))
             raise ValueError(f"{key}={value!r} is not one of {choices}")
         return value
+    if origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, list):
+            raise ValueError(f"{key} needs a list like [q_proj, v_proj], got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_coerce(key, v, arg) for v in value]
     if origin is tuple:
         if isinstance(value, str):
             value = yaml.safe_load(value)
@@ -411,13 +439,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ValueError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) != 2:
-            raise ValueError(f"override key {key!r} must be section.key (e.g. train.max_steps)")
+        if len(parts) < 2:
+            raise ValueError(f"override key {key!r} must be section.key (e.g. train.max_steps, "
+                             "model.lora.rank)")
         value = yaml.safe_load(raw) if raw.strip() else None
-        out.setdefault(parts[0], {})
-        if not isinstance(out[parts[0]], dict):
-            raise ValueError(f"config section {parts[0]!r} must be a mapping")
-        out[parts[0]][parts[1]] = raw if isinstance(value, str) else value
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"config section {'.'.join(parts[:depth + 1])!r} must be a "
+                                 "mapping")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = raw if isinstance(value, str) else value
     return out
 
 

@@ -168,6 +168,20 @@ def load_checkpoint(
     return trainer
 
 
+def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *,
+                 base: str | None = None) -> Path:
+    """Write the LoRA adapter of `model` in peft's format (`PeftModel.from_pretrained` loads
+    it on the base model `base`). Collective: FSDP2 shards are gathered first."""
+    from vlpack.model.lora import save_adapter as write
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = Path(out_dir)
+    if info.is_main:
+        write(model, out, state_dict=full, base=base)
+    barrier(info)
+    return out
+
+
 def export_hf(
     model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *, tokenizer=None, processor=None
 ) -> Path:
@@ -177,6 +191,10 @@ def export_hf(
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if getattr(model, "_vlpack_lora", None) is not None:  # the adapter folded in
+            from vlpack.model.lora import merged_state_dict
+
+            full = merged_state_dict(model, full)
         model.save_pretrained(out, state_dict=full, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)

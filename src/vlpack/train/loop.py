@@ -83,6 +83,11 @@ class Trainer:
             log.warning("model.compile with data.packing=none: the compiled padded step ran "
                         "slower than the eager one (docs/benchmarks/levers.md); set "
                         "model.compile=false for padded runs")
+        if cfg.model.lora.rank:
+            from vlpack.model import lora
+
+            lora.apply_lora(model, cfg.model.lora)
+            log.info(lora.describe(model))
         self.model = model
         self.flops = flop_model(model)
         self.module = TrainModule(
@@ -443,6 +448,9 @@ class Trainer:
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "metrics": str(out_dir / "metrics.jsonl"), "plot": None,
         }
+        if self.cfg.model.lora.rank:
+            summary["adapter"] = str(ckpt.save_adapter(self.model, out_dir / "adapter", self.info,
+                                                       base=self.cfg.model.name))
         if self.cfg.train.export_hf:
             hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, tokenizer=self.encoder.tokenizer,
                                 processor=self.encoder.image_processor)

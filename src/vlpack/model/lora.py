@@ -1,0 +1,133 @@
+"""LoRA on the packed path, through peft.
+
+`apply_lora` injects peft's LoRA layers into the model in place (`peft.inject_adapter_in_model`):
+the model stays the transformers model with vlpack's seams, so the packed forward, activation
+checkpointing, compiled layers and FSDP2 see the same module tree with LoRA linears in it. Only
+the LoRA weights train. `save_adapter` writes peft's format (`adapter_config.json` +
+`adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads on the base model;
+`merged_state_dict` folds the adapter into the base weights for a plain transformers folder.
+
+Default targets: the LLM's attention, Gated-DeltaNet and MLP projections (dense and shared-expert;
+routed experts are 3-D parameters, not linears, and stay frozen). `vision=True` adds the vision
+tower's and merger's linears.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlpack.config import LoraConfig as VlpackLora
+
+LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "in_proj_qkv", "in_proj_z", "out_proj")
+"""Projection names of the text model that LoRA adapts by default."""
+VISION_TARGETS = ("qkv", "proj", "linear_fc1", "linear_fc2", "fc1", "fc2")
+"""Linear names of the vision tower and merger (`model.lora.vision`)."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ValueError("model.lora.rank > 0 needs peft: pip install 'vlpack[lora]' "
+                         "(or pip install peft)") from e
+    return peft
+
+
+def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
+    """Full names of the linear modules LoRA adapts in `model`; a ValueError when none match."""
+    wanted = set(cfg.target_modules or LLM_TARGETS)
+    vision = set(VISION_TARGETS) if cfg.vision else set()
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or name.endswith("lm_head"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        in_vision = ".visual." in f".{name}."
+        if (not in_vision and leaf in wanted) or (in_vision and leaf in vision | (
+                wanted if cfg.target_modules else set())):
+            out.append(name)
+    if not out:
+        raise ValueError(f"model.lora.target_modules={list(wanted)} matches no linear layer of "
+                         f"{type(model).__name__}; name the projections' leaf names, e.g. "
+                         f"{list(LLM_TARGETS[:4])}")
+    return out
+
+
+def peft_config(model: nn.Module, cfg: VlpackLora):
+    """The `peft.LoraConfig` of `cfg` on `model` (its targets as full module names)."""
+    peft = _peft()
+    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=target_names(model, cfg), bias="none")
+
+
+def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
+    """Inject LoRA layers into `model` in place and freeze everything else; returns the number
+    of adapted linears. The LoRA weights are initialised by peft (B = 0: the model's function
+    is unchanged until it trains)."""
+    peft = _peft()
+    pc = peft_config(model, cfg)
+    peft.inject_adapter_in_model(pc, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model._vlpack_lora = pc
+    return len(pc.target_modules)
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None = None,
+                 base: str | None = None) -> Path:
+    """Write the adapter of `model` in peft's format into `out_dir` (`state_dict`: the full
+    model state, e.g. gathered from FSDP2; default the model's own)."""
+    peft = _peft()
+    from safetensors.torch import save_file
+
+    pc = model._vlpack_lora
+    pc.base_model_name_or_path = base
+    # no embedding layers are adapted: peft would otherwise look the base model up on the hub
+    sd = peft.get_peft_model_state_dict(model, state_dict=state_dict, save_embedding_layers=False)
+    # the names a PeftModel wrapping the base model saves and loads
+    sd = {f"base_model.model.{k}": v for k, v in sd.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    pc.save_pretrained(str(out))
+    return out
+
+
+def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
+    """`state_dict` (the full state of a LoRA model) with each adapter folded into its base
+    weight (W + scale · B A) under the base layer's own name: the state of the plain model."""
+    pc = model._vlpack_lora
+    scale = pc.lora_alpha / pc.r
+    out = {}
+    for key, value in state_dict.items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." in key:
+            prefix, leaf = key.split(".base_layer.")
+            if leaf == "weight":
+                a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
+                b = state_dict[f"{prefix}.lora_B.default.weight"].to(torch.float32)
+                value = (value.to(torch.float32) + scale * (b @ a)).to(value.dtype)
+            key = f"{prefix}.{leaf}"
+        out[key] = value
+    return out
+
+
+def describe(model: nn.Module) -> str:
+    """One line: rank, alpha, adapted linears and trainable share."""
+    pc = model._vlpack_lora
+    total = sum(p.numel() for p in model.parameters())
+    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {len(pc.target_modules)} linears: "
+            f"{train:,} of {total:,} parameters train ({100 * train / total:.2f}%)")
+
+
+def adapter_config(path: str | Path) -> dict:
+    """The `adapter_config.json` of an adapter folder."""
+    return json.loads((Path(path) / "adapter_config.json").read_text())

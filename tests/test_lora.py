@@ -1,0 +1,125 @@
+"""LoRA through peft on the packed path: packed ≡ padded, only adapters train, the adapter loads
+in peft and the merged export in transformers with the trained model's logits, exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import CPU, losses, samples, small_cfg  # noqa: F401  (fixture)
+from vlpack.config import LoraConfig, load_config
+from vlpack.data.batch import build_thd_batch
+from vlpack.data.padded import build_padded_batch
+from vlpack.model import lora
+from vlpack.model.build import build_model
+from vlpack.train.loop import Trainer
+from vlpack.train.module import TrainModule
+from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.step import optimizer_step
+
+peft = pytest.importorskip("peft")
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
+
+
+def test_packed_lora_training_equals_padded(samples):  # noqa: F811
+    """3 AdamW steps of LoRA (rank 4, vision adapted too) on the same samples: packed (varlen)
+    vs right-padded (sdpa, transformers' own path); the adapters end within 1e-5, the base
+    weights do not move."""
+    cfg = load_config("tiny", ["optim.lr=1e-2", "optim.warmup_steps=0"])
+    runs = {}
+    for mode in ("packed", "padded"):
+        model, spec = build_model("tiny-qwen3_vl", backend="auto" if mode == "packed" else "sdpa",
+                                  dtype=torch.float32, device="cpu", seed=0)
+        base = {n: p.detach().clone() for n, p in model.named_parameters()}
+        torch.manual_seed(1)
+        n = lora.apply_lora(model, LoraConfig(rank=4, alpha=8, vision=True))
+        assert n > 0
+        module = TrainModule(model, spec, loss_method="plain")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        opt = build_optimizer(trainable, cfg.optim, device_type="cpu")
+        sched = build_scheduler(opt, cfg.optim, 3)
+        step_losses = []
+        for k in range(3):
+            group = samples[3 * k : 3 * k + 3]
+            batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+                     if mode == "packed" else build_padded_batch(group, pad_token_id=spec.pad_token_id))
+            step_losses.append(optimizer_step(module, opt, sched, [batch], info=CPU).loss)
+        params = dict(model.named_parameters())
+        moved = [k for k, v in base.items() if not torch.equal(_wrapped(params, k), v)]
+        assert not moved, moved[:3]
+        runs[mode] = (step_losses, {k: v for k, v in params.items() if "lora_" in k})
+    (lp, pp), (lq, pq) = runs["packed"], runs["padded"]
+    assert any(".visual." in k for k in pp) and any("language_model" in k for k in pp)
+    assert max(abs(a - b) for a, b in zip(lp, lq, strict=True)) <= 1e-5, (lp, lq)
+    assert max((pp[k] - pq[k]).abs().max().item() for k in pp) <= 1e-5
+    assert max(v.abs().max().item() for k, v in pp.items() if "lora_B" in k) > 0  # it trained
+
+
+def _wrapped(params: dict, name: str) -> torch.Tensor:
+    """A base parameter under its LoRA-wrapped name, where LoRA wrapped its layer."""
+    parent, leaf = name.rsplit(".", 1)
+    return params.get(f"{parent}.base_layer.{leaf}", params.get(name))
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_adapter_loads_in_peft_and_merged_export_in_transformers(tmp_path: Path):
+    """`vlpack train model.lora.rank=4` writes an adapter that `PeftModel.from_pretrained` loads
+    on the base model, and (`train.export_hf`) a merged folder the family class loads; both give
+    the trained model's logits."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=3", "train.export_hf=true", *LORA), CPU)
+    summary = t.fit()
+    adapter = Path(summary["adapter"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    ids = torch.randint(0, 150000, (1, 23), generator=torch.Generator().manual_seed(0))
+    want = _logits(t.model, ids)
+    base, _ = build_model("tiny-qwen3_vl", backend="sdpa", dtype=torch.float32, device="cpu", seed=0)
+    untrained = _logits(base, ids)
+    loaded = peft.PeftModel.from_pretrained(base, str(adapter))
+    got = _logits(loaded, ids)
+    assert (got - want).abs().max() <= 1e-5
+    assert (untrained - want).abs().max() > 1e-3  # the adapter changed the model
+    merged = Qwen3VLForConditionalGeneration.from_pretrained(summary["hf_export"])
+    assert not any("lora" in k for k in merged.state_dict())
+    assert (_logits(merged, ids) - want).abs().max() <= 1e-4
+
+
+def test_lora_resume_is_exact(tmp_path: Path):
+    """4 LoRA steps straight == 2 steps, stop, resume, 2 more (same losses)."""
+    Trainer(small_cfg(tmp_path / "a", "train.max_steps=4", *LORA), CPU).fit()
+    Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.stop_after=2", *LORA), CPU).fit()
+    Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", *LORA), CPU).fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 4 and a == b[-4:], (a, b)
+
+
+def test_lora_config_errors():
+    model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="matches no linear"):
+        lora.apply_lora(model, LoraConfig(rank=4, target_modules=["nope"]))
+    with pytest.raises(ValueError, match=r"model\.lora\.rank"):
+        LoraConfig(rank=-1)
+
+
+def test_lora_with_recompute_and_compiled_layers(tmp_path: Path):
+    """LoRA under activation checkpointing and whole compiled layers trains as eager LoRA."""
+    from vlpack.model.recompute import layer_stacks
+
+    Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", *LORA), CPU).fit()
+    t = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", "model.activation_checkpointing=true",
+                          "model.compile=true", "model.compile_scope=layers", *LORA), CPU)
+    layers = [x for stack in layer_stacks(t.model).values() for x in stack]
+    assert layers and all(getattr(x, "_compiled_call_impl", None) is not None for x in layers)
+    t.fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
