@@ -61,6 +61,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("eval loss", "—" if s.get("eval_loss") is None else f"{s['eval_loss']:.4f}"),
         ("time", f"{s['seconds']:.1f}s ({s['tokens_per_s']:.0f} real tokens/s)"),
         ("checkpoint", s.get("checkpoint") or "—"),
+        *([("adapter", s["adapter"])] if s.get("adapter") else []),
+        *([("hf export", s["hf_export"])] if s.get("hf_export") else []),
         ("metrics", s["metrics"]),
         ("plot", s.get("plot") or "—"),
     ]
