@@ -75,7 +75,7 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     model._vlpack_lora = pc
-    return len(pc.target_modules)
+    return sum(1 for m in model.modules() if hasattr(m, "lora_A"))
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None = None,
@@ -124,7 +124,8 @@ def describe(model: nn.Module) -> str:
     pc = model._vlpack_lora
     total = sum(p.numel() for p in model.parameters())
     train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {len(pc.target_modules)} linears: "
+    adapted = sum(1 for m in model.modules() if hasattr(m, "lora_A"))
+    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {adapted} linears: "
             f"{train:,} of {total:,} parameters train ({100 * train / total:.2f}%)")
 
 

@@ -144,6 +144,10 @@ class Trainer:
         m = self.cfg.model
         shapes = meta_model(m.name)
         freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+        if m.lora.rank:  # only the adapters keep gradients and optimizer state
+            from vlpack.model import lora
+
+            lora.apply_lora(shapes, m.lora)
         params = sum(p.numel() for p in shapes.parameters())
         trainable = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         device = self.info.device
