@@ -242,3 +242,38 @@ def test_missing_and_corrupt_images(tmp_path):
 def test_bad_pixel_range():
     with pytest.raises(ValueError, match="min_pixels"):
         Encoder("qwen3_vl", min_pixels=10_000, max_pixels=100)
+
+
+def test_folder_preprocessor_settings_are_used(tmp_path):
+    """A checkpoint folder's `preprocessor_config.json` (saved by transformers with non-default
+    min/max pixels and normalisation) sets the encoder's image processing: pixel values and
+    grids equal the folder's own processor's, loaded by transformers; explicit pixel bounds
+    still win; a processor of another patch size is refused by file name."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=40_000, max_pixels=90_000,
+                             image_mean=[0.1, 0.2, 0.3],
+                             image_std=[0.9, 0.8, 0.7]).save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    img = tmp_path / "a.png"
+    Image.fromarray(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)).save(img)
+    conv = parse_record({"conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                           {"from": "gpt", "value": "x"}], "image": "a.png"},
+                        base_dir=tmp_path, key="s")
+    enc = Encoder("qwen3_vl", processor_path=str(tmp_path))
+    assert (enc.min_pixels, enc.max_pixels) == (40_000, 90_000)
+    got = enc.encode(conv)
+    ref = AutoImageProcessor.from_pretrained(tmp_path)(images=[Image.open(img)], return_tensors="np")
+    assert got.image_grid_thw.tolist() == ref["image_grid_thw"].tolist()
+    assert np.abs(got.pixel_values - ref["pixel_values"]).max() < 1e-5
+    assert Encoder("qwen3_vl", processor_path=str(tmp_path), max_pixels=50_000).max_pixels == 50_000
+    cfg = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**cfg, "patch_size": 14}))
+    with pytest.raises(ValueError, match=r"preprocessor_config\.json: patch_size=14"):
+        Encoder("qwen3_vl", processor_path=str(tmp_path))

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vlpack.data.tokenizer import FamilySpec, family_spec, load_image_processor, load_tokenizer
+from vlpack.data.tokenizer import (
+    FamilySpec,
+    family_spec,
+    folder_processor,
+    load_image_processor,
+    load_tokenizer,
+)
 from vlpack.data.types import (
     IGNORE_INDEX,
     TOKEN_TYPE_IMAGE,
@@ -76,10 +82,12 @@ class _Rendered:
 class Encoder:
     """Encodes conversations for one model family (see the module docstring for the template).
 
-    `min_pixels`/`max_pixels` bound the resized image area (defaults: the family's, see
-    `vlpack.data.tokenizer`); `tokenizer_path` is a local HF checkpoint folder, else the built-in
-    offline tokenizer is used. `max_image_pixels` raises Pillow's decompression-bomb limit on the
-    source images; Pillow keeps that limit process-wide, so the encoder sets it before each open.
+    `min_pixels`/`max_pixels` bound the resized image area (defaults: those of
+    `processor_path`'s `preprocessor_config.json` when given, else the family's, see
+    `vlpack.data.tokenizer`; the folder's normalisation too); `tokenizer_path` is a local HF
+    checkpoint folder, else the built-in offline tokenizer is used. `max_image_pixels` raises
+    Pillow's decompression-bomb limit on the source images; Pillow keeps that limit process-wide,
+    so the encoder sets it before each open.
     """
 
     def __init__(
@@ -89,14 +97,22 @@ class Encoder:
         min_pixels: int | None = None,
         max_pixels: int | None = None,
         max_image_pixels: int | None = None,
+        processor_path: str | None = None,
     ):
         self.family = family
         self.max_image_pixels = max_image_pixels
         """Largest source image (width × height) opened; None: Pillow's decompression-bomb
         limit (about 179 M pixels)."""
         self.spec: FamilySpec = family_spec(family)
-        self.min_pixels = self.spec.min_pixels if min_pixels is None else int(min_pixels)
-        self.max_pixels = self.spec.max_pixels if max_pixels is None else int(max_pixels)
+        folder = folder_processor(processor_path, family) if processor_path else None
+        self.processor_file = folder.file if folder else None
+        """The `preprocessor_config.json` whose settings this encoder uses, if any."""
+        self._norm = (folder.image_mean, folder.image_std) if folder else (None, None)
+        if min_pixels is None:
+            min_pixels = folder.min_pixels if folder and folder.min_pixels else self.spec.min_pixels
+        if max_pixels is None:
+            max_pixels = folder.max_pixels if folder and folder.max_pixels else self.spec.max_pixels
+        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(
                 f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}"
@@ -119,7 +135,7 @@ class Encoder:
     @property
     def image_processor(self):
         """transformers' Qwen2-VL PIL image processor for this family and pixel range."""
-        return load_image_processor(self.family, self.min_pixels, self.max_pixels)
+        return load_image_processor(self.family, self.min_pixels, self.max_pixels, *self._norm)
 
     # ---------------------------------------------------------------- public API
 

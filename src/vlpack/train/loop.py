@@ -115,9 +115,14 @@ class Trainer:
             (Path(cfg.model.name) / f).exists() for f in ("tokenizer.json", "vocab.json")
         ):
             tok_path = cfg.model.name
+        folder = Path(cfg.model.name)
         self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
                                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
-                               max_image_pixels=cfg.data.max_image_pixels)
+                               max_image_pixels=cfg.data.max_image_pixels,
+                               processor_path=str(folder) if folder.is_dir() else None)
+        if self.encoder.processor_file and self.info.is_main:
+            log.info("image settings from %s: %d-%d pixels per image", self.encoder.processor_file,
+                     self.encoder.min_pixels, self.encoder.max_pixels)
         if self.encoder.image_pad_id != self.spec.image_token_id:
             raise ValueError(
                 f"tokenizer image_pad id {self.encoder.image_pad_id} != model image_token_id "
