@@ -127,3 +127,17 @@ def test_lora_with_recompute_and_compiled_layers(tmp_path: Path):
     t.fit()
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+
+
+def test_lora_targets():
+    """Default and named targets stay in the text model; `vision=True` adds every linear of the
+    vision tower and its merger (Qwen2.5-VL: gated MLPs and `merger.mlp.0/2`)."""
+    model, _ = build_model("tiny-qwen2_5_vl", dtype=torch.float32, device="cpu", seed=0)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    vision = {n for n in linears if ".visual." in f".{n}."}
+    assert any(".merger." in n for n in vision) and any("gate_proj" in n for n in vision)
+    named = lora.target_names(model, LoraConfig(rank=4, target_modules=["gate_proj", "down_proj"]))
+    assert named and not set(named) & vision
+    assert all(n.rsplit(".", 1)[-1] in ("gate_proj", "down_proj") for n in named)
+    assert set(lora.target_names(model, LoraConfig(rank=4, vision=True))) >= vision
+    assert not set(lora.target_names(model, LoraConfig(rank=4))) & vision

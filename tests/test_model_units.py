@@ -426,11 +426,9 @@ def test_family_registry_names_real_classes(name):
 
 
 # --- fla's Hopper backward self-test ----------------------------------------------------------
-@pytest.mark.parametrize("leaky", [False, True])
-def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeypatch, leaky):
-    """The self-test's judgement, on CPU with a stand-in for fla's kernel: one that restarts at
-    the boundaries (the per-segment torch kernel) is approved; one that carries state across
-    them is refused, with its errors, and leaves no approval behind."""
+def _stand_in_fla(monkeypatch, leaky: bool):
+    """fla's varlen delta rule replaced by transformers' torch kernel (per segment, or across
+    the boundaries when `leaky`), and vlpack's fla backend by a plain class."""
     import sys
     import types
 
@@ -455,6 +453,36 @@ def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeyp
 
     monkeypatch.setattr(fla_hopper, "_register", lambda: Backend)
     monkeypatch.setattr(fla_hopper, "fla_tiling", lambda K, V, index: (16, 16))
+    return raw, Backend
+
+
+def test_fla_self_test_inside_a_checkpointed_layer(monkeypatch):
+    """The self-test runs in the first forward of a GDN layer, which activation checkpointing
+    wraps: it runs once, and neither it nor the layer's backward trips the checkpoint."""
+    from vlpack.model import fla_hopper
+
+    raw, _ = _stand_in_fla(monkeypatch, leaky=False)
+    calls = []
+
+    def layer(x):
+        calls.append(fla_hopper.self_test(16, 16, torch.device("cpu"), raw))
+        return (x * 2).sin()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    assert len(calls) == 1 and calls[0].ok, calls
+    y.sum().backward()  # the layer is recomputed here (a second self-test, as the first)
+    assert x.grad is not None and len(calls) == 2
+
+
+@pytest.mark.parametrize("leaky", [False, True])
+def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeypatch, leaky):
+    """The self-test's judgement, on CPU with a stand-in for fla's kernel: one that restarts at
+    the boundaries (the per-segment torch kernel) is approved; one that carries state across
+    them is refused, with its errors, and leaves no approval behind."""
+    from vlpack.model import fla_hopper
+
+    raw, Backend = _stand_in_fla(monkeypatch, leaky)
     d = fla_hopper.self_test(16, 16, torch.device("cpu"), raw)
     assert set(d.errors) == {"q", "k", "v", "g", "beta"}
     assert d.ok is not leaky, d.describe()

@@ -148,10 +148,10 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] | None = None
-    """Leaf names of the linears to adapt; None: the LLM's attention, Gated-DeltaNet and MLP
-    projections (routed experts stay frozen)."""
+    """Leaf names of the text model's linears to adapt; None: the LLM's attention,
+    Gated-DeltaNet and MLP projections (routed experts stay frozen)."""
     vision: bool = False
-    """Also adapt the vision tower's and merger's linears."""
+    """Also adapt every linear of the vision tower and its mergers."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:

@@ -67,8 +67,12 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     h_PI = self._apply_gate(gate_up_P2I)
     out_PD = _grouped_mm(h_PI, self.down_proj.to(dtype).transpose(-2, -1), offs_E)
     out_PD = out_PD * top_k_weights.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
-    # summed over each token's K experts in the residual stream's dtype, as transformers does
-    return torch.zeros_like(x_TD).index_add_(0, token_P, out_PD.to(x_TD.dtype))
+    # back to (token, k) order and summed over each token's K experts, accumulated in float32:
+    # deterministic (no atomics), as transformers' un-permute and sum
+    inverse_P = torch.empty_like(order_P)
+    inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+    out_TKD = out_PD[inverse_P].view(-1, K, out_PD.shape[-1])
+    return out_TKD.sum(1, dtype=torch.float32).to(x_TD.dtype)
 
 
 @functools.cache

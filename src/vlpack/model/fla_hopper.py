@@ -192,13 +192,18 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
         return chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
-    with torch.autocast(device.type, enabled=False):
+    # The self-test runs inside the first forward of a GDN layer, which activation
+    # checkpointing may wrap: identity saved-tensor hooks (the innermost win) keep the
+    # checkpoint from capturing the self-test's own tensors and recomputing the layer in its
+    # backward.
+    plain_saving = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with plain_saving, torch.autocast(device.type, enabled=False):
         ref = grads(per_segment, torch.float32)
         plain = grads(per_segment, torch.bfloat16)
     before = cls.approved.get((K, V))
     cls.approved[(K, V)] = widths
     try:
-        with torch.autocast(device.type, enabled=False):
+        with plain_saving, torch.autocast(device.type, enabled=False):
             fast = grads(fla, torch.bfloat16)
     except Exception as e:
         _restore(cls.approved, (K, V), before)

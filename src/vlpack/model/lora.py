@@ -8,8 +8,9 @@ the LoRA weights train. `save_adapter` writes peft's format (`adapter_config.jso
 `merged_state_dict` folds the adapter into the base weights for a plain transformers folder.
 
 Default targets: the LLM's attention, Gated-DeltaNet and MLP projections (dense and shared-expert;
-routed experts are 3-D parameters, not linears, and stay frozen). `vision=True` adds the vision
-tower's and merger's linears.
+routed experts are 3-D parameters, not linears, and stay frozen); `target_modules` names other
+leaf names of the text model. `vision=True` adds every linear of the vision tower and its
+mergers.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from vlpack.config import LoraConfig as VlpackLora
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "out_proj")
 """Projection names of the text model that LoRA adapts by default."""
-VISION_TARGETS = ("qkv", "proj", "linear_fc1", "linear_fc2", "fc1", "fc2")
-"""Linear names of the vision tower and merger (`model.lora.vision`)."""
 
 
 def _peft():
@@ -39,20 +38,21 @@ def _peft():
 
 
 def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
-    """Full names of the linear modules LoRA adapts in `model`; a ValueError when none match."""
+    """Full names of the linear modules LoRA adapts in `model`: the text model's linears whose
+    leaf name is in `cfg.target_modules` (default LLM_TARGETS), and with `cfg.vision` every
+    linear of the vision tower and its mergers; a ValueError when none match."""
     wanted = set(cfg.target_modules or LLM_TARGETS)
-    vision = set(VISION_TARGETS) if cfg.vision else set()
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or name.endswith("lm_head"):
             continue
-        leaf = name.rsplit(".", 1)[-1]
-        in_vision = ".visual." in f".{name}."
-        if (not in_vision and leaf in wanted) or (in_vision and leaf in vision | (
-                wanted if cfg.target_modules else set())):
+        if ".visual." in f".{name}.":
+            if cfg.vision:
+                out.append(name)
+        elif name.rsplit(".", 1)[-1] in wanted:
             out.append(name)
     if not out:
-        raise ValueError(f"model.lora.target_modules={list(wanted)} matches no linear layer of "
+        raise ValueError(f"model.lora.target_modules={sorted(wanted)} matches no linear layer of "
                          f"{type(model).__name__}; name the projections' leaf names, e.g. "
                          f"{list(LLM_TARGETS[:4])}")
     return out
