@@ -61,10 +61,9 @@ def _accounting_lines(stdout: str) -> list[str]:
     return [x for x in stdout.splitlines() if x.lstrip().startswith(("samples ", "epochs "))]
 
 
-def test_two_processes_equal_one_process(tmp_path: Path) -> None:
-    data = _dirty_data(tmp_path)
-    args = [*SMALL, "train.max_steps=3", "data.source=jsonl", f"data.path={data}",
-            "data.max_bad_fraction=0.2", "data.shuffle=false"]
+def _two_and_one(tmp_path: Path, args: list[str]):
+    """`vlpack train ARGS` on 2 processes (torchrun, into tmp_path/two) and on 1 with 2
+    micro-batches (the same global batch, into tmp_path/one); both must succeed."""
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "vlpack", "train",
@@ -78,6 +77,14 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
         env=_env(), capture_output=True, text=True, timeout=600,
     )
     assert one.returncode == 0, one.stderr[-3000:]
+    return two, one
+
+
+def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+    data = _dirty_data(tmp_path)
+    args = [*SMALL, "train.max_steps=3", "data.source=jsonl", f"data.path={data}",
+            "data.max_bad_fraction=0.2", "data.shuffle=false"]
+    two, one = _two_and_one(tmp_path, args)
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
@@ -258,19 +265,7 @@ def test_two_process_lora_equals_one_process(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     args = [*SMALL, "train.max_steps=3", "data.shuffle=false", "model.lora.rank=4",
             "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "vlpack", "train",
-         f"train.output_dir={tmp_path / 'two'}", *args],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "vlpack", "train", f"train.output_dir={tmp_path / 'one'}",
-         "train.micro_batches=2", *args],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
+    _two_and_one(tmp_path, args)
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
