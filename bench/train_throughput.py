@@ -136,6 +136,7 @@ def variant(mode: str, args) -> str:
     return (mode + "+compile" * args.compile + "+compile_layers" * args.compile_layers
             + "+vision_attn" * args.trace_vision_attention
             + "+bf16_params" * args.bf16_params + ac
+            + (f"+experts_{args.experts}" if args.experts else "")
             + "+expandable" * expandable)
 
 
@@ -173,6 +174,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
     backend = "auto" if mode == "vlpack_packed" else "sdpa"
     model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
                               device=device, seed=0)
+    if args.experts and mode.startswith("vlpack") and spec.is_moe:
+        model.set_experts_implementation(args.experts)
     module = TrainModule(model, spec, loss_method=args.loss)
     # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
     # one rank, bf16 compute weights
@@ -334,6 +337,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--profile-stacks", action="store_true",
                    help="add a table of host time by Python call site to the profile")
+    p.add_argument("--experts", default=None,
+                   choices=("vlpack_grouped_mm", "grouped_mm", "batched_mm", "eager"),
+                   help="MoE experts implementation of the vlpack modes (default: the build's, "
+                        "vlpack_grouped_mm)")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     args = p.parse_args(argv)

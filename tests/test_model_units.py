@@ -46,13 +46,16 @@ def test_tiny_presets_use_real_token_ids(name):
 
 
 def test_real_presets_name_their_source():
-    for name in ("qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-35b-a3b"):
+    for name in ("qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-9b", "qwen3.5-35b-a3b"):
         assert get_preset(name).source
 
 
 @pytest.mark.parametrize(("name", "billions"), [
     ("qwen3-vl-2b", 2.13), ("qwen3-vl-8b", 8.77), ("qwen3-vl-30b-a3b", 31.07),
     ("qwen3.5-35b-a3b", 35.11),
+    # + its multi-token-prediction layer (0.24 B, not built) = the checkpoint's 9.65 B parameters
+    # (19,306,216,416 bytes of bf16 in its safetensors index)
+    ("qwen3.5-9b", 9.41),
 ])
 def test_real_presets_build_on_meta(name, billions):
     """Shapes only (meta device); a guard on the preset shapes: totals fit the model names."""

@@ -34,7 +34,7 @@ class ForwardOut:
     """loss_sum: summed CE over label tokens (fp32 scalar); num_label_tokens: their count;
     aux_loss: MoE load-balancing loss over real tokens (None for dense models);
     logits: [T, V] only when asked; router_stats: per-expert counts (MoE);
-    paths: the kernels that ran (attention, GDN, loss); hf_loss: transformers' own token-mean
+    paths: the kernels that ran (attention, GDN, MoE experts, loss); hf_loss: transformers' own token-mean
     loss (`unpacked_forward(..., hf_labels=True)` only); hidden: [T, H] final hidden states,
     only when asked."""
 
@@ -92,6 +92,12 @@ def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Ten
     return router_stats(capture.logits, real_T, spec.num_experts, spec.num_experts_per_tok)
 
 
+def _experts_implementation(model: nn.Module) -> str:
+    config = model.config
+    config = getattr(config, "text_config", config)
+    return getattr(config, "_experts_implementation", None) or "eager"
+
+
 def packed_forward(
     model: nn.Module,
     batch: ThdBatch,
@@ -116,6 +122,8 @@ def packed_forward(
         capture.__enter__()
     inputs = packed_model_inputs(model, batch, spec)
     paths = inputs[BOUNDS_KWARG].paths
+    if spec.is_moe:
+        paths["moe.experts"] = _experts_implementation(model)
     try:
         out = model.model(**inputs)
     finally:
@@ -132,7 +140,7 @@ def packed_forward(
         aux_loss=None if stats is None else stats.aux_loss,
         logits=model.lm_head(hidden_TH) if return_logits else None,
         router_stats=stats,
-        paths={k if k.startswith(("gdn.", "vision.", "loss")) else f"attention.{k}": v
+        paths={k if k.startswith(("gdn.", "vision.", "moe.", "loss")) else f"attention.{k}": v
                for k, v in sorted(paths.items())},
         hidden=hidden_TH if return_hidden else None,
     )

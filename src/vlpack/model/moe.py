@@ -52,11 +52,12 @@ class RouterCapture:
 class RouterStats:
     """aux_loss: load-balancing loss over real tokens (scalar, differentiable);
     tokens_per_expert: [L, E] int64 top-k assignments of real tokens per layer;
-    num_tokens: real tokens counted per layer."""
+    num_tokens: real tokens counted per layer, a 0-d device tensor (reading it is the caller's
+    host sync, none happens inside the step)."""
 
     aux_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
-    num_tokens: int
+    num_tokens: torch.Tensor
 
 
 def router_stats(
@@ -80,4 +81,4 @@ def router_stats(
     rows = w_T.sum() * len(router_logits)
     aux = num_experts * torch.sum((counts_LE.sum(0) / rows) * (probs_sum / rows))
     return RouterStats(aux_loss=aux, tokens_per_expert=counts_LE.round().long(),
-                       num_tokens=int(w_T.sum()))
+                       num_tokens=w_T.sum().long())

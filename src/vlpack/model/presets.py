@@ -167,6 +167,25 @@ _add(Preset(
                 "vision block: taken equal to the 8B ViT (depth 27, width 1152)"),
 ))
 _add(Preset(
+    "qwen3.5-9b", "qwen3_5",
+    text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+              num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+              linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_num_key_heads=16, linear_num_value_heads=32,
+              max_position_embeddings=262144, rms_norm_eps=1e-6,
+              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+              rope_parameters=_rope(1e7, [11, 11, 10], True, partial=0.25)),
+    vision=dict(_QWEN3_VIS_27, out_hidden_size=4096, deepstack_visual_indexes=[]),
+    source="Qwen/Qwen3.5-9B config.json: its first 50 lines (text shapes, linear-attention "
+           "heads, layer types) as fetched from the hub in a public session log; the rest as "
+           "mirrored in a test fixture built from the real config (revision c2022362), an "
+           "unsloth fine-tune's config.json and the Megatron arguments of radixark/miles "
+           "scripts/models/qwen3.5-9B.sh, which all agree",
+    unverified=("max_position_embeddings, rope_parameters (theta 1e7, partial 0.25, "
+                "mrope_section [11, 11, 10]) and the vision block: from the mirrors, not seen "
+                "in the official file",),
+))
+_add(Preset(
     "qwen3.5-35b-a3b", "qwen3_5_moe",
     text=dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
               num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
