@@ -59,7 +59,8 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_shipped_recipes_exist() -> None:
     names = {p.stem for p in CONFIGS}
-    for base in ("tiny", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-35b-a3b"):
+    for base in ("tiny", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-9b",
+                 "qwen3.5-35b-a3b"):
         assert base in names and f"{base}-nopack" in names, base
 
 
