@@ -277,3 +277,103 @@ def test_folder_preprocessor_settings_are_used(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**cfg, "patch_size": 14}))
     with pytest.raises(ValueError, match=r"preprocessor_config\.json: patch_size=14"):
         Encoder("qwen3_vl", processor_path=str(tmp_path))
+
+
+# A template unlike vlpack's built-in one: a default system prompt, "Picture N: " before each
+# image, the answers' whitespace stripped.
+_FOLDER_TEMPLATE = (
+    "{%- set n = namespace(img=0) -%}"
+    "{%- if messages[0].role != 'system' -%}"
+    "<|im_start|>system\nYou read receipts.<|im_end|>\n{% endif -%}"
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+    "{% for c in m.content -%}"
+    "{%- if c.type == 'image' %}{% set n.img = n.img + 1 %}Picture {{ n.img }}: "
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif m.role == 'assistant' %}{{ c.text | trim }}{% else %}{{ c.text }}{% endif -%}"
+    "{%- endfor -%}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
+
+def test_folder_chat_template_equals_transformers(tmp_path):
+    """A checkpoint folder saved by transformers (tokenizer with its own chat template, image
+    processor with non-default pixels): the trainer's encoder gives, for a multi-turn,
+    multi-image conversation, the input ids and pixels that transformers gets by rendering the
+    folder's template, expanding each image placeholder to its grid's tokens and tokenising
+    the whole text, as its Qwen-VL processors do; the labels are each answer and its
+    <|im_end|>, nothing else."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from vlpack.data.template import load_template
+    from vlpack.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("qwen3_vl")
+    tok.chat_template = _FOLDER_TEMPLATE
+    tok.save_pretrained(tmp_path)
+    tok.chat_template = None
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=20_000,
+                             max_pixels=60_000).save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    for name, hw in (("a.png", (300, 500)), ("b.png", (420, 260))):
+        Image.fromarray(rng.integers(0, 255, (*hw, 3), dtype=np.uint8)).save(tmp_path / name)
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                     {"type": "text", "text": "What is the total?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " 12.50 \n"}]},
+        {"role": "user", "content": [{"type": "text", "text": "And on this one?"},
+                                     {"type": "image", "image": "b.png"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "3.10"}]},
+    ]}
+    conv = parse_record(record, base_dir=tmp_path, key="s")
+    enc = Encoder("qwen3_vl", tokenizer_path=str(tmp_path), processor_path=str(tmp_path),
+                  chat_template=load_template("auto", tmp_path))
+    got = enc.encode(conv)
+
+    ref_tok = AutoTokenizer.from_pretrained(tmp_path)
+    ref_proc = AutoImageProcessor.from_pretrained(tmp_path)
+    hf_msgs = [{"role": m["role"], "content": [{"type": c["type"], **({"text": c["text"]} if
+                "text" in c else {})} for c in m["content"]]} for m in record["messages"]]
+    text = ref_tok.apply_chat_template(hf_msgs, tokenize=False)
+    assert "Picture 2: " in text and "You read receipts." in text
+    images = [Image.open(tmp_path / n).convert("RGB") for n in ("a.png", "b.png")]
+    pix = ref_proc(images=images, return_tensors="np")
+    for grid in pix["image_grid_thw"]:
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * (int(grid.prod()) // 4), 1)
+    want = ref_tok(text.replace("<|placeholder|>", "<|image_pad|>"),
+                   add_special_tokens=False)["input_ids"]
+    assert got.input_ids.tolist() == want
+    assert got.image_grid_thw.tolist() == pix["image_grid_thw"].tolist()
+    assert np.abs(got.pixel_values - pix["pixel_values"]).max() < 1e-5
+    sup = np.flatnonzero(got.labels != IGNORE_INDEX)
+    runs = np.split(sup, np.flatnonzero(np.diff(sup) > 1) + 1)
+    assert [ref_tok.decode(got.input_ids[r]) for r in runs] == ["12.50<|im_end|>",
+                                                                "3.10<|im_end|>"]
+    assert (got.labels[sup] == got.input_ids[sup]).all()
+
+
+def test_folder_template_precedence_and_errors(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json's; "builtin" ignores both; a template
+    that does not write ChatML assistant turns is refused, naming its file."""
+    import json
+
+    from vlpack.data.template import load_template
+
+    assert load_template("auto", tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "A"}))
+    assert load_template("auto", tmp_path).source == "A"
+    (tmp_path / "chat_template.jinja").write_text(_FOLDER_TEMPLATE)
+    assert load_template("auto", tmp_path).file.endswith("chat_template.jinja")
+    assert load_template("builtin", tmp_path) is None
+    with pytest.raises(ValueError, match="no such file"):
+        load_template(str(tmp_path / "none.jinja"), tmp_path)
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m.role }}: {{ m.content[0].text }}\n{% endfor %}")
+    enc = Encoder("qwen3_vl", chat_template=load_template(str(plain), None))
+    conv = parse_record({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "yo"}]},
+                        base_dir=tmp_path, key="k")
+    with pytest.raises(ValueError, match=r"plain\.jinja: the template writes 0 assistant turns"):
+        enc.encode(conv)

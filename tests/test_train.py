@@ -165,8 +165,17 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
     reloaded = transformers.Qwen3VLForConditionalGeneration.from_pretrained(hf)
     for n, p in t.model.named_parameters():
         torch.testing.assert_close(reloaded.get_parameter(n), p, rtol=0, atol=0)
-    again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}"), CPU)
-    assert again.fit()["steps"] == 1
+    # A folder's own chat template renders the next run's samples and travels to its export.
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.content %}"
+                "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+                "{% else %}{{ c.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}")
+    (hf / "chat_template.jinja").write_text(template)
+    again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}",
+                              "train.export_hf=true"), CPU)
+    assert again.encoder.chat_template.file == str(hf / "chat_template.jinja")
+    summary = again.fit()
+    assert summary["steps"] == 1
+    assert (Path(summary["hf_export"]) / "chat_template.jinja").read_text() == template
 
 
 def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:

@@ -75,6 +75,9 @@ class DataConfig:
     about 179 M pixels); raise it only for files you trust."""
     tokenizer: str | None = None
     """Local HF folder holding the tokenizer (None: the model folder, else built-in)."""
+    chat_template: str = "auto"
+    """"auto": the model folder's chat template when it has one, else vlpack's built-in
+    rendering; "builtin": always vlpack's; or a .jinja file."""
     num_workers: int = 0
     """DataLoader worker processes (source=energon: Energon's workers per rank)."""
     shuffle: bool = True

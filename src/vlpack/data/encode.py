@@ -16,16 +16,20 @@ Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
 Labels equal input_ids on the assistant content (think block included) and its `<|im_end|>`,
 IGNORE_INDEX elsewhere; the `<|im_start|>assistant\\n` header and the `\\n` after `<|im_end|>` are
 not supervised. Text between special tokens is tokenised as one piece, exactly as the tokenizer
-would split the full rendered string, and special ids are spliced in directly.
+would split the full rendered string, and special ids are spliced in directly. Given a checkpoint
+folder's chat template (`vlpack.data.template`), that template renders the text instead and the
+same label rule applies to the ChatML turns it writes.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vlpack.data import template as chat
 from vlpack.data.tokenizer import (
     FamilySpec,
     family_spec,
@@ -87,7 +91,8 @@ class Encoder:
     `vlpack.data.tokenizer`; the folder's normalisation too); `tokenizer_path` is a local HF
     checkpoint folder, else the built-in offline tokenizer is used. `max_image_pixels` raises
     Pillow's decompression-bomb limit on the source images; Pillow keeps that limit process-wide,
-    so the encoder sets it before each open.
+    so the encoder sets it before each open. `chat_template` (a checkpoint folder's, see
+    `vlpack.data.template`) replaces the built-in rendering.
     """
 
     def __init__(
@@ -98,8 +103,10 @@ class Encoder:
         max_pixels: int | None = None,
         max_image_pixels: int | None = None,
         processor_path: str | None = None,
+        chat_template: chat.FolderTemplate | None = None,
     ):
         self.family = family
+        self.chat_template = chat_template
         self.max_image_pixels = max_image_pixels
         """Largest source image (width × height) opened; None: Pillow's decompression-bomb
         limit (about 179 M pixels)."""
@@ -237,6 +244,13 @@ class Encoder:
         return cut, kept
 
     def _render(self, conv: Conversation, grids: np.ndarray) -> _Rendered:
+        for m in conv.messages:
+            if m.role != "user" and any(isinstance(c, ImageRef) for c in m.content):
+                raise BadSampleError(
+                    "bad_schema", f"{conv.key}: images are only supported in user turns"
+                )
+        if self.chat_template is not None:
+            return self._render_template(conv, grids)
         spec, ids = self.spec, self._ids
         r = _Rendered()
         msgs = conv.messages
@@ -245,10 +259,6 @@ class Encoder:
         last_user = max((i for i, m in enumerate(msgs) if m.role == "user"), default=-1)
         n_image = 0
         for i, m in enumerate(msgs):
-            if m.role != "user" and any(isinstance(c, ImageRef) for c in m.content):
-                raise BadSampleError(
-                    "bad_schema", f"{conv.key}: images are only supported in user turns"
-                )
             content = _trim(m.content) if spec.trim_content else m.content
             if m.role == "system" and spec.trim_content and not content:
                 continue  # qwen3_5 skips an empty system turn
@@ -270,6 +280,34 @@ class Encoder:
                     n_image += 1
             r.token(ids["<|im_end|>"], supervised=sup)
             r.text("\n")
+        r.flush()
+        assert n_image == len(grids), (conv.key, n_image, len(grids))
+        return r
+
+    def _render_template(self, conv: Conversation, grids: np.ndarray) -> _Rendered:
+        """`conv` rendered by the folder's chat template: its text between the atomic tokens,
+        split where supervision starts and ends."""
+        text, spans = chat.render(self.tokenizer, self.chat_template, conv.messages, conv.key)
+
+        def inside(pos: int) -> bool:
+            return any(a <= pos < b for a, b in spans)
+
+        cuts = sorted({a for a, _ in spans} | {b for _, b in spans})
+        r = _Rendered()
+        n_image, pos = 0, 0
+        for piece in _ATOMIC.split(text):
+            end = pos + len(piece)
+            if piece == "<|image_pad|>":
+                r.image(n_image)
+                n_image += 1
+            elif piece in self._ids:
+                r.token(self._ids[piece], supervised=inside(pos))
+            else:
+                at = pos
+                for cut in [c for c in cuts if pos < c < end] + [end]:
+                    r.text(text[at:cut], supervised=inside(at))
+                    at = cut
+            pos = end
         r.flush()
         assert n_image == len(grids), (conv.key, n_image, len(grids))
         return r
@@ -310,6 +348,11 @@ class Encoder:
             mm_token_type_ids=np.concatenate(img_parts).astype(np.int8) * TOKEN_TYPE_IMAGE,
             image_grid_thw=grids,
         )
+
+
+_ATOMIC = re.compile(
+    "(" + "|".join(re.escape(t) for t in ("<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                           "<|vision_end|>", "<|image_pad|>")) + ")")
 
 
 def _trim(content: tuple[str | ImageRef, ...]) -> tuple[str | ImageRef, ...]:

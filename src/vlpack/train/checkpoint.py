@@ -183,10 +183,12 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *,
 
 
 def export_hf(
-    model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *, tokenizer=None, processor=None
+    model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *, tokenizer=None, processor=None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write a HF folder (safetensors, config, tokenizer, image processor) that transformers
-    loads and `vlpack train model.name=FOLDER` fine-tunes further. Collective."""
+    """Write a HF folder (safetensors, config, tokenizer, image processor, and the chat template
+    the run rendered with as `chat_template.jinja`) that transformers loads and `vlpack train
+    model.name=FOLDER` fine-tunes further. Collective."""
     out = Path(out_dir)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.is_main:
@@ -200,5 +202,7 @@ def export_hf(
             tokenizer.save_pretrained(out)
         if processor is not None:
             processor.save_pretrained(out)
+        if chat_template is not None:
+            (out / "chat_template.jinja").write_text(chat_template)
     barrier(info)
     return out

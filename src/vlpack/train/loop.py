@@ -67,6 +67,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: DistInfo | None = None):
         from vlpack.data.encode import Encoder
+        from vlpack.data.template import load_template
         from vlpack.model.build import build_model
 
         self.cfg = cfg
@@ -119,7 +120,10 @@ class Trainer:
         self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
                                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                max_image_pixels=cfg.data.max_image_pixels,
-                               processor_path=str(folder) if folder.is_dir() else None)
+                               processor_path=str(folder) if folder.is_dir() else None,
+                               chat_template=load_template(cfg.data.chat_template, folder))
+        if self.encoder.chat_template and self.info.is_main:
+            log.info("chat template from %s", self.encoder.chat_template.file)
         if self.encoder.processor_file and self.info.is_main:
             log.info("image settings from %s: %d-%d pixels per image", self.encoder.processor_file,
                      self.encoder.min_pixels, self.encoder.max_pixels)
@@ -462,7 +466,8 @@ class Trainer:
                                                        base=self.cfg.model.name))
         if self.cfg.train.export_hf:
             hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, tokenizer=self.encoder.tokenizer,
-                                processor=self.encoder.image_processor)
+                                processor=self.encoder.image_processor,
+                                chat_template=getattr(self.encoder.chat_template, "source", None))
             summary["hf_export"] = str(hf)
         if self.info.is_main:
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
