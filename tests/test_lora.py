@@ -111,8 +111,14 @@ def test_lora_config_errors():
     model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match="matches no linear"):
         lora.apply_lora(model, LoraConfig(rank=4, target_modules=["nope"]))
+    with pytest.raises(ValueError, match=r"\['nope'\] match no linear"):
+        lora.apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "nope"]))
     with pytest.raises(ValueError, match=r"model\.lora\.rank"):
         LoraConfig(rank=-1)
+    moe, _ = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match=r"\['gate_up_proj'\]: the routed experts"):
+        lora.apply_lora(moe, LoraConfig(rank=4, target_modules=["q_proj", "gate_up_proj"]))
+    assert lora.apply_lora(moe, LoraConfig(rank=4, target_modules=["q_proj", "down_proj"])) > 0
 
 
 def test_lora_with_recompute_and_compiled_layers(tmp_path: Path):
