@@ -204,6 +204,39 @@ def test_fsdp_root_keeps_its_parameters_for_backward(tmp_path: Path, monkeypatch
         shutdown()
 
 
+def test_sharded_run_builds_shapes_then_receives_rank0s_weights(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """An FSDP2 run builds the model on the meta device, shards it, and only then receives
+    rank 0's whole CPU copy (no rank holds the whole model on its accelerator): every
+    parameter and buffer (rotary tables included) equals a plain build with the run's seed."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import vlpack.model.build as build
+    from vlpack.train.parallel import shutdown
+
+    devices, original = [], build.build_model
+
+    def record(*args, **kwargs):
+        devices.append(torch.device(kwargs["device"]).type)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(build, "build_model", record)
+    try:
+        t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.fsdp=always"), CPU)
+        assert devices == ["meta", "cpu"]
+        got = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True))
+        want, _ = original(t.cfg.model.name, dtype=torch.float32, device="cpu",
+                           seed=t.cfg.train.seed)
+        assert set(got) == set(want.state_dict())
+        for name, value in want.state_dict().items():
+            assert torch.equal(got[name], value), name
+        buffers = dict(t.model.named_buffers())
+        for name, value in want.named_buffers():
+            assert torch.equal(buffers[name], value), name
+    finally:
+        shutdown()
+
+
 def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
     """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
     its sharded checkpoint resumes to the straight run's losses."""

@@ -128,7 +128,8 @@ def build_model(
     backend: "auto" | "varlen" (vlpack_varlen) | "flex" (vlpack_flex) | "sdpa" (stock).
     dtype: default float32 on CPU, bfloat16 on CUDA. Random weights are seeded with `seed`.
     A folder without *.safetensors is an error unless `random_init` (then its config.json
-    builds random weights, with a warning).
+    builds random weights, with a warning). On the meta device nothing is read or initialised:
+    shapes only, for `vlpack.train.parallel.load_full_state`.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):
@@ -167,7 +168,11 @@ def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device,
     model_type = json.loads(cfg_file.read_text()).get("model_type")
     cls = _model_class(model_type)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if any(path.glob("*.safetensors")):
+    has_weights = any(path.glob("*.safetensors"))
+    if has_weights and device.type == "meta":  # shapes only: the weights arrive later
+        with torch.device(device):
+            return cls._from_config(config, attn_implementation=attn, dtype=dtype), config
+    if has_weights:
         model = cls.from_pretrained(path, attn_implementation=attn, dtype=dtype,
                                     local_files_only=True)
         return model, config

@@ -42,6 +42,7 @@ from vlpack.train.parallel import (
     all_reduce,
     barrier,
     init_distributed,
+    load_full_state,
     shutdown,
 )
 from vlpack.train.parallelize import Parallelism, parallelize
@@ -76,10 +77,22 @@ class Trainer:
         self._check_memory()
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
-        model, self.spec = build_model(
-            cfg.model.name, backend=backend, dtype=torch.float32, device=self.info.device,
-            seed=cfg.train.seed, random_init=cfg.model.init == "random",
-        )
+        shard = self.info.distributed or cfg.train.fsdp == "always"
+
+        def build(device):
+            model, spec = build_model(
+                cfg.model.name, backend=backend, dtype=torch.float32, device=device,
+                seed=cfg.train.seed, random_init=cfg.model.init == "random",
+            )
+            if cfg.model.lora.rank:
+                from vlpack.model import lora
+
+                lora.apply_lora(model, cfg.model.lora)
+            return model, spec
+
+        # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy
+        # after sharding (load_full_state); one process builds on its device directly.
+        model, self.spec = build(torch.device("meta") if shard else self.info.device)
         if cfg.model.compile and cfg.data.packing == "none":
             log.warning("model.compile with data.packing=none: the compiled padded step ran "
                         "slower than the eager one (docs/benchmarks/levers.md); set "
@@ -87,7 +100,6 @@ class Trainer:
         if cfg.model.lora.rank:
             from vlpack.model import lora
 
-            lora.apply_lora(model, cfg.model.lora)
             log.info(lora.describe(model))
         self.model = model
         self.flops = flop_model(model)
@@ -102,11 +114,15 @@ class Trainer:
             activation_checkpointing=m.activation_checkpointing,
             checkpoint_share=m.checkpoint_share,
             compile_scope=m.compile_scope if m.compile else None,
-            fsdp=self.info.distributed or t.fsdp == "always", param_dtype=self.autocast,
+            fsdp=shard, param_dtype=self.autocast,
             reduce_dtype=getattr(torch, t.reduce_dtype),
             reshard_after_forward=t.reshard_after_forward))
+        assert sharded == shard
         if sharded:
             self.autocast = None  # FSDP's mixed-precision policy casts instead
+            whole = build(torch.device("cpu"))[0] if self.info.is_main else None
+            load_full_state(model, whole, self.info)
+            del whole
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)

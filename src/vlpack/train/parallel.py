@@ -131,3 +131,25 @@ def apply_fsdp(
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh, mp_policy=mp)  # reshard_after_forward unset: see above
+
+
+def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: DistInfo) -> None:
+    """Materialise the meta-built, FSDP2-sharded `model` on `info.device` with the weights and
+    buffers of `full`, the same model built whole on rank 0's CPU (None on the other ranks).
+
+    Each rank then holds only its shards: no rank ever has the whole model on its accelerator
+    (a 35B model in fp32 is 140 GB, more than one H200). Buffers (rotary tables and the like,
+    not all in the state dict) are broadcast; parameters and persistent buffers arrive through
+    `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`, each rank keeping
+    its shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    buffers = broadcast_object(
+        {n: b.detach().clone() for n, b in full.named_buffers()} if info.is_main else None, info)
+    model.to_empty(device=info.device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    state = full.state_dict() if info.is_main else {}
+    set_model_state_dict(model, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=True))
