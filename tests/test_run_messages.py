@@ -26,8 +26,14 @@ def test_memory_estimate_by_hand() -> None:
     (10·4 + 4·12) / 2 = 44 bytes per rank (weights, grads and two AdamW moments of the
     trainable ones); two CPU ranks of one host need both shares of it."""
     est = memory.estimate(10, 4, world_size=2)
-    assert (est.build_bytes, est.train_bytes) == (40, 44)
+    assert (est.build_bytes, est.train_bytes, est.host_bytes) == (40, 44, 0)
     assert memory.estimate(10, 4, world_size=2, sharing=2).train_bytes == 88
+    # sharded: shapes only on the devices, rank 0's whole fp32 copy (40 bytes) on its host
+    est = memory.estimate(10, 4, world_size=2, sharded=True)
+    assert (est.build_bytes, est.train_bytes, est.host_bytes) == (0, 44, 40)
+    with pytest.raises(ValueError, match=r"rank 0's host memory"):
+        memory.check_host_copy(est, 39, model="m")
+    memory.check_host_copy(est, 40, model="m")
 
 
 def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch) -> None:

@@ -176,9 +176,13 @@ class Trainer:
         params = sum(p.numel() for p in shapes.parameters())
         trainable = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         device = self.info.device
+        sharded = self.info.distributed or self.cfg.train.fsdp == "always"
         est = memory.estimate(params, trainable, self.info.world_size,
-                              sharing=memory.local_ranks() if device.type == "cpu" else 1)
+                              sharing=memory.local_ranks() if device.type == "cpu" else 1,
+                              sharded=sharded)
         memory.check_fits(est, device, memory.available_bytes(device), model=m.name)
+        if sharded and self.info.is_main and device.type != "cpu":
+            memory.check_host_copy(est, memory.available_bytes(torch.device("cpu")), model=m.name)
 
     # ------------------------------------------------------------------ data
 
