@@ -286,11 +286,12 @@ _FOLDER_TEMPLATE = (
     "{%- if messages[0].role != 'system' -%}"
     "<|im_start|>system\nYou read receipts.<|im_end|>\n{% endif -%}"
     "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
-    "{% for c in m.content -%}"
+    "{% if m.content is string %}{{ m.content | trim if m.role == 'assistant' else m.content }}"
+    "{%- else %}{% for c in m.content -%}"
     "{%- if c.type == 'image' %}{% set n.img = n.img + 1 %}Picture {{ n.img }}: "
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{%- elif m.role == 'assistant' %}{{ c.text | trim }}{% else %}{{ c.text }}{% endif -%}"
-    "{%- endfor -%}<|im_end|>\n{% endfor -%}"
+    "{%- endfor -%}{% endif %}<|im_end|>\n{% endfor -%}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
 )
 
@@ -355,8 +356,10 @@ def test_folder_chat_template_equals_transformers(tmp_path):
 
 
 def test_folder_template_precedence_and_errors(tmp_path):
-    """chat_template.jinja wins over tokenizer_config.json's; "builtin" ignores both; a template
-    that does not write ChatML assistant turns is refused, naming its file."""
+    """tokenizer_config.json's template yields to chat_template.jinja / .json, two different
+    processor templates are refused; "builtin" ignores them all; a template unfit for every
+    sample is refused when the encoder is built, naming its file; a sample the template cannot
+    render or label is a bad sample, not a crash."""
     import json
 
     from vlpack.data.template import load_template
@@ -366,14 +369,45 @@ def test_folder_template_precedence_and_errors(tmp_path):
     assert load_template("auto", tmp_path).source == "A"
     (tmp_path / "chat_template.jinja").write_text(_FOLDER_TEMPLATE)
     assert load_template("auto", tmp_path).file.endswith("chat_template.jinja")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": _FOLDER_TEMPLATE}))
+    assert load_template("auto", tmp_path).source == _FOLDER_TEMPLATE
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "B"}))
+    with pytest.raises(ValueError, match="two different chat templates"):
+        load_template("auto", tmp_path)
     assert load_template("builtin", tmp_path) is None
     with pytest.raises(ValueError, match="no such file"):
         load_template(str(tmp_path / "none.jinja"), tmp_path)
-    plain = tmp_path / "plain.jinja"
-    plain.write_text("{% for m in messages %}{{ m.role }}: {{ m.content[0].text }}\n{% endfor %}")
-    enc = Encoder("qwen3_vl", chat_template=load_template(str(plain), None))
-    conv = parse_record({"messages": [{"role": "user", "content": "hi"},
-                                      {"role": "assistant", "content": "yo"}]},
-                        base_dir=tmp_path, key="k")
+
+    def template(name: str, source: str):
+        (tmp_path / name).write_text(source)
+        return load_template(str(tmp_path / name), None)
+
+    plain = template("plain.jinja", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+                                    "{% endfor %}")
     with pytest.raises(ValueError, match=r"plain\.jinja: the template writes 0 assistant turns"):
-        enc.encode(conv)
+        Encoder("qwen3_vl", chat_template=plain)
+    # written for a text model: list content (a message with an image) renders as nothing
+    strings = template("strings.jinja", "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                       "{% if m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n"
+                       "{% endfor %}")
+    with pytest.raises(ValueError, match=r"strings\.jinja: the template writes 0 image"):
+        Encoder("qwen3_vl", chat_template=strings)
+
+    picky = template("picky.jinja", "{% for m in messages %}{% if m.content is string and "
+                     "'forbidden' in m.content %}{{ raise_exception('no') }}{% endif %}"
+                     "{% endfor %}" + _FOLDER_TEMPLATE)
+    enc = Encoder("qwen3_vl", chat_template=picky)
+
+    def conv(user: str, answer: str = "yo"):
+        return parse_record({"messages": [{"role": "system", "content": "s"},
+                                          {"role": "user", "content": user},
+                                          {"role": "assistant", "content": answer}]},
+                            base_dir=tmp_path, key="k")
+
+    assert (enc.encode(conv("fine")).labels != IGNORE_INDEX).sum() > 0
+    for bad, match in ((conv("forbidden"), "refuses the conversation"),
+                       (conv("hi", "Write <|im_end|> now"), "holds <|im_start|> or <|im_end|>"),
+                       (conv("say <|im_start|>assistant\n"), "holds <|im_start|>")):
+        with pytest.raises(BadSampleError, match=match) as e:
+            enc.encode(bad)
+        assert e.value.reason == "template_mismatch"

@@ -139,3 +139,28 @@ def test_clear_errors_for_a_folder_and_an_empty_file(capsys, tmp_path: Path) -> 
     assert "is a folder (it holds a.jsonl)" in capsys.readouterr().err
     assert main(["pack", str(tmp_path / "a.jsonl")]) == 2
     assert "holds no records" in capsys.readouterr().err
+
+
+def test_validate_uses_the_folders_chat_template(capsys, tmp_path: Path) -> None:
+    """`vlpack data validate --tokenizer FOLDER` renders with the folder's template as training
+    does: a sample that template refuses is listed (template_mismatch), not a crash."""
+    from vlpack.data.tokenizer import load_tokenizer
+
+    load_tokenizer("qwen3_vl").save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.content is string and 'forbidden' in m.content %}"
+        "{{ raise_exception('no forbidden words') }}{% endif %}<|im_start|>{{ m.role }}\n"
+        "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+        "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
+        "{{ c.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
+            for text in ("fine", "forbidden", "also fine")]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["data", "validate", str(data), "--workers", "1", "--json",
+            "--tokenizer", str(tmp_path / "ckpt")]
+    assert main(args) == 1
+    v = json.loads(capsys.readouterr().out)
+    assert v["samples"] == 3 and v["bad"] == {"template_mismatch": 1}, v
+    assert main([*args, "--chat-template", "builtin"]) == 0
+    capsys.readouterr()

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.test_train import CPU, small_cfg
@@ -34,6 +35,12 @@ def test_memory_estimate_by_hand() -> None:
     with pytest.raises(ValueError, match=r"rank 0's host memory"):
         memory.check_host_copy(est, 39, model="m")
     memory.check_host_copy(est, 40, model="m")
+    # on a CPU device rank 0's copy (40) and the parameter shards (20) meet, before gradients
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"rank 0's whole float32 copy"):
+        memory.check_fits(est, cpu, 59, model="m", holds_copy=True)
+    memory.check_fits(est, cpu, 60, model="m", holds_copy=True)
+    memory.check_fits(est, cpu, 44, model="m")
 
 
 def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch) -> None:

@@ -166,16 +166,21 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
     for n, p in t.model.named_parameters():
         torch.testing.assert_close(reloaded.get_parameter(n), p, rtol=0, atol=0)
     # A folder's own chat template renders the next run's samples and travels to its export.
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.content %}"
-                "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-                "{% else %}{{ c.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}")
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+                "{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+                "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}"
+                "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
     (hf / "chat_template.jinja").write_text(template)
-    again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}",
-                              "train.export_hf=true"), CPU)
+    again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}"), CPU)
     assert again.encoder.chat_template.file == str(hf / "chat_template.jinja")
-    summary = again.fit()
-    assert summary["steps"] == 1
-    assert (Path(summary["hf_export"]) / "chat_template.jinja").read_text() == template
+    assert again.fit()["steps"] == 1
+    # data.chat_template=FILE overrides the folder's, and the export carries the one used
+    other = tmp_path / "other.jinja"
+    other.write_text(template.replace("<|im_end|>\n", "<|im_end|>\n\n"))
+    third = Trainer(small_cfg(tmp_path / "ft2", "train.max_steps=1", f"model.name={hf}",
+                              f"data.chat_template={other}", "train.export_hf=true"), CPU)
+    summary = third.fit()
+    assert (Path(summary["hf_export"]) / "chat_template.jinja").read_text() == other.read_text()
 
 
 def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:

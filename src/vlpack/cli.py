@@ -46,7 +46,12 @@ def _run_energon_prepare(args: argparse.Namespace) -> int:
 def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default="qwen3_vl",
                    help="tokenizer/processor family: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5")
-    p.add_argument("--tokenizer", default=None, help="local HF checkpoint folder for tokenizer")
+    p.add_argument("--tokenizer", default=None,
+                   help="local HF checkpoint folder: its tokenizer, chat template and image "
+                        "settings, as training with model.name=FOLDER uses them")
+    p.add_argument("--chat-template", default="auto",
+                   help="auto (the --tokenizer folder's template, else built-in), builtin, or a "
+                        ".jinja file; as data.chat_template")
     p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--max-image-pixels", type=int, default=None,

@@ -125,6 +125,8 @@ class Encoder:
                 f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}"
             )
         self.tokenizer = load_tokenizer(family, tokenizer_path)
+        if chat_template is not None:
+            chat.probe(self.tokenizer, chat_template)  # a template unfit for every sample fails here
         self._tk = self.tokenizer.backend_tokenizer
         self._ids = {t: self._special_id(t) for t in
                      ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

@@ -85,8 +85,12 @@ def pack_command(args: argparse.Namespace) -> int:
     if args.seq_len % args.pad_to_multiple_of:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
                          f"{args.pad_to_multiple_of}")
+    from vlpack.data.template import load_template
+
     encoder = Encoder(args.family, tokenizer_path=args.tokenizer, min_pixels=args.min_pixels,
-                      max_pixels=args.max_pixels, max_image_pixels=args.max_image_pixels)
+                      max_pixels=args.max_pixels, max_image_pixels=args.max_image_pixels,
+                      processor_path=args.tokenizer,
+                      chat_template=load_template(args.chat_template, args.tokenizer))
     report = pack_report(
         items, encoder, seq_len=args.seq_len, algo=args.algo, buffer_size=args.buffer,
         max_patches=args.max_patches, overlong=args.overlong,

@@ -79,9 +79,12 @@ def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = Non
 
 
 def validate_command(args: argparse.Namespace) -> int:
+    from vlpack.data.template import load_template
+
     encoder_kw = dict(family=args.family, tokenizer_path=args.tokenizer,
                       min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                      max_image_pixels=args.max_image_pixels)  # fmt: skip
+                      max_image_pixels=args.max_image_pixels, processor_path=args.tokenizer,
+                      chat_template=load_template(args.chat_template, args.tokenizer))  # fmt: skip
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
     r = validate(args.data, encoder_kw, seq_len=args.seq_len, workers=workers,
                  progress=not args.json)

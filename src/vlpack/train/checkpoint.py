@@ -10,6 +10,7 @@ Rotation deletes only checkpoints of the same run id: a run never deletes anothe
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -31,6 +32,8 @@ from vlpack.train.parallel import DistInfo, all_reduce, barrier
 MARKER = "COMPLETE"
 HEADROOM = 1.1
 """A save starts only when the disk has this many times the checkpoint's size free."""
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointSaveError(ValueError):
@@ -204,5 +207,8 @@ def export_hf(
             processor.save_pretrained(out)
         if chat_template is not None:
             (out / "chat_template.jinja").write_text(chat_template)
+        elif getattr(tokenizer, "chat_template", None):
+            log.warning("%s carries the tokenizer folder's own chat template, but this run "
+                        "rendered with vlpack's built-in ChatML (data.chat_template=builtin)", out)
     barrier(info)
     return out

@@ -120,6 +120,9 @@ class Trainer:
         assert sharded == shard
         if sharded:
             self.autocast = None  # FSDP's mixed-precision policy casts instead
+            if self.info.is_main:
+                log.info("rank 0 builds the whole model in host memory; every rank then "
+                         "receives its shards")
             whole = build(torch.device("cpu"))[0] if self.info.is_main else None
             load_full_state(model, whole, self.info)
             del whole
@@ -180,7 +183,8 @@ class Trainer:
         est = memory.estimate(params, trainable, self.info.world_size,
                               sharing=memory.local_ranks() if device.type == "cpu" else 1,
                               sharded=sharded)
-        memory.check_fits(est, device, memory.available_bytes(device), model=m.name)
+        memory.check_fits(est, device, memory.available_bytes(device), model=m.name,
+                          holds_copy=sharded and self.info.is_main)
         if sharded and self.info.is_main and device.type != "cpu":
             memory.check_host_copy(est, memory.available_bytes(torch.device("cpu")), model=m.name)
 

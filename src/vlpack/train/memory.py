@@ -31,6 +31,8 @@ class MemoryEstimate:
     """Per device in training: sharded parameters, gradients and optimizer state."""
     host_bytes: int = 0
     """Rank 0's whole float32 copy in host memory while a sharded run starts."""
+    shard_bytes: int = 0
+    """Per device, the float32 parameter shards alone (what exists while rank 0's copy does)."""
 
 
 def estimate(params: int, trainable: int, world_size: int, sharing: int = 1,
@@ -40,7 +42,8 @@ def estimate(params: int, trainable: int, world_size: int, sharing: int = 1,
     `sharing` ranks on one memory (CPU ranks of one host)."""
     build = 0 if sharded else 4 * params * sharing
     train = (4 * params + 12 * trainable) * sharing // max(world_size, 1)
-    return MemoryEstimate(params, trainable, build, train, 4 * params if sharded else 0)
+    shards = 4 * params * sharing // max(world_size, 1)
+    return MemoryEstimate(params, trainable, build, train, 4 * params if sharded else 0, shards)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -55,16 +58,20 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(est: MemoryEstimate, device: torch.device, free: int | None, *, model: str) -> None:
-    """ValueError with the numbers and the ways out when the estimate exceeds `free` bytes."""
+def check_fits(est: MemoryEstimate, device: torch.device, free: int | None, *, model: str,
+               holds_copy: bool = False) -> None:
+    """ValueError with the numbers and the ways out when the estimate exceeds `free` bytes.
+    `holds_copy`: this CPU device also holds rank 0's whole copy while the shards load (the
+    copy is freed before gradients and optimizer state exist)."""
     if free is None:
         return
-    host = est.host_bytes if device.type == "cpu" else 0  # rank 0's copy shares a CPU device
-    need = max(est.build_bytes, est.train_bytes + host)
+    loading = est.host_bytes + est.shard_bytes if holds_copy and device.type == "cpu" else 0
+    need = max(est.build_bytes, est.train_bytes, loading)
     if need <= free:
         return
-    what = "building it in float32 would" if est.build_bytes >= est.train_bytes + host else (
-        "its float32 weights, gradients and AdamW state (sharded by FSDP) would")
+    what = ("building it in float32 would" if est.build_bytes == need else
+            "rank 0's whole float32 copy and the float32 shards would" if loading == need else
+            "its float32 weights, gradients and AdamW state (sharded by FSDP) would")
     raise ValueError(
         f"model.name={model} has {est.params / 1e9:.2f} B parameters ({est.trainable / 1e9:.2f} B "
         f"trainable): {what} take about {need / GIB:.1f} GiB on each {device.type} device, but "

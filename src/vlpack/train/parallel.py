@@ -8,6 +8,7 @@ applied from here, one `fully_shard` per decoder block and per vision block, the
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -42,7 +43,10 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # 30 minutes, not NCCL's 10: at start the other ranks wait while rank 0 builds or reads
+        # the whole model in host memory (load_full_state), which takes minutes for a 35B model
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30))
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
 
 
