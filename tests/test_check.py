@@ -104,3 +104,43 @@ def test_check_refuses_up_front_when_memory_is_short(monkeypatch, capsys):
     assert main(["check", "--model", "qwen3-vl-2b"]) == 2
     err = capsys.readouterr().err
     assert "needs about 32 GiB" in err and "smaller preset" in err
+
+
+def test_check_on_the_users_folder_and_data(tmp_path, capsys):
+    """`vlpack check --model FOLDER --data FILE.jsonl`: the user's own samples (text-only and an
+    image), encoded with the folder's tokenizer and chat template as training would, pack and
+    pass; the report names the file; the folder's template rendered them (a template that
+    refuses every sample fails the check's data loading, naming the template)."""
+    import numpy as np
+    from PIL import Image
+
+    from vlpack.data.tokenizer import load_tokenizer
+    from vlpack.model.build import build_model
+
+    folder = tmp_path / "ckpt"
+    model, _ = build_model("tiny-qwen3_vl", device="cpu", dtype="float32")
+    model.save_pretrained(folder)
+    load_tokenizer("qwen3_vl").save_pretrained(folder)
+    good = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+            "{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+            "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}"
+            "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    (folder / "chat_template.jinja").write_text(good)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
+        tmp_path / "a.png")
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in (("Total?", "12.50"), ("Date?", "2026-12-01"))]
+    rows.append({"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A receipt."}]})
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["check", "--model", str(folder), "--data", str(data), "--samples", "3", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["passed"] and r["samples"] == 3 and r["data"] == str(data)
+    (folder / "chat_template.jinja").write_text(good.replace("<|im_start|>{{ m.role }}\n",
+                                                             "{{ m.role }}: "))
+    assert main(args) != 0
+    assert "chat_template.jinja: the template writes 0 assistant turns" in capsys.readouterr().err

@@ -311,7 +311,14 @@ def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
     if len(convs) < 2:
         raise CheckUnsupportedError(f"{path} holds {len(convs)} usable conversation(s); the check "
                                "needs at least 2")
-    enc = Encoder(spec.family, max_pixels=64 * (spec.patch_size * spec.merge_size) ** 2)
+    from vlpack.data.template import load_template
+
+    # a checkpoint folder's own tokenizer and chat template, as `vlpack train` uses them
+    folder = Path(getattr(args, "model", "") or "")
+    own = folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "vocab.json"))
+    enc = Encoder(spec.family, max_pixels=64 * (spec.patch_size * spec.merge_size) ** 2,
+                  tokenizer_path=str(folder) if own else None,
+                  chat_template=load_template("auto", folder) if own else None)
     return [enc.encode(c) for c in convs], str(path)
 
 
@@ -426,7 +433,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
                               seed=seed)
     model.train()
     batch_samples, source = load_samples(
-        argparse.Namespace(samples=samples, seed=seed, data=data), spec)
+        argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name), spec)
     pad_to = 8
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
