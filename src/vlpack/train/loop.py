@@ -136,6 +136,11 @@ class Trainer:
         ):
             tok_path = cfg.model.name
         folder = Path(cfg.model.name)
+        if tok_path is None and folder.is_dir() and self.info.is_main:
+            log.warning("%s has no tokenizer files (tokenizer.json / vocab.json): vlpack's "
+                        "built-in %s tokenizer encodes the data; copy the checkpoint's tokenizer "
+                        "files into the folder, or set data.tokenizer=FOLDER", folder,
+                        self.spec.family)
         self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
                                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                max_image_pixels=cfg.data.max_image_pixels,
