@@ -5,7 +5,10 @@
 - `online`: `OnlinePlanner`, what the training stream runs: a bounded buffer planned with
   `plan_lists`, underfilled bins carried to the next round, exact resume from `state_dict()`;
 - `ranks`: `estimate_bin_cost` and `assign_bins_to_ranks`, data-parallel balancing;
-- `stats`: `bin_stats`, fill efficiency.
+- `stats`: `bin_stats`, fill efficiency;
+- `context`: `split_row`, the load-balanced context-parallel split of one row (2·cp chunks per
+  segment) and each query chunk's key range; the context-parallel runtime that will use it
+  does not exist yet.
 """
 
 from vlpack.data.plan.algorithms import (
@@ -18,6 +21,7 @@ from vlpack.data.plan.algorithms import (
     plan_bins,
     plan_lists,
 )
+from vlpack.data.plan.context import ContextShard, QueryChunk, split_row
 from vlpack.data.plan.online import OnlinePlanner
 from vlpack.data.plan.ranks import assign_bins_to_ranks, estimate_bin_cost
 from vlpack.data.plan.stats import bin_stats
@@ -25,7 +29,9 @@ from vlpack.data.plan.stats import bin_stats
 __all__ = [
     "ALGORITHMS",
     "Algo",
+    "ContextShard",
     "OnlinePlanner",
+    "QueryChunk",
     "assign_bins_to_ranks",
     "best_fit_decreasing",
     "bin_stats",
@@ -35,4 +41,5 @@ __all__ = [
     "greedy_knapsack",
     "plan_bins",
     "plan_lists",
+    "split_row",
 ]
