@@ -52,6 +52,11 @@ if TYPE_CHECKING:
     from PIL import Image as PILImage
 
 
+_ATOMIC_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>")
+"""The special tokens the encoder splices in by id (never through the BPE)."""
+
+
 @dataclass(slots=True)
 class _Rendered:
     """A rendered conversation: text runs between atomic tokens, with supervised char spans."""
@@ -128,9 +133,7 @@ class Encoder:
         if chat_template is not None:
             chat.probe(self.tokenizer, chat_template)  # a template unfit for every sample fails here
         self._tk = self.tokenizer.backend_tokenizer
-        self._ids = {t: self._special_id(t) for t in
-                     ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                      "<|image_pad|>")}  # fmt: skip
+        self._ids = {t: self._special_id(t) for t in _ATOMIC_TOKENS}
         self.image_pad_id = self._ids["<|image_pad|>"]
         self.vision_start_id = self._ids["<|vision_start|>"]
         self.vision_end_id = self._ids["<|vision_end|>"]
@@ -352,9 +355,7 @@ class Encoder:
         )
 
 
-_ATOMIC = re.compile(
-    "(" + "|".join(re.escape(t) for t in ("<|im_start|>", "<|im_end|>", "<|vision_start|>",
-                                           "<|vision_end|>", "<|image_pad|>")) + ")")
+_ATOMIC = re.compile("(" + "|".join(re.escape(t) for t in _ATOMIC_TOKENS) + ")")
 
 
 def _trim(content: tuple[str | ImageRef, ...]) -> tuple[str | ImageRef, ...]:

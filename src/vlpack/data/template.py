@@ -27,7 +27,6 @@ from vlpack.data.types import BadSampleError, ImageRef, Message
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END = "<|im_end|>"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)

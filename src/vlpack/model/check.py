@@ -312,10 +312,11 @@ def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
         raise CheckUnsupportedError(f"{path} holds {len(convs)} usable conversation(s); the check "
                                "needs at least 2")
     from vlpack.data.template import load_template
+    from vlpack.data.tokenizer import has_tokenizer
 
     # a checkpoint folder's own tokenizer and chat template, as `vlpack train` uses them
     folder = Path(getattr(args, "model", "") or "")
-    own = folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "vocab.json"))
+    own = has_tokenizer(folder)
     enc = Encoder(spec.family, max_pixels=64 * (spec.patch_size * spec.merge_size) ** 2,
                   tokenizer_path=str(folder) if own else None,
                   chat_template=load_template("auto", folder) if own else None)

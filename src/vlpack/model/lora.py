@@ -42,14 +42,15 @@ def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
     leaf name is in `cfg.target_modules` (default LLM_TARGETS), and with `cfg.vision` every
     linear of the vision tower and its mergers; a ValueError when none match."""
     wanted = set(cfg.target_modules or LLM_TARGETS)
+    text_linears = _text_linear_names(model)
     experts = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".experts." in n}
-    routed = sorted(wanted & ((experts - _text_linear_names(model)) | {"experts"}))
+    routed = sorted(wanted & ((experts - text_linears) | {"experts"}))
     if cfg.target_modules and routed:
         raise ValueError(f"model.lora.target_modules names {routed}: the routed experts' weights "
                          "are 3-D parameters, not linear layers, and vlpack adapts linears only "
                          "(the experts stay frozen); leave them out, or adapt the shared expert's "
                          "gate_proj / up_proj / down_proj")
-    out, matched = [], set()
+    out = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or name.endswith("lm_head"):
             continue
@@ -58,11 +59,10 @@ def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
                 out.append(name)
         elif name.rsplit(".", 1)[-1] in wanted:
             out.append(name)
-            matched.add(name.rsplit(".", 1)[-1])
-    if cfg.target_modules and wanted - matched and out:
-        raise ValueError(f"model.lora.target_modules: {sorted(wanted - matched)} match no linear "
-                         f"layer of {type(model).__name__}'s text model; its projection names "
-                         f"include {sorted(_text_linear_names(model))[:12]}")
+    if cfg.target_modules and wanted - text_linears and out:
+        raise ValueError(f"model.lora.target_modules: {sorted(wanted - text_linears)} match no "
+                         f"linear layer of {type(model).__name__}'s text model; its projection "
+                         f"names include {sorted(text_linears)[:12]}")
     if not out:
         raise ValueError(f"model.lora.target_modules={sorted(wanted)} matches no linear layer of "
                          f"{type(model).__name__}; name the projections' leaf names, e.g. "

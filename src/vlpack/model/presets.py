@@ -126,6 +126,10 @@ _QWEN3_VIS_27 = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_hea
                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                      num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
 
+_QWEN3_5_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32)
+"""The Gated-DeltaNet shapes that Qwen3.5-9B and Qwen3.5-35B-A3B share."""
+
 _add(Preset(
     "qwen3-vl-2b", "qwen3_vl",
     text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -169,9 +173,7 @@ _add(Preset(
 _add(Preset(
     "qwen3.5-9b", "qwen3_5",
     text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-              num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-              linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-              linear_num_key_heads=16, linear_num_value_heads=32,
+              num_attention_heads=16, num_key_value_heads=4, head_dim=256, **_QWEN3_5_LINEAR,
               max_position_embeddings=262144, rms_norm_eps=1e-6,
               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
               rope_parameters=_rope(1e7, [11, 11, 10], True, partial=0.25)),
@@ -188,9 +190,8 @@ _add(Preset(
 _add(Preset(
     "qwen3.5-35b-a3b", "qwen3_5_moe",
     text=dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-              num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
-              linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-              linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+              num_key_value_heads=2, head_dim=256, **_QWEN3_5_LINEAR,
+              num_experts=256, num_experts_per_tok=8,
               moe_intermediate_size=512, shared_expert_intermediate_size=512,
               max_position_embeddings=262144, rms_norm_eps=1e-6,
               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,

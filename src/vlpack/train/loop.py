@@ -69,16 +69,17 @@ class Trainer:
     def __init__(self, cfg: Config, info: DistInfo | None = None):
         from vlpack.data.encode import Encoder
         from vlpack.data.template import load_template
+        from vlpack.data.tokenizer import has_tokenizer
         from vlpack.model.build import build_model
 
         self.cfg = cfg
         self.info = info or init_distributed()
+        self.sharded = self.info.distributed or cfg.train.fsdp == "always"
+        """FSDP2 applies: the model is built on the meta device and receives its shards."""
         _check_writable(Path(cfg.train.output_dir))
         self._check_memory()
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
-        shard = self.info.distributed or cfg.train.fsdp == "always"
-
         def build(device):
             model, spec = build_model(
                 cfg.model.name, backend=backend, dtype=torch.float32, device=device,
@@ -92,7 +93,7 @@ class Trainer:
 
         # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy
         # after sharding (load_full_state); one process builds on its device directly.
-        model, self.spec = build(torch.device("meta") if shard else self.info.device)
+        model, self.spec = build(torch.device("meta") if self.sharded else self.info.device)
         if cfg.model.compile and cfg.data.packing == "none":
             log.warning("model.compile with data.packing=none: the compiled padded step ran "
                         "slower than the eager one (docs/benchmarks/levers.md); set "
@@ -109,16 +110,15 @@ class Trainer:
         )
         self.autocast = _autocast_dtype(cfg, self.info.device)
         m, t = cfg.model, cfg.train
-        sharded = parallelize(model, self.module, self.info, Parallelism(
+        parallelize(model, self.module, self.info, Parallelism(
             freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
             activation_checkpointing=m.activation_checkpointing,
             checkpoint_share=m.checkpoint_share,
             compile_scope=m.compile_scope if m.compile else None,
-            fsdp=shard, param_dtype=self.autocast,
+            fsdp=self.sharded, param_dtype=self.autocast,
             reduce_dtype=getattr(torch, t.reduce_dtype),
             reshard_after_forward=t.reshard_after_forward))
-        assert sharded == shard
-        if sharded:
+        if self.sharded:
             self.autocast = None  # FSDP's mixed-precision policy casts instead
             if self.info.is_main:
                 log.info("rank 0 builds the whole model in host memory; every rank then "
@@ -131,9 +131,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
         tok_path = cfg.data.tokenizer
-        if tok_path is None and Path(cfg.model.name).is_dir() and any(
-            (Path(cfg.model.name) / f).exists() for f in ("tokenizer.json", "vocab.json")
-        ):
+        if tok_path is None and has_tokenizer(cfg.model.name):
             tok_path = cfg.model.name
         folder = Path(cfg.model.name)
         if tok_path is None and folder.is_dir() and self.info.is_main:
@@ -184,7 +182,7 @@ class Trainer:
         params = sum(p.numel() for p in shapes.parameters())
         trainable = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         device = self.info.device
-        sharded = self.info.distributed or self.cfg.train.fsdp == "always"
+        sharded = self.sharded
         est = memory.estimate(params, trainable, self.info.world_size,
                               sharing=memory.local_ranks() if device.type == "cpu" else 1,
                               sharded=sharded)
