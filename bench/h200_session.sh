@@ -38,6 +38,12 @@
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
 #   collectives  GPU topology and NCCL all-gather / reduce-scatter bandwidth on 2 GPUs
 #   fsdp1      qwen3-vl-2b recipe, 40 steps, plain vs train.fsdp=always (bf16 parameters) on one GPU
+#              ($FSDP_MODES: which of "auto always")
+#   lora-8b    qwen3-vl-8b vlpack packed as its recipes run it (whole layers compiled, half of each
+#              stack recomputed): full fine-tuning forward + backward (its fp32 Adam states do not
+#              fit one GPU) against LoRA rank 16 with AdamW on the adapters (throughput_lora.json)
+#   ac-9b      qwen3.5-9b vlpack packed, whole layers compiled, no optimizer, recomputing $SHARES
+#              of each layer stack (default "0.5")
 set -u
 OUT=${1:-out}; shift; TAG=${TAG:-}; R=/tmp/vlres$TAG; rm -rf "$R"; mkdir -p "$OUT" "$R"
 TGZ="$OUT/results$TAG.tgz"
@@ -136,6 +142,16 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
+    lora-8b) for lora in "--no-optimizer" "--lora-rank 16"; do
+               tp lora.log --model qwen3-vl-8b --modes vlpack_packed --compile-layers \
+                 --activation-checkpointing --checkpoint-share 0.5 $lora --out "$R/throughput_lora.json"
+               tar czf "$TGZ" -C "$R" .
+             done ;;
+    ac-9b) for share in ${SHARES:-0.5}; do
+             tp ac.log --model qwen3.5-9b --modes vlpack_packed --no-optimizer --compile-layers \
+               --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac9b.json"
+             tar czf "$TGZ" -C "$R" .
+           done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
     recipe-1) vtrain 1 ${RECIPE:-qwen3-vl-2b} 600 recipe-1 data.num_workers=6 train.max_steps=12 \
@@ -171,7 +187,7 @@ for part in "$@"; do
           done ;;
     fsdp1)
       python3 -c "from vlpack.data.synth import default_dataset; default_dataset(n=600)"
-      for f in auto always; do
+      for f in ${FSDP_MODES:-auto always}; do
         timeout ${FSDP_S:-150} python3 -m vlpack train qwen3-vl-2b data.synthetic_samples=600 \
           data.num_workers=12 data.eval_samples=0 train.max_steps=40 train.save_every=0 \
           train.save_final=false train.progress=false train.fsdp=$f train.output_dir="$R/fsdp1-$f" \

@@ -137,6 +137,7 @@ def variant(mode: str, args) -> str:
             + "+vision_attn" * args.trace_vision_attention
             + "+bf16_params" * args.bf16_params + ac
             + (f"+experts_{args.experts}" if args.experts else "")
+            + (f"+lora{args.lora_rank}" if args.lora_rank else "")
             + "+expandable" * expandable)
 
 
@@ -176,6 +177,11 @@ def run_mode(mode: str, args, samples, device) -> dict:
                               device=device, seed=0)
     if args.experts and mode.startswith("vlpack") and spec.is_moe:
         model.set_experts_implementation(args.experts)
+    if args.lora_rank and mode.startswith("vlpack"):  # the trainer's model.lora.rank
+        from vlpack.config import LoraConfig
+        from vlpack.model.lora import apply_lora
+
+        apply_lora(model, LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank))
     module = TrainModule(model, spec, loss_method=args.loss)
     # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
     # one rank, bf16 compute weights
@@ -187,7 +193,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
                     "regions" if args.compile else None,
                     trace_vision_attention=args.trace_vision_attention,
                     fsdp=args.bf16_params, param_dtype=torch.bfloat16))
-    opt = build_optimizer(model.parameters(), argparse.Namespace(
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], argparse.Namespace(
         lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
     ) if args.optimizer else None
     flops = flop_model(model)
@@ -341,6 +347,11 @@ def main(argv=None) -> int:
                    choices=("vlpack_grouped_mm", "grouped_mm", "batched_mm", "eager"),
                    help="MoE experts implementation of the vlpack modes (default: the build's, "
                         "vlpack_grouped_mm)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="vlpack modes: LoRA of this rank (alpha 2·rank) on the LLM's projections, "
+                        "as model.lora.rank; the optimizer steps the adapters only. MFU still "
+                        "counts full fine-tuning's FLOPs (the frozen weights' gradients are not "
+                        "computed), so compare tokens/s")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     args = p.parse_args(argv)
