@@ -396,10 +396,10 @@ def test_seams_are_installed_by_class_and_survive_copy_and_pickle():
     model, _ = build_model("tiny-qwen3_vl", device="cpu")
     kinds = {type(m).__name__ for m in model.modules() if type(m).__module__ == seams.__name__}
     assert kinds == {"PackedQwen3VLVisionAttention", "PackedQwen3VLVisionModel",
-                     "PackedQwen3VLTextModel"}
+                     "PackedQwen3VLTextModel", "PackedQwen3VLModel"}
     assert "vlpack" not in model.config.to_json_string()
     assert seams.install(model, "qwen3_vl") == {"vision_attention": 2, "vision_tower": 1,
-                                                "deepstack": 1}
+                                                "image_features": 1, "deepstack": 1}
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert {type(m).__name__ for m in twin.modules()} >= kinds
 
@@ -419,7 +419,8 @@ def test_family_registry_names_real_classes(name):
     f = family(name)
     assert getattr(transformers, f.hf_class)
     mod = importlib.import_module(f.modeling_module)
-    for cls in (f.vision_attention, f.vision_tower, f.deepstack_text_model, f.gated_deltanet):
+    for cls in (f.vision_attention, f.vision_tower, f.deepstack_text_model, f.gated_deltanet,
+                f.model_class):
         assert cls is None or isinstance(getattr(mod, cls), type), cls
     spec = family_spec(name)
     assert spec.image_pad_id == f.ids["image_token_id"] and spec.patch_size == f.patch_size

@@ -55,6 +55,11 @@ class Family:
     """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
 
     @property
+    def model_class(self) -> str:
+        """transformers' base `*Model` class (vision tower + text model, no LM head)."""
+        return self.hf_class.removesuffix("ForConditionalGeneration") + "Model"
+
+    @property
     def modeling_module(self) -> str:
         return f"transformers.models.{self.name}.modeling_{self.name}"
 

@@ -175,13 +175,72 @@ def attend(name: str, q_THD, k_TKD, v_TKD, segs: Segments, *, causal: bool, scal
     return _sdpa_segments(q_THD, k_TKD, v_TKD, list(segs.host), causal, scale)
 
 
+def _sdpa_chunks(q_QHD, k_KKD, v_KKD, cu_q: tuple[int, ...], cu_k: tuple[int, ...], scale: float):
+    """Reference for query chunks against their own key ranges: one SDPA call per chunk with
+    an explicit causal mask aligned to the chunk's last key (query i of a chunk of Lq queries
+    over Lk keys sees keys 0 .. Lk − Lq + i)."""
+    outs = []
+    gqa = q_QHD.shape[1] != k_KKD.shape[1]
+    for (qs, qe), (ks, ke) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
+        lq, lk = qe - qs, ke - ks
+        mask = (torch.arange(lk, device=q_QHD.device)[None, :]
+                <= torch.arange(lq, device=q_QHD.device)[:, None] + (lk - lq))
+        q, k, v = (t.transpose(0, 1) for t in (q_QHD[qs:qe], k_KKD[ks:ke], v_KKD[ks:ke]))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def attend_chunks(name: str, q_QHD, k_KKD, v_KKD, chunks_q: Segments, chunks_k: Segments, *,
+                  scale: float, paths: dict[str, str]):
+    """Causal attention of query chunks (`chunks_q` boundaries over q) against their key ranges
+    (`chunks_k` over k/v), each chunk's queries being the last of its keys (context parallelism:
+    context.py). The kernels align the causal diagonal to the last key, as flash attention does
+    when a chunk has more keys than queries."""
+    if name == FLEX:
+        raise ValueError("model.backend=flex does not run context parallelism; use "
+                         "model.backend=varlen (or auto)")
+    half = q_QHD.dtype in (torch.float16, torch.bfloat16)
+    if q_QHD.is_cuda and half:
+        cq, ck = chunks_q.cu.to(q_QHD.device), chunks_k.cu.to(q_QHD.device)
+        if _torch_varlen() is not None:
+            fn, params = _torch_varlen()
+            k, v = k_KKD, v_KKD
+            kw = {}
+            if q_QHD.shape[1] != k_KKD.shape[1]:
+                if "enable_gqa" in params:
+                    kw["enable_gqa"] = True
+                elif not torch_varlen_native_gqa():
+                    k, v = _repeat_kv(q_QHD, k_KKD, v_KKD)
+            if "scale" in params:
+                kw["scale"] = scale
+            if "window_size" in params:
+                kw["window_size"] = (-1, 0)
+            else:
+                kw["is_causal"] = True
+            paths["text"] = "torch varlen_attn, query chunks against gathered keys"
+            out = fn(q_QHD.contiguous(), k.contiguous(), v.contiguous(), cq, ck,
+                     chunks_q.max_len, chunks_k.max_len, **kw)
+            return out[0] if isinstance(out, tuple) else out
+        if _flash_attn() is not None:
+            paths["text"] = "flash_attn_varlen_func, query chunks against gathered keys"
+            return _flash_attn()(q_QHD, k_KKD, v_KKD, cq, ck, chunks_q.max_len, chunks_k.max_len,
+                                 softmax_scale=scale, causal=True)
+    paths["text"] = "per-chunk SDPA against gathered keys"
+    return _sdpa_chunks(q_QHD, k_KKD, v_KKD, chunks_q.host, chunks_k.host, scale)
+
+
 # --- the AttentionInterface function ------------------------------------------------------------
+def _is_causal(module: nn.Module, kwargs: dict) -> bool:
+    causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if causal is None else bool(causal)
+
+
 def _segments(module: nn.Module, T: int, kwargs: dict) -> tuple[bool, Segments]:
     """Causality and boundaries of one call: the forward's Boundaries for the text model, one
     sequence otherwise (an unpacked sample, or one image of stock transformers' per-image vision
     path)."""
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    causal = _is_causal(module, kwargs)
     bounds = kwargs.get(BOUNDS_KWARG)
     if causal and bounds is not None and bounds.text is not None:
         segs = bounds.text
@@ -238,11 +297,14 @@ def varlen_attention_forward(
     B, _, T, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     query, key, value = autocast_qkv(query, key, value)
+    bounds = kwargs.get(BOUNDS_KWARG)
+    split = bounds.context if bounds is not None else None
+    if split is not None and _is_causal(module, kwargs):
+        return _context_attention(name, query, key, value, split, scale, bounds.paths), None
     causal, segs = _segments(module, T, kwargs)
     if B != 1 and (len(segs.host) > 2 or attention_mask is not None):
         raise ValueError("vlpack attention runs packed rows (batch 1, no 2-D mask); use "
                          "attn_implementation='sdpa' for padded batches")
-    bounds = kwargs.get(BOUNDS_KWARG)
     paths = bounds.paths if bounds is not None else {}
     stream = "text" if causal else "vision"
     outs = []
@@ -251,6 +313,17 @@ def varlen_attention_forward(
         outs.append(attend(name, q, k, v, segs, causal=causal, scale=scale, paths=paths,
                            stream=stream))
     return torch.stack(outs, dim=0), None
+
+
+def _context_attention(name, query, key, value, split, scale, paths):
+    """This rank's queries [1, H, R, D] against the keys and values of every rank (context.py)."""
+    if query.shape[0] != 1 or query.shape[2] != split.num_local:
+        raise ValueError(f"context-parallel attention got {query.shape[2]} tokens but this rank "
+                         f"holds {split.num_local} of the row: run packed rows (batch 1)")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = attend_chunks(name, q, split.gather_keys(k), split.gather_keys(v), split.chunks_q,
+                        split.chunks_k, scale=scale, paths=paths)
+    return out[None]
 
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

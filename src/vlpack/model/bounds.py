@@ -82,6 +82,9 @@ class Boundaries:
     """Everything the layers of one packed forward need about its samples; not changed after
     construction.
 
+    With `context` (a `vlpack.model.context.ContextSplit`) the layers hold one rank's share
+    of the row: `text` is None, and the layers take the row's boundaries from the split.
+
     `paths` is filled by the layers with the kernel each one ran (attention, Gated-DeltaNet,
     vision tables); the forward returns it. `gdn_torch_reference` asks the Gated-DeltaNet layers
     of an unpacked forward for transformers' torch kernels (`vlpack check`'s reference).
@@ -93,6 +96,7 @@ class Boundaries:
 
     __slots__ = (
         "_memo",
+        "context",
         "gdn_torch_reference",
         "image_index",
         "paths",
@@ -102,8 +106,9 @@ class Boundaries:
 
     def __init__(self, text: Segments | None, vision: VisionTables | None = None,
                  image_index: torch.Tensor | None = None,
-                 gdn_torch_reference: bool = False) -> None:
+                 gdn_torch_reference: bool = False, context: Any = None) -> None:
         self.text = text
+        self.context = context  # this rank's share of a context-parallel row (context.py)
         self.vision = vision
         self.image_index = image_index  # row positions of the image tokens (deepstack)
         self.gdn_torch_reference = gdn_torch_reference

@@ -26,6 +26,7 @@ from vlpack.families import family
 from vlpack.model import loss
 from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments, to_device
 from vlpack.model.build import ModelSpec
+from vlpack.model.context import ContextGroup, ContextSplit
 from vlpack.model.moe import RouterCapture, RouterStats, router_stats
 
 
@@ -67,6 +68,30 @@ def boundaries(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> Boundaries
     return Boundaries(text=text, vision=vision, image_index=index)
 
 
+def context_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec,
+                         split: ContextSplit) -> dict:
+    """Keyword arguments of the base-model call for one rank's share of a context-parallel
+    row: its tokens, their positions (computed on the whole row, per sample), the row's images."""
+    from vlpack.model.vision import vision_tables
+
+    device = _device(model)
+    has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
+    vision = vision_tables(model.model.visual, spec.family, batch.image_grids, device) \
+        if has_images else None
+    index = split.image_index if has_images and family(spec.family).deepstack else None
+    bounds = Boundaries(text=None, vision=vision, image_index=index, context=split)
+    rows = split.local_rows.to(batch.input_ids.device)
+    return dict(
+        input_ids=batch.input_ids[rows][None],
+        position_ids=batch.position_ids[:, rows][:, None, :],
+        mm_token_type_ids=batch.mm_token_type_ids[rows][None],
+        pixel_values=batch.pixel_values if has_images else None,
+        image_grid_thw=batch.image_grid_thw if has_images else None,
+        use_cache=False,
+        **{BOUNDS_KWARG: bounds},
+    )
+
+
 def packed_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> dict:
     """Keyword arguments of the base-model call for one packed row."""
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
@@ -86,10 +111,12 @@ def packed_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> d
     )
 
 
-def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Tensor):
+def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Tensor,
+               split: ContextSplit | None = None):
     if capture is None:
         return None
-    return router_stats(capture.logits, real_T, spec.num_experts, spec.num_experts_per_tok)
+    return router_stats(capture.logits, real_T, spec.num_experts, spec.num_experts_per_tok,
+                        group_sum=None if split is None else split.all_reduce)
 
 
 def _experts_implementation(model: nn.Module) -> str:
@@ -108,19 +135,29 @@ def packed_forward(
     loss_method: str = "auto",
     chunk_size: int = 1024,
     token_weights: torch.Tensor | None = None,
+    context: ContextGroup | None = None,
 ) -> ForwardOut:
     """Forward one packed row; loss summed over its label tokens (labels already shifted),
-    weighted per token when `token_weights` [T] is given."""
+    weighted per token when `token_weights` [T] is given.
+
+    With a `context` group of several ranks, this rank computes its share of the row
+    (context.py): the loss, label count, hidden states and logits are those of its own tokens
+    (in `ContextSplit.token_index` order), the MoE statistics the group's, the aux loss this
+    rank's share of the group's."""
     device = _device(model)
     if batch.input_ids.device != device:
         batch = batch.to(device)
     if batch.position_ids.shape[0] != 4:
         raise ValueError("position_ids must have 4 rows (text, t, h, w): build the batch with "
                          "vlpack.data.batch.build_thd_batch")
+    split = None
+    if context is not None and context.size > 1:
+        split = ContextSplit(context, batch.padded_bounds, batch.image_positions, device)
     capture = RouterCapture(model) if spec.is_moe else None
     if capture is not None:
         capture.__enter__()
-    inputs = packed_model_inputs(model, batch, spec)
+    inputs = packed_model_inputs(model, batch, spec) if split is None else \
+        context_model_inputs(model, batch, spec, split)
     paths = inputs[BOUNDS_KWARG].paths
     if spec.is_moe:
         paths["moe.experts"] = _experts_implementation(model)
@@ -130,10 +167,14 @@ def packed_forward(
         if capture is not None:
             capture.__exit__()
     hidden_TH = out.last_hidden_state[0]
+    labels_T, real_T = batch.labels, ~batch.padding_mask
     weight_T = None if token_weights is None else token_weights.to(hidden_TH.device)
-    loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, batch.labels, method=loss_method,
+    if split is not None:
+        labels_T, real_T = split.keep_local(labels_T), split.keep_local(real_T)
+        weight_T = None if weight_T is None else split.keep_local(weight_T)
+    loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, labels_T, method=loss_method,
                                      chunk_size=chunk_size, token_weight_T=weight_T, paths=paths)
-    stats = _moe_stats(spec, capture, ~batch.padding_mask)
+    stats = _moe_stats(spec, capture, real_T, split)
     return ForwardOut(
         loss_sum=loss_sum,
         num_label_tokens=n,

@@ -184,6 +184,10 @@ class GatedDeltaNet:
 
     def forward(self, hidden_states, *args, **kwargs):
         bounds: Boundaries | None = kwargs.pop(BOUNDS_KWARG, None)
+        split = bounds.context if bounds is not None else None
+        if split is not None:  # one rank's share of a context-parallel row (context.py)
+            return self._packed(hidden_states, split.row_segments, bounds, torch_only=False,
+                                split=split)
         reference = bounds is not None and bounds.text is None and bounds.gdn_torch_reference \
             and _fla() is not None
         if bounds is None or (bounds.text is None and not reference):
@@ -202,12 +206,19 @@ class GatedDeltaNet:
         return self._packed(hidden_states, segs, bounds, torch_only=reference)
 
     def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
-                torch_only: bool) -> torch.Tensor:
+                torch_only: bool, split=None) -> torch.Tensor:
+        """The packed forward over `segs`. With a context-parallel `split` x holds this rank's
+        tokens: the projections run on them, the conv and the delta rule on the whole row
+        (its inputs gathered from every rank, exact), and this rank keeps its outputs."""
         B, T, _ = x_BTD.shape
         mixed_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
         z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
         b = self.in_proj_b(x_BTD)
         a = self.in_proj_a(x_BTD)
+        if split is not None:
+            mixed_BCT = split.gather_row(mixed_BCT, dim=2)
+            b, a = split.gather_row(b, dim=1), split.gather_row(a, dim=1)
+            T = mixed_BCT.shape[2]
         mixed_BCT = segment_conv1d(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                    self.activation, segs, bounds=bounds, torch_only=torch_only)
         query, key, value = torch.split(mixed_BCT.transpose(1, 2),
@@ -225,5 +236,7 @@ class GatedDeltaNet:
             query, key, value, g, beta, segs, bounds,
             torch_fn=_stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule"),
             torch_only=torch_only)
+        if split is not None:
+            out = split.keep_local(out, dim=1)
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(B, T, -1))
+        return self.out_proj(out.reshape(B, z.shape[1], -1))

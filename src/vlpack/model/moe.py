@@ -12,6 +12,7 @@ Legend: L = MoE layers, T = tokens, E = experts, k = experts per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +62,15 @@ class RouterStats:
 
 
 def router_stats(
-    router_logits: list[torch.Tensor], real_T: torch.Tensor, num_experts: int, top_k: int
+    router_logits: list[torch.Tensor], real_T: torch.Tensor, num_experts: int, top_k: int,
+    group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RouterStats:
-    """Load-balancing loss and per-expert counts over the tokens where `real_T` is True."""
+    """Load-balancing loss and per-expert counts over the tokens where `real_T` is True.
+
+    With `group_sum` (the sum over a context-parallel group, context.py) the counts and token
+    numbers are the group's, and the aux loss is this rank's share of the group's: its own
+    routing probabilities against the group's assignment fractions, so the shares add up to
+    the loss of the whole row (and so do their gradients)."""
     if not router_logits:
         raise ValueError("no router logits were captured: is this an MoE model?")
     w_T = real_T.reshape(-1).to(torch.float32)
@@ -78,7 +85,10 @@ def router_stats(
             0, top_Tk.reshape(-1), w_T.repeat_interleave(top_k)))
         probs_sum = probs_sum + (probs_TE * w_T[:, None]).sum(0)
     counts_LE = torch.stack(counts)
-    rows = w_T.sum() * len(router_logits)
+    num_T = w_T.sum()
+    if group_sum is not None:
+        counts_LE, num_T = group_sum(counts_LE), group_sum(num_T)
+    rows = num_T * len(router_logits)
     aux = num_experts * torch.sum((counts_LE.sum(0) / rows) * (probs_sum / rows))
     return RouterStats(aux_loss=aux, tokens_per_expert=counts_LE.round().long(),
-                       num_tokens=w_T.sum().long())
+                       num_tokens=num_T.long())

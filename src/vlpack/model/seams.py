@@ -20,7 +20,7 @@ from torch import nn
 from vlpack.families import family
 from vlpack.model.deepstack import DeepstackTextModel
 from vlpack.model.gdn import GatedDeltaNet
-from vlpack.model.vision import VisionAttention, VisionTower
+from vlpack.model.vision import ImageFeatures, VisionAttention, VisionTower
 
 
 @functools.cache
@@ -45,7 +45,8 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
     seams = family(name)
     mod = importlib.import_module(seams.modeling_module)
     pairs = {"vision_attention": (seams.vision_attention, VisionAttention),
-             "vision_tower": (seams.vision_tower, VisionTower)}
+             "vision_tower": (seams.vision_tower, VisionTower),
+             "image_features": (seams.model_class, ImageFeatures)}
     if seams.deepstack_text_model is not None:
         pairs["deepstack"] = (seams.deepstack_text_model, DeepstackTextModel)
     if seams.gated_deltanet is not None:

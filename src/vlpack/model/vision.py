@@ -16,6 +16,10 @@ Two subclasses, installed by class at build time (seams.py):
   instead calls attention once per image unless flash attention is requested. Its q/k/v and
   rotary steps are the stock ones (the same in every supported family and version).
 
+- `ImageFeatures` overrides the base model's `get_image_features`: in a context-parallel
+  forward (context.py) each rank encodes the row's images and keeps the features of its own
+  image tokens, in their order, so the stock merge fills exactly this rank's placeholders.
+
 Without the forward's Boundaries (a stock call, the unpacked reference, a rank's blank image)
 both run the stock forward.
 
@@ -104,3 +108,26 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(P, -1).contiguous())
 
 
+
+
+class ImageFeatures(nn.Module):
+    """Mixin for a base model class: a context-parallel rank's own image features."""
+
+    def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+        out = super().get_image_features(pixel_values, image_grid_thw, **kwargs)
+        bounds = kwargs.get(BOUNDS_KWARG)
+        split = bounds.context if bounds is not None else None
+        if split is None:
+            return out
+        select_N = split.image_select
+
+        def mine(feats):  # per-image tensors (or one tensor) → this rank's rows, as one tensor
+            feats = torch.cat(feats, 0) if isinstance(feats, list | tuple) else feats
+            return feats.index_select(0, select_N.to(feats.device))
+
+        out.pooler_output = (mine(out.pooler_output),)
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack is not None:  # split per image (transformers 5.24) or whole (5.17)
+            out.deepstack_features = [(mine(f),) if isinstance(f, list | tuple) else mine(f)
+                                      for f in deepstack]
+        return out

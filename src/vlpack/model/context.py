@@ -1,0 +1,147 @@
+"""Context parallelism inside the model: one packed row split across the ranks of a group, the
+parallelism seam of the model code (the only model module that calls torch.distributed).
+
+Each rank of a context-parallel group holds the same packed row and computes the layers on its
+share of the tokens: every segment (sample) cut into 2·cp chunks, rank r holding chunks r and
+2·cp−1−r (`vlpack.data.plan.context.split_row`, which says why). Per forward, `ContextSplit`
+carries what the layers need, in the forward's `Boundaries` (`Boundaries.context`):
+
+- the text attention gathers keys and values from every rank (`gather_rows`, whose backward
+  sums the gradients back to the rank that owns each row) and runs each local query chunk
+  against its segment's keys up to the chunk's end (`attention.attend_chunks`, causal aligned
+  to the chunk's last key);
+- the Gated-DeltaNet layers gather their projected inputs and run the whole row's conv and
+  recurrence with the row's boundaries, then keep their own tokens (`row_order`, `local_rows`):
+  exact, with the work of the whole row on every rank;
+- the vision tower encodes the row's images on every rank of the group; each rank keeps the
+  features of its own image tokens (`image_select`), and the deepstack merge adds them at its
+  local positions;
+- MoE router statistics are summed over the group (`all_reduce`), each rank's load-balancing
+  loss its share of the group's, so the shares add up to the whole row's loss.
+
+Every rank holds T/cp tokens (segment lengths are multiples of 2·cp), so the gathers are even.
+
+Legend: T = tokens of the row, R = tokens of this rank (T/cp), G = gathered rows (cp·R = T,
+rank-major), Q/K = query/key rows of the chunks, N = image tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vlpack.data.plan.context import ContextShard, split_row
+from vlpack.model.bounds import Segments, to_device
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ContextGroup:
+    """The context-parallel group this process belongs to: its process group (None for a
+    group of one), this process's rank in it and its size."""
+
+    group: object | None
+    rank: int
+    size: int
+
+    @classmethod
+    def single(cls) -> ContextGroup:
+        return cls(None, 0, 1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 (rank-major); backward: each rank gets the sum over ranks of the
+    gradient of its own rows (reduce-scatter; all-reduce + slice where the backend has no
+    reduce-scatter, as gloo)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank: int, size: int):
+        ctx.group, ctx.rank, ctx.size = group, rank, size
+        x = x.contiguous()
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        n = grad.shape[0] // ctx.size
+        if dist.get_backend(ctx.group) == "nccl":
+            out = grad.new_empty((n, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        else:
+            total = grad.clone()
+            dist.all_reduce(total, group=ctx.group)
+            out = total[ctx.rank * n : (ctx.rank + 1) * n]
+        return out, None, None, None
+
+
+class ContextSplit:
+    """One row's split across a `ContextGroup`, built on the host from the row's segment
+    boundaries (and image-token positions); device index tensors made once per forward."""
+
+    __slots__ = ("chunks_k", "chunks_q", "group", "image_index", "image_select", "key_index",
+                 "local_rows", "row_order", "row_segments", "shard", "token_index")
+
+    def __init__(self, group: ContextGroup, padded_bounds: tuple[int, ...],
+                 image_positions: tuple[int, ...], device: torch.device) -> None:
+        device = torch.device(device)
+        lengths = np.diff(np.asarray(padded_bounds)).tolist()
+        shards = split_row(lengths, group.size)
+        self.group = group
+        self.shard: ContextShard = shards[group.rank]
+        index_R = np.asarray(self.shard.token_index, dtype=np.int64)
+        self.token_index = index_R
+        self.local_rows = to_device(torch.from_numpy(index_R), device)
+        # gathered row g (rank-major) is row position gathered_G[g]; row_order_T[p] is the
+        # gathered row holding row position p
+        gathered_G = np.concatenate([np.asarray(s.token_index, dtype=np.int64) for s in shards])
+        row_order_T = np.empty_like(gathered_G)
+        row_order_T[gathered_G] = np.arange(len(gathered_G))
+        self.row_order = to_device(torch.from_numpy(row_order_T), device)
+        keys_K = np.concatenate([np.arange(c.k_start, c.k_end) for c in self.shard.chunks])
+        self.key_index = to_device(torch.from_numpy(row_order_T[keys_K]), device)
+        cu_q = np.cumsum([0] + [c.length for c in self.shard.chunks])
+        cu_k = np.cumsum([0] + [c.k_end - c.k_start for c in self.shard.chunks])
+        self.chunks_q = Segments.from_host(tuple(cu_q.tolist()), device)
+        self.chunks_k = Segments.from_host(tuple(cu_k.tolist()), device)
+        self.row_segments = Segments.from_host(tuple(padded_bounds), device)
+        # this rank's image tokens: their index among the row's image tokens, and their local
+        # positions (both ascending: a rank's tokens are in row order)
+        positions_N = np.asarray(image_positions, dtype=np.int64)
+        local_pos = np.searchsorted(index_R, positions_N)
+        mine = (local_pos < len(index_R)) & (
+            index_R[np.minimum(local_pos, len(index_R) - 1)] == positions_N)
+        self.image_select = to_device(torch.from_numpy(np.flatnonzero(mine)), device)
+        self.image_index = to_device(torch.from_numpy(local_pos[mine]), device)
+
+    @property
+    def num_local(self) -> int:
+        return len(self.token_index)
+
+    def gather_rows(self, x_R: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [R, ...] from every rank → [G, ...] rank-major (differentiable)."""
+        g = self.group
+        return _GatherRows.apply(x_R, g.group, g.rank, g.size)
+
+    def gather_keys(self, k_RKD: torch.Tensor) -> torch.Tensor:
+        """Keys (or values) of this rank's tokens → the key rows of its query chunks [K, ...]."""
+        return self.gather_rows(k_RKD).index_select(0, self.key_index.to(k_RKD.device))
+
+    def gather_row(self, x_R: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's tokens along `dim` → the whole row's, in row order."""
+        x = x_R.movedim(dim, 0)
+        full = self.gather_rows(x).index_select(0, self.row_order.to(x.device))
+        return full.movedim(0, dim)
+
+    def keep_local(self, x_T: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The whole row's tokens along `dim` → this rank's."""
+        return x_T.index_select(dim, self.local_rows.to(x_T.device))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the group (not differentiable: for statistics and counts)."""
+        out = x.detach().clone()
+        dist.all_reduce(out, group=self.group.group)
+        return out

@@ -1,0 +1,153 @@
+"""Context parallelism on CPU (gloo, 2 processes): a packed row split across two ranks gives
+the single-process forward's logits, loss, MoE statistics and every parameter gradient
+(vision tower included), for all six tiny families.
+
+The reference is the same packed row in one process (CP=1), whose equality with the unpacked
+stock model the packed-model suite proves. The row mixes a two-image sample, a text-only
+sample, single-image samples and a 2-token sample whose chunks are one token each (two of them
+padding); every sample straddles the split, since each is cut into 2·cp chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_ranks
+from vlpack.data.types import IGNORE_INDEX, EncodedSample
+from vlpack.families import FAMILIES
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+CP = 2
+AUX = 0.1  # weight of the aux loss in the objective whose gradients are compared
+
+
+def _row(spec):
+    from vlpack.data.batch import build_thd_batch
+    from vlpack.model.synthetic import default_mix
+
+    samples = default_mix(spec, 4, seed=1)
+    two = np.array([11, 12], dtype=np.int64)
+    samples.append(EncodedSample(key="two", input_ids=two, labels=np.array([IGNORE_INDEX, 12]),
+                                 mm_token_type_ids=np.zeros(2, np.int8),
+                                 image_grid_thw=np.zeros((0, 3), np.int64), pixel_values=None))
+    parts = 2 * CP
+    aligned = sum(-(-len(s) // parts) * parts for s in samples)
+    return samples, build_thd_batch(samples, pad_token_id=spec.pad_token_id,
+                                    pad_to_multiple_of=parts, total_len=aligned + 2 * parts,
+                                    spatial_merge_size=spec.merge_size)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, port: int, path: str, families: list[str]) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=CP)
+    from vlpack.model import build_model, packed_forward
+    from vlpack.model.context import ContextGroup, ContextSplit
+
+    group = ContextGroup(dist.group.WORLD, rank, CP)
+    results = {}
+    for name in families:
+        torch.manual_seed(0)
+        model, spec = build_model(f"tiny-{name}", device="cpu", dtype=torch.float32)
+        model.train()
+        _, batch = _row(spec)
+
+        def objective(o):
+            return o.loss_sum + (AUX * o.aux_loss if o.aux_loss is not None else 0.0)
+
+        ref = packed_forward(model, batch, spec=spec, return_logits=True, loss_method="plain")
+        objective(ref).backward()
+        ref_grads = _grads(model)
+        model.zero_grad(set_to_none=True)
+        # the noise floor: the same objective's gradient in one process, as two backward
+        # passes split by the ranks' tokens and added (what CP adds up across ranks)
+        split = ContextSplit(group, batch.padded_bounds, batch.image_positions, torch.device("cpu"))
+        mine = torch.as_tensor(split.token_index)
+        own = torch.zeros(batch.num_tokens)
+        own[mine] = 1.0
+        for r, weights in enumerate((own, 1.0 - own) if rank == 0 else (1.0 - own, own)):
+            o = packed_forward(model, batch, spec=spec, loss_method="plain", token_weights=weights)
+            (o.loss_sum + (AUX * o.aux_loss if o.aux_loss is not None and r == 0 else 0.0)).backward()
+        floor = {n: float((g - ref_grads[n]).abs().max()) for n, g in _grads(model).items()}
+        model.zero_grad(set_to_none=True)
+
+        out = packed_forward(model, batch, spec=spec, return_logits=True, loss_method="plain",
+                             context=group)
+        objective(out).backward()
+        grads = _grads(model)
+        # the error scale of a summed gradient: the sum of the ranks' magnitudes (a rank's
+        # share can be far larger than the total, and the stock Gated-DeltaNet rounds its gate
+        # gradients to float32 whatever the model's dtype)
+        scale = {}
+        for n, g in grads.items():
+            mag = g.abs()
+            dist.all_reduce(mag)
+            dist.all_reduce(g)
+            scale[n] = float(mag.max())
+        totals = torch.tensor([float(out.loss_sum.detach()), float(out.num_label_tokens),
+                               float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0,
+                               float(split.image_select.numel())], dtype=torch.float64)
+        dist.all_reduce(totals)
+        res = {
+            "logits": float((out.logits - ref.logits[mine]).abs().max().detach()),
+            "tokens": split.num_local, "row_tokens": batch.num_tokens,
+            "loss": abs(float(totals[0]) - float(ref.loss_sum)) / abs(float(ref.loss_sum)),
+            "labels": [int(totals[1]), ref.num_label_tokens],
+            "image_tokens": [int(totals[3]), len(batch.image_positions)],
+            "grad_names": [sorted(grads) == sorted(ref_grads)],
+            "grad": max(float((grads[n] - g).abs().max()) / max(scale.get(n, 0.0), 1e-12)
+                        for n, g in ref_grads.items() if n in grads),
+            # per parameter: CP's error over (1e-5 of its scale + 3× the noise floor)
+            "worst": sorted((float((grads[n] - g).abs().max())
+                             / (1e-5 * scale.get(n, 0.0) + 3 * floor[n] + 1e-30), n)
+                            for n, g in ref_grads.items() if n in grads)[-3:],
+            "floor": max(floor[n] / max(scale.get(n, 0.0), 1e-12) for n in ref_grads),
+            "vision_grads": sum(1 for n in grads if "visual" in n),
+            "paths": out.paths,
+        }
+        if spec.is_moe:
+            res["aux"] = abs(float(totals[2]) - float(ref.aux_loss)) / float(ref.aux_loss)
+            res["counts"] = bool(torch.equal(out.router_stats.tokens_per_expert,
+                                             ref.router_stats.tokens_per_expert))
+            res["num_tokens"] = [int(out.router_stats.num_tokens),
+                                 int(ref.router_stats.num_tokens)]
+        results[name] = res
+    if rank == 0:
+        Path(path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp") / "results.json"
+    codes = run_ranks(_worker, str(out), list(FAMILIES), world=CP, timeout=900)
+    assert codes == [0] * CP, codes
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cp2_equals_cp1(cp_results, name):
+    r = cp_results[name]
+    assert r["tokens"] * CP == r["row_tokens"]
+    assert r["logits"] <= 1e-5, r
+    assert r["loss"] <= 1e-6, r
+    assert r["labels"][0] == r["labels"][1], r
+    assert r["image_tokens"][0] == r["image_tokens"][1] > 0, r
+    assert r["grad_names"] == [True] and r["vision_grads"] > 0, r
+    assert r["worst"][-1][0] <= 1.0, (r["worst"], r["grad"], r["floor"])
+    assert "gathered keys" in r["paths"]["attention.text"], r["paths"]
+    if "aux" in r:
+        assert r["aux"] <= 1e-6 and r["counts"] and r["num_tokens"][0] == r["num_tokens"][1], r
