@@ -83,6 +83,44 @@ def test_kernel_flash_attention_rule(fn, causal):
         assert PATHS["text" if causal else "vision"].startswith("torch varlen_attn")
 
 
+def test_query_chunks_against_longer_keys_follow_the_rule():
+    """Context parallelism's kernel (attend_chunks): query chunks against key ranges that end
+    where the chunk ends and start earlier, causal to the last key. The GPU kernel in bf16 is
+    within 2× plain bf16 of the fp32 per-chunk reference (whose mask the CPU suite checks), so
+    a kernel aligning the diagonal to the first key would fail here."""
+    from vlpack.data.plan.context import split_row
+
+    H, K, D = 8, 2, 128
+    shards = split_row([1024, 64, 2048], 2)
+    chunks = shards[1].chunks
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Q = sum(c.length for c in chunks)
+    Kn = sum(c.k_end - c.k_start for c in chunks)
+    q = torch.randn(Q, H, D, device="cuda", generator=g)
+    k = torch.randn(Kn, K, D, device="cuda", generator=g)
+    v = torch.randn(Kn, K, D, device="cuda", generator=g)
+    dout = torch.randn(Q, H, D, device="cuda", generator=g)
+    cq = Segments.from_host(tuple(itertools.accumulate([0] + [c.length for c in chunks])), "cuda")
+    ck = Segments.from_host(tuple(itertools.accumulate(
+        [0] + [c.k_end - c.k_start for c in chunks])), "cuda")
+    leaves32 = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention._sdpa_chunks(*leaves32, cq.host, ck.host, D**-0.5)
+    (ref * dout).sum().backward()
+    errs, paths = {}, {}
+    for label in ("fast", "plain"):
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = attention.attend_chunks(attention.VARLEN, *leaves, cq, ck, scale=D**-0.5,
+                                      paths=paths) if label == "fast" else \
+            attention._sdpa_chunks(*leaves, cq.host, ck.host, D**-0.5)
+        (out.float() * dout).sum().backward()
+        errs[label] = [float((out.float() - ref).abs().max())] + [
+            float((a.grad.float() - b.grad).abs().max()) for a, b in zip(leaves, leaves32,
+                                                                          strict=True)]
+    assert "gathered keys" in paths["text"] and "per-chunk" not in paths["text"], paths
+    for fast, plain in zip(errs["fast"], errs["plain"], strict=True):
+        assert fast <= 2 * plain + 1e-5, errs
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_check_varlen_bf16(name):
     r = check(name, backend="varlen", dtype="bfloat16", samples=4, device="cuda")
