@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +153,28 @@ def test_cp2_equals_cp1(cp_results, name):
     assert "gathered keys" in r["paths"]["attention.text"], r["paths"]
     if "aux" in r:
         assert r["aux"] <= 1e-6 and r["counts"] and r["num_tokens"][0] == r["num_tokens"][1], r
+
+
+def _torchrun(*args: str, nproc: int = CP) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", "-m", "vlpack", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_check_cp2_under_torchrun_passes_on_the_hybrid_moe_family():
+    """`vlpack check --cp 2` under torchrun: the row split over two ranks against the unpacked
+    stock model, every item of the check (contract, second bin, isolation)."""
+    run = _torchrun("check", "--model", "tiny-qwen3_5_moe", "--cp", "2", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout)
+    assert r["passed"] and r["cp"] == 2 and r["max_logit_diff"] <= 1e-5, r["failures"]
+    assert "gathered keys" in r["paths"]["attention.text"]
+    assert {"vision", "merger", "llm", "experts", "router"} <= set(r["grad_rel_diff"])
+
+
+def test_check_cp_without_torchrun_says_how_to_run_it():
+    run = subprocess.run([sys.executable, "-m", "vlpack", "check", "--cp", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "torchrun --standalone --nproc-per-node 2" in run.stderr

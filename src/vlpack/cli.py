@@ -107,6 +107,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="DATA.jsonl (default: synthetic)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="split the packed row over N context-parallel ranks (run under "
+                        "`torchrun --standalone --nproc-per-node N -m vlpack check ...`)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_check)
 

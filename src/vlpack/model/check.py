@@ -46,6 +46,7 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
+from vlpack.model.context import ContextGroup, ContextSplit
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
 from vlpack.model.seams import classes_of
@@ -128,14 +129,15 @@ def stable_tokens(*runs: Run) -> list[torch.Tensor] | None:
             for i in range(len(runs[0].topk))]
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gradients flattened per group; a group whose parameters have no gradient, or only
-    zeros, is absent."""
+def _grads(model: nn.Module, context: ContextGroup | None = None) -> dict[str, torch.Tensor]:
+    """Gradients flattened per group (summed over the ranks of a context-parallel `context`);
+    a group whose parameters have no gradient, or only zeros, is absent."""
     groups = param_groups(model)
     flat: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            flat[groups[name]].append(p.grad.detach().float().reshape(-1).cpu())
+            g = p.grad if context is None else context.all_reduce(p.grad)
+            flat[groups[name]].append(g.detach().float().reshape(-1).cpu())
     model.zero_grad(set_to_none=True)
     out = {g: torch.cat(v) for g, v in flat.items() if v}
     return {g: v for g, v in out.items() if bool(v.ne(0).any())}
@@ -146,26 +148,47 @@ def _pack(spec: ModelSpec, samples: list[EncodedSample], pad_to: int, total_len:
                            total_len=total_len, spatial_merge_size=spec.merge_size)
 
 
+def _forward_row(model, spec: ModelSpec, batch, context: ContextGroup | None, *,
+                 logits: bool, cap: RouterCapture):
+    """One packed forward → (its output, logits [T, V] or None, hidden [T, H], router logits
+    per layer [T, E], aux loss or None), all of the whole row: with a context-parallel
+    `context` each rank computes its share and the row's are gathered (the aux shares
+    summed)."""
+    out = packed_forward(model, batch, spec=spec, return_logits=logits, return_hidden=True,
+                         context=context)
+    aux = out.aux_loss
+    if context is None or context.size == 1:
+        return out, out.logits, out.hidden, cap.logits, aux
+    split = ContextSplit(context, batch.padded_bounds, batch.image_positions,
+                         batch.input_ids.device)
+    row = lambda x: None if x is None else split.gather_row(x.detach())  # noqa: E731
+    aux = None if aux is None else context.all_reduce(aux)
+    return out, row(out.logits), row(out.hidden), [row(r) for r in cap.logits], aux
+
+
 def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
-               total_len: int | None = None, backward: bool = True) -> Run:
+               total_len: int | None = None, backward: bool = True,
+               context: ContextGroup | None = None) -> Run:
     """vlpack's side: the samples packed into one row (aligned to `pad_to`, optionally padded
-    to `total_len`), forward (+ backward of the summed loss)."""
+    to `total_len`), forward (+ backward of the summed loss); split over the ranks of a
+    context-parallel `context` (the row's logits gathered, the gradients summed)."""
     batch = _pack(spec, samples, pad_to, total_len).to(next(model.parameters()).device)
     with torch.set_grad_enabled(backward), RouterCapture(model) as cap:
-        out = packed_forward(model, batch, spec=spec, return_logits=True, return_hidden=True)
+        out, logits_TV, hidden_TH, routers, aux = _forward_row(model, spec, batch, context,
+                                                              logits=True, cap=cap)
     if backward:
         out.loss_sum.backward()
     logits, losses, topk, hidden = [], [], [], []
     for i in range(len(samples)):
         seg = batch.segment(i)
-        lg = out.logits[seg].detach().float()
+        lg = logits_TV[seg].detach().float()
         logits.append(lg.cpu())
-        hidden.append(out.hidden[seg].detach().float().cpu())
+        hidden.append(hidden_TH[seg].detach().float().cpu())
         losses.append(float(loss.plain_ce_sum(lg, batch.labels[seg])))
         if spec.is_moe:
-            topk.append(_topk([r[seg] for r in cap.logits], spec.num_experts_per_tok))
-    aux = None if out.aux_loss is None else float(out.aux_loss.detach())
-    grads = _grads(model) if backward else {}
+            topk.append(_topk([r[seg] for r in routers], spec.num_experts_per_tok))
+    aux = None if aux is None else float(aux.detach())
+    grads = _grads(model, context) if backward else {}
     return Run(logits, losses, grads, aux, out.paths, topk if spec.is_moe else None,
                hidden=hidden)
 
@@ -220,10 +243,18 @@ def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None) -> dict:
     return dict(logits=logit, loss=lossd, grad=grad, aux=aux, groups_missing=missing)
 
 
-def _other_bin(samples: list[EncodedSample]) -> tuple[list[EncodedSample], int, int]:
-    """The samples reversed, aligned to 3 and padded by 11 more tokens: another layout of the
-    same samples (samples, pad_to, total_len)."""
-    return samples[::-1], 3, sum(-(-len(s) // 3) * 3 for s in samples) + 11
+def _other_bin(samples: list[EncodedSample], cp: int = 1) -> tuple[list[EncodedSample], int, int]:
+    """The samples reversed, aligned to 3 (to 3·2·cp under context parallelism, whose
+    segments are multiples of 2·cp) and padded by 11 more tokens (by one more alignment unit):
+    another layout of the same samples (samples, pad_to, total_len)."""
+    align = 3 if cp == 1 else 6 * cp
+    extra = 11 if cp == 1 else align
+    return samples[::-1], align, sum(-(-len(s) // align) * align for s in samples) + extra
+
+
+def pad_unit(cp: int) -> int:
+    """The check's sample alignment: 8, or the least multiple of 8 and 2·cp."""
+    return math.lcm(8, 2 * cp)
 
 
 def _perturbed(spec: ModelSpec, s: EncodedSample, rng: np.random.Generator) -> EncodedSample:
@@ -242,23 +273,24 @@ def _perturbed(spec: ModelSpec, s: EncodedSample, rng: np.random.Generator) -> E
 
 
 def _hidden(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
-            total_len: int | None = None):
+            total_len: int | None = None, context: ContextGroup | None = None):
     """Per-sample final hidden states [L, H] of one packed forward without gradients (no labels,
     no loss: the logits are a row-wise function of them), each token's chosen experts (MoE) and
     the kernels that ran."""
     unlabelled = [replace(s, labels=np.full_like(s.labels, IGNORE_INDEX)) for s in samples]
     batch = _pack(spec, unlabelled, pad_to, total_len).to(next(model.parameters()).device)
     with torch.no_grad(), RouterCapture(model) as cap:
-        out = packed_forward(model, batch, spec=spec, return_hidden=True)
+        out, _, hidden_TH, routers, _ = _forward_row(model, spec, batch, context, logits=False,
+                                                     cap=cap)
     segs = [batch.segment(i) for i in range(len(samples))]
-    hidden = [out.hidden[seg].float().cpu() for seg in segs]
-    topk = [_topk([r[seg] for r in cap.logits], spec.num_experts_per_tok) for seg in segs] \
+    hidden = [hidden_TH[seg].float().cpu() for seg in segs]
+    topk = [_topk([r[seg] for r in routers], spec.num_experts_per_tok) for seg in segs] \
         if spec.is_moe else None
     return hidden, topk, out.paths
 
 
 def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
-              seed: int = 0) -> dict:
+              seed: int = 0, context: ContextGroup | None = None) -> dict:
     """Change one sample of the row at a time (tokens and pixels) and measure how far every
     OTHER sample's final hidden states move: zero when no layer lets samples see each other.
     Then the samples reversed in another layout, then the first row again: `repeat_diff` is how
@@ -268,12 +300,13 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
     MoE: tokens whose expert choice changed between the runs are left out (a changed token
     changes the experts' batches, not what a token can see); they are counted."""
     rng = np.random.default_rng(seed)
-    base, base_topk, paths = _hidden(model, spec, samples, pad_to)
+    cp = 1 if context is None else context.size
+    base, base_topk, paths = _hidden(model, spec, samples, pad_to, context=context)
     worst, per, flips = 0.0, [], 0
     for j in range(len(samples)):
         changed = list(samples)
         changed[j] = _perturbed(spec, samples[j], rng)
-        hidden, topk, _ = _hidden(model, spec, changed, pad_to)
+        hidden, topk, _ = _hidden(model, spec, changed, pad_to, context=context)
         d = 0.0
         for i in range(len(samples)):
             if i == j:
@@ -285,8 +318,8 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
                 d = max(d, float((base[i][m] - hidden[i][m]).abs().max()))
         per.append(dict(changed=samples[j].key, max_hidden_diff=d))
         worst = max(worst, d)
-    _hidden(model, spec, *_other_bin(samples))
-    again, _, _ = _hidden(model, spec, samples, pad_to)
+    _hidden(model, spec, *_other_bin(samples, cp), context=context)
+    again, _, _ = _hidden(model, spec, samples, pad_to, context=context)
     repeat = max(float((a - b).abs().max()) for a, b in zip(again, base, strict=True))
     return dict(max_diff=worst, per_sample=per, routing_flips=flips if spec.is_moe else None,
                 repeat_diff=repeat, paths=paths)
@@ -423,9 +456,18 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
-          device: str | None = None) -> dict:
+          device: str | None = None, cp: int = 1) -> dict:
     """Run the check; returns the report dict (`passed`, and `failures` naming each item that
-    does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked."""
+    does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
+
+    With `cp` > 1 (under torchrun, `cp` processes) the packed side is split across them by
+    context parallelism; every rank builds the same model and reference, and the packed
+    row's logits and gradients are gathered before the comparison."""
+    if cp < 1:
+        raise CheckUnsupportedError(f"--cp must be >= 1, got {cp}")
+    context = ContextGroup.world(cp) if cp > 1 else None
+    if device is None and context is not None and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve(backend, dtype, dev)
     _check_memory(model_name, dev)
@@ -435,11 +477,11 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     model.train()
     batch_samples, source = load_samples(
         argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name), spec)
-    pad_to = 8
+    pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
-                        device=str(dev), samples=len(batch_samples), data=source,
+                        device=str(dev), samples=len(batch_samples), data=source, cp=cp,
                         tolerances=tol, isolation_bound=ISOLATION[dtype])
     failures: list[str] = []
 
@@ -449,9 +491,10 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     # isolation runs end with B and A again, compared bitwise with their first A.
     ref = run_unpacked(model, spec, batch_samples)
     failures += _label_failures(ref)
-    first = run_packed(model, spec, batch_samples, pad_to, backward=False)
+    first = run_packed(model, spec, batch_samples, pad_to, backward=False, context=context)
     d1 = compare(first, ref, stable_tokens(first, ref))
-    rev = run_packed(model, spec, *_other_bin(batch_samples), backward=False)
+    rev = run_packed(model, spec, *_other_bin(batch_samples, cp), backward=False,
+                     context=context)
     rev = replace(rev, logits=rev.logits[::-1], losses=rev.losses[::-1],
                   topk=None if rev.topk is None else rev.topk[::-1])
     d2 = compare(rev, ref, stable_tokens(rev, ref))
@@ -459,11 +502,11 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         d_["grad"], d_["groups_missing"] = {}, {}
     failures += _contract_failures("float32 first bin, forward only", d1, tol32)
     failures += _contract_failures("float32 second bin (reversed, re-padded)", d2, tol32)
-    packed = run_packed(model, spec, batch_samples, pad_to)
+    packed = run_packed(model, spec, batch_samples, pad_to, context=context)
     keep = stable_tokens(packed, ref)
     d = compare(packed, ref, keep)
     failures += _contract_failures("float32 packed vs unpacked", d, tol32)
-    iso32 = isolation(model, spec, batch_samples, pad_to, seed)
+    iso32 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
     failures += _isolation_failures("float32 isolation", iso32, ISOLATION["float32"])
     report.update(contract_float32=_summary(d), second_bin=_summary(d2),
                   isolation_float32=iso32,
@@ -471,13 +514,13 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
 
     if dtype == "bfloat16":
         model.to(torch.bfloat16)
-        packed = run_packed(model, spec, batch_samples, pad_to)
+        packed = run_packed(model, spec, batch_samples, pad_to, context=context)
         plain = run_unpacked(model, spec, batch_samples)
         keep = stable_tokens(packed, plain, ref)
         d = compare(packed, plain, keep)
         dp, d0 = compare(packed, ref, keep), compare(plain, ref, keep)
         failures += _rule_failures(dp, d0, tol) + _group_failures("bfloat16 packed vs unpacked", d)
-        iso16 = isolation(model, spec, batch_samples, pad_to, seed)
+        iso16 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
         failures += _isolation_failures("bfloat16 isolation", iso16, ISOLATION["bfloat16"])
         report.update(rule=dict(packed_vs_fp32=_summary(dp), plain_bf16_vs_fp32=_summary(d0)),
                       isolation_bfloat16=iso16)
@@ -513,7 +556,9 @@ def _fmt(x: float | None) -> str:
 
 def format_report(r: dict) -> str:
     lines = [
-        f"vlpack check: {r['model']} ({r['family']}) on {r['device']}, {r['dtype']}, "
+        f"vlpack check: {r['model']} ({r['family']}) on {r['device']}"
+        + (f" × {r['cp']} context-parallel ranks" if r.get("cp", 1) > 1 else "")
+        + f", {r['dtype']}, "
         f"backend {r['backend']} -> {r['attn_implementation']}",
         f"data: {r['data']}, {r['samples']} samples packed into one row",
         "paths: " + ", ".join(f"{k}={v}" for k, v in sorted(r["paths"].items())),
@@ -558,7 +603,7 @@ def check_command(args: argparse.Namespace) -> int:
     """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run."""
     try:
         r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
-                  seed=args.seed, data=args.data)
+                  seed=args.seed, data=args.data, cp=getattr(args, "cp", 1))
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise
@@ -567,5 +612,10 @@ def check_command(args: argparse.Namespace) -> int:
         print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
         logger.debug("check failed to run", exc_info=True)
         return EXIT_COULD_NOT_RUN
-    print(json.dumps(r, default=float) if args.json else format_report(r))
+    finally:
+        from vlpack.model.context import leave_world
+
+        leave_world()
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
+        print(json.dumps(r, default=float) if args.json else format_report(r))
     return EXIT_PASSED if r["passed"] else EXIT_FAILED
