@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -321,6 +322,21 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the ranks of a run split the work beyond data parallelism."""
+
+    cp: int = 1
+    """Context parallelism: every packed row is split over `cp` ranks (each sample cut into
+    2·cp chunks, rank r holding chunks r and 2·cp−1−r). Under torchrun the world is data ×
+    context parallel: ranks g·cp … g·cp+cp−1 form context group g and share one row; FSDP2
+    shards over all ranks. Needs data.pad_to_multiple_of a multiple of 2·cp."""
+
+    def __post_init__(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"parallel.cp must be >= 1, got {self.cp}")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """A whole run."""
 
@@ -328,6 +344,18 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        cp = self.parallel.cp
+        if cp > 1 and self.data.packing == "none":
+            raise ValueError("parallel.cp > 1 splits packed rows: set data.packing to bfd, ffd "
+                             "or greedy (or parallel.cp=1 for padded batches)")
+        if cp > 1 and self.data.pad_to_multiple_of % (2 * cp):
+            unit = math.lcm(self.data.pad_to_multiple_of, 2 * cp)
+            raise ValueError(f"parallel.cp={cp} cuts every sample into {2 * cp} equal chunks: "
+                             f"set data.pad_to_multiple_of to a multiple of {2 * cp} (e.g. "
+                             f"data.pad_to_multiple_of={unit})")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)

@@ -41,6 +41,7 @@ from vlpack.train.parallel import (
     all_gather_object,
     all_reduce,
     barrier,
+    context_group,
     init_distributed,
     load_full_state,
     shutdown,
@@ -76,6 +77,9 @@ class Trainer:
         self.info = info or init_distributed()
         self.sharded = self.info.distributed or cfg.train.fsdp == "always"
         """FSDP2 applies: the model is built on the meta device and receives its shards."""
+        self.cp = cfg.parallel.cp
+        self.context = context_group(self.info, self.cp)
+        """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
         self._check_memory()
         torch.manual_seed(cfg.train.seed)
@@ -106,7 +110,7 @@ class Trainer:
         self.flops = flop_model(model)
         self.module = TrainModule(
             model, self.spec, touch_vision=self.info.distributed,
-            loss_method="chunked" if cfg.model.chunked_loss else "plain",
+            loss_method="chunked" if cfg.model.chunked_loss else "plain", context=self.context,
         )
         self.autocast = _autocast_dtype(cfg, self.info.device)
         m, t = cfg.model, cfg.train
@@ -196,8 +200,8 @@ class Trainer:
     def _loaders(self):
         t = self.cfg.train
         return build_loaders(
-            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.rank,
-            world_size=self.info.world_size,
+            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.rank // self.cp,
+            world_size=self.info.world_size // self.cp,  # data-parallel: a group shares rows
             per_round=t.micro_batches if t.tokens_per_step is None else 1,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
             pin_memory=self.info.device.type == "cuda", progress=t.progress and self.info.is_main)
@@ -238,7 +242,7 @@ class Trainer:
             r = optimizer_step(
                 self.module, self.optimizer, self.scheduler, mbs, info=self.info,
                 loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
-                grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
+                grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast, cp=self.cp,
             )
         if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)):
             raise NonFiniteLossError(
@@ -246,7 +250,7 @@ class Trainer:
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        real, tokens, flops = all_reduce(stats, self.info)
+        real, tokens, flops = (x / self.cp for x in all_reduce(stats, self.info))
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
@@ -473,7 +477,8 @@ class Trainer:
 
     def accounting(self) -> dict[str, Any]:
         """Where the samples consumed so far went, summed over ranks (a collective)."""
-        return Tally.merged(all_gather_object(self.train_loader.tally.state(), self.info)).as_dict()
+        states = all_gather_object(self.train_loader.tally.state(), self.info)
+        return Tally.merged(states[:: self.cp]).as_dict()  # one rank per context group
 
     def _finish(self, out_dir: Path) -> dict[str, Any]:
         acc = self.accounting()

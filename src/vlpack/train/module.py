@@ -58,12 +58,13 @@ class TrainModule(nn.Module):
     """forward(batch) → ForwardOut for a ThdBatch (packed) or a PaddedBatch (baseline)."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, *, touch_vision: bool = False,
-                 loss_method: str = "auto"):
+                 loss_method: str = "auto", context=None):
         super().__init__()
         self.model = model
         self.spec = spec
         self.touch_vision = touch_vision
         self.loss_method = loss_method
+        self.context = context  # a ContextGroup: packed rows split over its ranks
 
     def _dummy_vision(self) -> torch.Tensor:
         """Run the vision tower on one tiny blank image and return 0 × its output.
@@ -86,11 +87,11 @@ class TrainModule(nn.Module):
         if self.touch_vision and (batch.pixel_values is None or batch.image_grid_thw.shape[0] == 0):
             zero = self._dummy_vision()
         if isinstance(batch, ThdBatch):
-            fwd = packed_forward
+            out = packed_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method,
+                                 token_weights=token_weights, context=self.context)
         else:
-            fwd = padded_forward
-        out = fwd(self.model, batch, spec=self.spec, loss_method=self.loss_method,
-                  token_weights=token_weights)
+            out = padded_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method,
+                                 token_weights=token_weights)
         if zero is not None:
             out.loss_sum = out.loss_sum + zero
         return out

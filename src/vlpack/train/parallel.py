@@ -89,6 +89,22 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def context_group(info: DistInfo, cp: int):
+    """This rank's context-parallel group (`vlpack.model.context.ContextGroup`): ranks
+    g·cp … g·cp+cp−1 form group g, so a group sits on one host's GPUs. Every rank creates
+    every group (torch.distributed's rule for new groups)."""
+    from vlpack.model.context import ContextGroup
+
+    if cp == 1:
+        return ContextGroup.single()
+    if info.world_size % cp:
+        raise ValueError(f"parallel.cp={cp} needs a world size divisible by {cp}, got "
+                         f"{info.world_size} processes: run torchrun with a multiple of {cp}")
+    groups = [dist.new_group(list(range(g * cp, (g + 1) * cp)))
+              for g in range(info.world_size // cp)]
+    return ContextGroup(groups[info.rank // cp], info.rank % cp, cp)
+
+
 def all_gather_object(obj, info: DistInfo) -> list:
     """Every rank's `obj`, in rank order, on every rank (small picklable objects only)."""
     if not info.distributed:
