@@ -30,11 +30,15 @@ CP = 2
 AUX = 0.1  # weight of the aux loss in the objective whose gradients are compared
 
 
-def _row(spec):
+def _row(spec, one_image: bool = False):
+    """The test row; `one_image`: only the first single-image sample and the 2-token one (fewer
+    images than ranks: every rank encodes the image)."""
     from vlpack.data.batch import build_thd_batch
     from vlpack.model.synthetic import default_mix
 
     samples = default_mix(spec, 4, seed=1)
+    if one_image:
+        samples = [next(s for s in samples if len(s.image_grid_thw) == 1)]
     two = np.array([11, 12], dtype=np.int64)
     samples.append(EncodedSample(key="two", input_ids=two, labels=np.array([IGNORE_INDEX, 12]),
                                  mm_token_type_ids=np.zeros(2, np.int8),
@@ -120,6 +124,15 @@ def _worker(rank: int, port: int, path: str, families: list[str]) -> None:
             "vision_grads": sum(1 for n in grads if "visual" in n),
             "paths": out.paths,
         }
+        # a row with one image: every rank encodes it (forward only)
+        _, one = _row(spec, one_image=True)
+        ref1 = packed_forward(model, one, spec=spec, return_logits=True, loss_method="plain")
+        out1 = packed_forward(model, one, spec=spec, return_logits=True, loss_method="plain",
+                              context=group)
+        mine1 = torch.as_tensor(
+            ContextSplit(group, one.padded_bounds, one.image_positions, "cpu").token_index)
+        res["one_image_logits"] = float((out1.logits - ref1.logits[mine1]).abs().max().detach())
+        res["one_image_path"] = out1.paths["vision.context"]
         if spec.is_moe:
             res["aux"] = abs(float(totals[2]) - float(ref.aux_loss)) / float(ref.aux_loss)
             res["counts"] = bool(torch.equal(out.router_stats.tokens_per_expert,
@@ -151,6 +164,9 @@ def test_cp2_equals_cp1(cp_results, name):
     assert r["grad_names"] == [True] and r["vision_grads"] > 0, r
     assert r["worst"][-1][0] <= 1.0, (r["worst"], r["grad"], r["floor"])
     assert "gathered keys" in r["paths"]["attention.text"], r["paths"]
+    assert r["paths"]["vision.context"] == "each image encoded on one rank, features gathered"
+    assert r["one_image_logits"] <= 1e-5, r
+    assert r["one_image_path"] == "every rank encodes the row's images"
     if "aux" in r:
         assert r["aux"] <= 1e-6 and r["counts"] and r["num_tokens"][0] == r["num_tokens"][1], r
 

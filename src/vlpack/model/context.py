@@ -13,9 +13,10 @@ carries what the layers need, in the forward's `Boundaries` (`Boundaries.context
 - the Gated-DeltaNet layers gather their projected inputs and run the whole row's conv and
   recurrence with the row's boundaries, then keep their own tokens (`row_order`, `local_rows`):
   exact, with the work of the whole row on every rank;
-- the vision tower encodes the row's images on every rank of the group; each rank keeps the
-  features of its own image tokens (`image_select`), and the deepstack merge adds them at its
-  local positions;
+- the vision tower encodes each image of the row on one rank of the group (`images_mine`,
+  balanced by patches) and the features are gathered, so each rank keeps those of its own image
+  tokens (`image_index_gathered`); the deepstack merge adds them at its local positions. A row
+  with fewer images than ranks is encoded on every rank instead (`images_mine` None);
 - MoE router statistics are summed over the group (`all_reduce`), each rank's load-balancing
   loss its share of the group's, so the shares add up to the whole row's loss.
 
@@ -112,11 +113,15 @@ class ContextSplit:
     """One row's split across a `ContextGroup`, built on the host from the row's segment
     boundaries (and image-token positions); device index tensors made once per forward."""
 
-    __slots__ = ("chunks_k", "chunks_q", "group", "image_index", "image_select", "key_index",
-                 "local_rows", "row_order", "row_segments", "shard", "token_index")
+    __slots__ = ("chunks_k", "chunks_q", "group", "image_index", "image_index_gathered",
+                 "image_rows", "image_select", "images_mine", "key_index", "local_rows",
+                 "row_order", "row_segments", "shard", "token_index")
 
     def __init__(self, group: ContextGroup, padded_bounds: tuple[int, ...],
-                 image_positions: tuple[int, ...], device: torch.device) -> None:
+                 image_positions: tuple[int, ...], device: torch.device,
+                 image_tokens: tuple[int, ...] = ()) -> None:
+        """`image_tokens`: each image's LLM tokens (row order); without it every rank encodes
+        every image."""
         device = torch.device(device)
         lengths = np.diff(np.asarray(padded_bounds)).tolist()
         shards = split_row(lengths, group.size)
@@ -144,8 +149,28 @@ class ContextSplit:
         local_pos = np.searchsorted(index_R, positions_N)
         mine = (local_pos < len(index_R)) & (
             index_R[np.minimum(local_pos, len(index_R) - 1)] == positions_N)
-        self.image_select = to_device(torch.from_numpy(np.flatnonzero(mine)), device)
+        select_n = np.flatnonzero(mine)
+        self.image_select = to_device(torch.from_numpy(select_n), device)
         self.image_index = to_device(torch.from_numpy(local_pos[mine]), device)
+        self.images_mine: tuple[int, ...] | None = None
+        self.image_rows = 0
+        self.image_index_gathered = None
+        if len(image_tokens) >= group.size:
+            owner = assign_images(image_tokens, group.size)
+            self.images_mine = tuple(i for i, o in enumerate(owner) if o == group.rank)
+            # each rank's encoded features, in its images' order, padded to the longest
+            # rank's rows; gathered rank-major: image i's tokens are rows owner·rows + offset
+            rows = [sum(n for n, o in zip(image_tokens, owner, strict=True) if o == r)
+                    for r in range(group.size)]
+            self.image_rows = max(rows)
+            offset, start = [0] * group.size, []
+            for n, o in zip(image_tokens, owner, strict=True):
+                start.append(o * self.image_rows + offset[o])
+                offset[o] += n
+            gathered_n = np.concatenate([np.arange(a, a + n)
+                                         for a, n in zip(start, image_tokens, strict=True)])
+            assert len(gathered_n) == len(positions_N), "image tokens do not match the grids"
+            self.image_index_gathered = to_device(torch.from_numpy(gathered_n[select_n]), device)
 
     @property
     def num_local(self) -> int:
@@ -173,3 +198,27 @@ class ContextSplit:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group (not differentiable: for statistics and counts)."""
         return self.group.all_reduce(x)
+
+    def my_image_features(self, feats_NC: torch.Tensor) -> torch.Tensor:
+        """Features of the images this rank encoded ([rows, C]; all the row's images when
+        `images_mine` is None) → those of this rank's image tokens, in their local order."""
+        if self.images_mine is None:
+            return feats_NC.index_select(0, self.image_select.to(feats_NC.device))
+        pad = self.image_rows - feats_NC.shape[0]
+        padded = torch.cat([feats_NC, feats_NC.new_zeros(pad, *feats_NC.shape[1:])]) if pad \
+            else feats_NC
+        return self.gather_rows(padded).index_select(
+            0, self.image_index_gathered.to(feats_NC.device))
+
+
+def assign_images(image_tokens: tuple[int, ...], size: int) -> list[int]:
+    """The rank that encodes each image: largest first to the least-loaded rank (by tokens,
+    i.e. patches / merge²; ties to the lower rank), so with at least `size` images every rank
+    encodes at least one."""
+    load = [0] * size
+    owner = [0] * len(image_tokens)
+    for i in sorted(range(len(image_tokens)), key=lambda i: (-image_tokens[i], i)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += image_tokens[i]
+    return owner

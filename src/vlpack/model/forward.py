@@ -76,17 +76,26 @@ def context_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec,
 
     device = _device(model)
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
-    vision = vision_tables(model.model.visual, spec.family, batch.image_grids, device) \
-        if has_images else None
+    pixels, grid, grids = batch.pixel_values, batch.image_grid_thw, batch.image_grids
+    if has_images and split.images_mine is not None:  # this rank encodes its share
+        starts = np.cumsum([0] + [t * h * w for t, h, w in grids]).tolist()
+        mine = split.images_mine
+        pixels = torch.cat([pixels[starts[i] : starts[i + 1]] for i in mine])
+        grid, grids = grid[list(mine)], tuple(grids[i] for i in mine)
+    vision = vision_tables(model.model.visual, spec.family, grids, device) if has_images else None
     index = split.image_index if has_images and family(spec.family).deepstack else None
     bounds = Boundaries(text=None, vision=vision, image_index=index, context=split)
+    if has_images:
+        bounds.paths["vision.context"] = (
+            "every rank encodes the row's images" if split.images_mine is None else
+            "each image encoded on one rank, features gathered")
     rows = split.local_rows.to(batch.input_ids.device)
     return dict(
         input_ids=batch.input_ids[rows][None],
         position_ids=batch.position_ids[:, rows][:, None, :],
         mm_token_type_ids=batch.mm_token_type_ids[rows][None],
-        pixel_values=batch.pixel_values if has_images else None,
-        image_grid_thw=batch.image_grid_thw if has_images else None,
+        pixel_values=pixels if has_images else None,
+        image_grid_thw=grid if has_images else None,
         use_cache=False,
         **{BOUNDS_KWARG: bounds},
     )
@@ -152,7 +161,9 @@ def packed_forward(
                          "vlpack.data.batch.build_thd_batch")
     split = None
     if context is not None and context.size > 1:
-        split = ContextSplit(context, batch.padded_bounds, batch.image_positions, device)
+        merge = spec.merge_size ** 2
+        split = ContextSplit(context, batch.padded_bounds, batch.image_positions, device,
+                             image_tokens=tuple(t * h * w // merge for t, h, w in batch.image_grids))
     capture = RouterCapture(model) if spec.is_moe else None
     if capture is not None:
         capture.__enter__()

@@ -17,8 +17,9 @@ Two subclasses, installed by class at build time (seams.py):
   rotary steps are the stock ones (the same in every supported family and version).
 
 - `ImageFeatures` overrides the base model's `get_image_features`: in a context-parallel
-  forward (context.py) each rank encodes the row's images and keeps the features of its own
-  image tokens, in their order, so the stock merge fills exactly this rank's placeholders.
+  forward (context.py) each rank encodes its share of the row's images, and the features are
+  gathered so each rank keeps those of its own image tokens, in their order: the stock merge
+  fills exactly this rank's placeholders.
 
 Without the forward's Boundaries (a stock call, the unpacked reference, a rank's blank image)
 both run the stock forward.
@@ -119,15 +120,17 @@ class ImageFeatures(nn.Module):
         split = bounds.context if bounds is not None else None
         if split is None:
             return out
-        select_N = split.image_select
 
-        def mine(feats):  # per-image tensors (or one tensor) → this rank's rows, as one tensor
-            feats = torch.cat(feats, 0) if isinstance(feats, list | tuple) else feats
-            return feats.index_select(0, select_N.to(feats.device))
+        def whole(feats):  # per-image tensors (transformers 5.24) or one tensor (5.17)
+            return torch.cat(feats, 0) if isinstance(feats, list | tuple) else feats
 
-        out.pooler_output = (mine(out.pooler_output),)
-        deepstack = getattr(out, "deepstack_features", None)
-        if deepstack is not None:  # split per image (transformers 5.24) or whole (5.17)
-            out.deepstack_features = [(mine(f),) if isinstance(f, list | tuple) else mine(f)
-                                      for f in deepstack]
+        deepstack = getattr(out, "deepstack_features", None) or []
+        parts = [whole(out.pooler_output), *(whole(f) for f in deepstack)]
+        widths = [p.shape[-1] for p in parts]
+        # one gather for the merged features and every deepstack level
+        mine = split.my_image_features(torch.cat(parts, -1)).split(widths, -1)
+        out.pooler_output = (mine[0],)
+        if deepstack:
+            out.deepstack_features = [(m,) if isinstance(f, list | tuple) else m
+                                      for m, f in zip(mine[1:], deepstack, strict=True)]
         return out
