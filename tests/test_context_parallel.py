@@ -196,22 +196,27 @@ def test_check_cp_without_torchrun_says_how_to_run_it():
     assert "torchrun --standalone --nproc-per-node 2" in run.stderr
 
 
-SMALL_RUN = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384",
-             "data.max_pixels=50176", "data.buffer_size=8", "data.eval_samples=0",
-             "data.shuffle=false", "train.progress=false", "train.eval_every=0",
+SMALL_RUN = ["data.synthetic_samples=28", "data.seq_len=512", "data.min_pixels=16384",
+             "data.max_pixels=50176", "data.buffer_size=8", "data.eval_samples=4",
+             "data.shuffle=false", "train.progress=false", "train.eval_every=2",
              "train.save_every=0", "train.max_steps=4", "model.name=tiny-qwen3_5_moe",
              "train.aux_loss_coef=0.1"]
 
 
+CP_RUN = ["parallel.cp=2", "model.activation_checkpointing=true"]
+
+
 def _losses(run: Path, key: str = "loss") -> list[float]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if "loss" in r]
+    return [r[key] for r in rows if key in r]
 
 
 def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
-    """4 processes, data parallel 2 × context parallel 2, train the losses (and MoE aux losses)
-    of 2 processes without context parallelism, on the hybrid MoE family (Gated-DeltaNet,
-    experts, aux loss in the objective); stopped after 2 steps and resumed, the same losses."""
+    """4 processes, data parallel 2 × context parallel 2, train the losses, MoE aux losses and
+    eval losses of 2 processes without context parallelism, on the hybrid MoE family
+    (Gated-DeltaNet, experts, aux loss in the objective), the context-parallel run with every
+    layer recomputed in backward (its all-gathers run again); stopped after 2 steps and
+    resumed, the same losses."""
     def train(nproc: int, out: str, *extra: str) -> list[float]:
         run = _torchrun("train", "tiny", *SMALL_RUN, f"train.output_dir={tmp_path / out}",
                         *extra, nproc=nproc)
@@ -223,14 +228,17 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
                 if x.lstrip().startswith(("samples ", "epochs ", "tokens "))]
 
     two = train(2, "dp2")
-    four = train(4, "dp2cp2", "parallel.cp=2")
+    four = train(4, "dp2cp2", *CP_RUN)
     base, cp = _losses(tmp_path / "dp2"), _losses(tmp_path / "dp2cp2")
     assert len(base) == len(cp) == 4
     assert max(abs(a - b) for a, b in zip(base, cp, strict=True)) < 1e-5, (base, cp)
     aux_base, aux_cp = _losses(tmp_path / "dp2", "aux_loss"), _losses(tmp_path / "dp2cp2", "aux_loss")
     assert max(abs(a - b) for a, b in zip(aux_base, aux_cp, strict=True)) < 1e-6, (aux_base, aux_cp)
+    ev_base, ev_cp = _losses(tmp_path / "dp2", "eval_loss"), _losses(tmp_path / "dp2cp2", "eval_loss")
+    assert len(ev_base) == len(ev_cp) >= 2
+    assert max(abs(a - b) for a, b in zip(ev_base, ev_cp, strict=True)) < 1e-5, (ev_base, ev_cp)
     assert len(summary(four)) == 3 and summary(four) == summary(two), (four.stdout, two.stdout)
-    train(4, "resumed", "parallel.cp=2", "train.stop_after=2")
-    resumed = train(4, "resumed", "parallel.cp=2")
+    train(4, "resumed", *CP_RUN, "train.stop_after=2")
+    resumed = train(4, "resumed", *CP_RUN)
     assert "resumed from" in resumed.stdout
     assert _losses(tmp_path / "resumed") == cp
