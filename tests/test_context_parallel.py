@@ -242,3 +242,14 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
     resumed = train(4, "resumed", *CP_RUN)
     assert "resumed from" in resumed.stdout
     assert _losses(tmp_path / "resumed") == cp
+
+
+def test_cp_refuses_what_it_cannot_split():
+    from vlpack.config import load_config
+
+    for extra, match in ((["model.backend=sdpa"], "model.backend=auto"),
+                         (["data.packing=none"], "data.packing"),
+                         (["parallel.cp=4", "data.pad_to_multiple_of=4"], "multiple of 8")):
+        args = ["parallel.cp=2", *extra] if extra[0] != "parallel.cp=4" else extra
+        with pytest.raises(ValueError, match=match):
+            load_config("tiny", args)

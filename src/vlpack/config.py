@@ -351,6 +351,10 @@ class Config:
         if cp > 1 and self.data.packing == "none":
             raise ValueError("parallel.cp > 1 splits packed rows: set data.packing to bfd, ffd "
                              "or greedy (or parallel.cp=1 for padded batches)")
+        if cp > 1 and self.model.backend not in ("auto", "varlen"):
+            raise ValueError(f"parallel.cp > 1 runs vlpack's varlen attention across ranks; "
+                             f"model.backend={self.model.backend} does not: set "
+                             "model.backend=auto (or varlen)")
         if cp > 1 and self.data.pad_to_multiple_of % (2 * cp):
             unit = math.lcm(self.data.pad_to_multiple_of, 2 * cp)
             raise ValueError(f"parallel.cp={cp} cuts every sample into {2 * cp} equal chunks: "

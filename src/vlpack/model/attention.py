@@ -214,10 +214,13 @@ def attend_chunks(name: str, q_QHD, k_KKD, v_KKD, chunks_q: Segments, chunks_k: 
                     k, v = _repeat_kv(q_QHD, k_KKD, v_KKD)
             if "scale" in params:
                 kw["scale"] = scale
-            if "window_size" in params:
+            if "window_size" in params:  # torch >= 2.10: causal is the window (-1, 0)
                 kw["window_size"] = (-1, 0)
-            else:
+            elif "is_causal" in params:
                 kw["is_causal"] = True
+            else:
+                raise ValueError("this torch's varlen_attn takes neither window_size nor "
+                                 "is_causal: upgrade torch for context parallelism")
             paths["text"] = "torch varlen_attn, query chunks against gathered keys"
             out = fn(q_QHD.contiguous(), k.contiguous(), v.contiguous(), cq, ck,
                      chunks_q.max_len, chunks_k.max_len, **kw)

@@ -115,13 +115,18 @@ class Boundaries:
         self.paths: dict[str, str] = {}
         self._memo: dict[str, Any] = {}
 
+    @property
+    def row(self) -> Segments | None:
+        """The whole row's segments: `text`, or the context-parallel split's."""
+        return self.text if self.context is None else self.context.row_segments
+
     def fla_cu(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The text boundaries as fla takes them: int64 on `device` and int64 on the host. The
+        """The row's boundaries (`row`) as fla takes them: int64 on `device` and int64 on the host. The
         same two tensor objects for every layer of this forward: fla caches its chunk indices
         by argument identity, so it builds them once per forward, not once per layer."""
         key = f"fla:{device}"
         if key not in self._memo:
-            host = torch.tensor(self.text.host, dtype=torch.long)
+            host = torch.tensor(self.row.host, dtype=torch.long)
             self._memo[key] = (to_device(host, torch.device(device)), host)
         return self._memo[key]
 

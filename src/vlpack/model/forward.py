@@ -161,6 +161,12 @@ def packed_forward(
                          "vlpack.data.batch.build_thd_batch")
     split = None
     if context is not None and context.size > 1:
+        from vlpack.model.attention import VARLEN
+
+        if model.config._attn_implementation != VARLEN:
+            raise ValueError(f"context parallelism runs vlpack's {VARLEN} attention across "
+                             f"ranks, not {model.config._attn_implementation!r}: build the "
+                             "model with backend auto or varlen")
         merge = spec.merge_size ** 2
         split = ContextSplit(context, batch.padded_bounds, batch.image_positions, device,
                              image_tokens=tuple(t * h * w // merge for t, h, w in batch.image_grids))

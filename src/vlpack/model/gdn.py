@@ -59,7 +59,7 @@ def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device)
     `cu_seqlens_cpu`, the host copy, so fla derives its chunk indices without reading the device
     tensor back. Within one forward every GDN layer gets the same two tensors
     (`Boundaries.fla_cu`)."""
-    if bounds is not None and bounds.text is segs:
+    if bounds is not None and bounds.row is segs:
         cu_dev, cu_cpu = bounds.fla_cu(torch.device(device))
     else:
         cu_cpu = torch.tensor(segs.host, dtype=torch.long)
