@@ -196,11 +196,10 @@ def test_check_cp_without_torchrun_says_how_to_run_it():
     assert "torchrun --standalone --nproc-per-node 2" in run.stderr
 
 
-SMALL_RUN = ["data.synthetic_samples=28", "data.seq_len=512", "data.min_pixels=16384",
-             "data.max_pixels=50176", "data.buffer_size=8", "data.eval_samples=4",
-             "data.shuffle=false", "train.progress=false", "train.eval_every=2",
-             "train.save_every=0", "train.max_steps=4", "model.name=tiny-qwen3_5_moe",
-             "train.aux_loss_coef=0.1"]
+SMALL_RUN = ["data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
+             "data.buffer_size=8", "data.eval_samples=4", "data.shuffle=false",
+             "train.progress=false", "train.eval_every=2", "train.save_every=0",
+             "train.max_steps=4", "model.name=tiny-qwen3_5_moe", "train.aux_loss_coef=0.1"]
 
 
 CP_RUN = ["parallel.cp=2", "model.activation_checkpointing=true"]
@@ -227,8 +226,11 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
         return [x for x in run.stdout.splitlines()
                 if x.lstrip().startswith(("samples ", "epochs ", "tokens "))]
 
-    two = train(2, "dp2")
-    four = train(4, "dp2cp2", *CP_RUN)
+    from tests.test_distributed import _dirty_data
+
+    data = [f"data.path={_dirty_data(tmp_path)}", "data.source=jsonl", "data.max_bad_fraction=0.3"]
+    two = train(2, "dp2", *data)
+    four = train(4, "dp2cp2", *CP_RUN, *data)
     base, cp = _losses(tmp_path / "dp2"), _losses(tmp_path / "dp2cp2")
     assert len(base) == len(cp) == 4
     assert max(abs(a - b) for a, b in zip(base, cp, strict=True)) < 1e-5, (base, cp)
@@ -238,8 +240,11 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
     assert len(ev_base) == len(ev_cp) >= 2
     assert max(abs(a - b) for a, b in zip(ev_base, ev_cp, strict=True)) < 1e-5, (ev_base, ev_cp)
     assert len(summary(four)) == 3 and summary(four) == summary(two), (four.stdout, two.stdout)
-    train(4, "resumed", *CP_RUN, "train.stop_after=2")
-    resumed = train(4, "resumed", *CP_RUN)
+    assert "3 skipped" in summary(four)[0], four.stdout
+    printed = [x for x in four.stderr.splitlines() if "skipping a sample" in x]
+    assert len(printed) == 3, printed  # once each, by the first rank of the group
+    train(4, "resumed", *CP_RUN, *data, "train.stop_after=2")
+    resumed = train(4, "resumed", *CP_RUN, *data)
     assert "resumed from" in resumed.stdout
     assert _losses(tmp_path / "resumed") == cp
 

@@ -149,6 +149,7 @@ class PackedLoader:
         pad_token_id: int,
         spatial_merge_size: int = 2,
         progress: bool = False,
+        report_skips: bool = True,
     ):
         self.items = items
         self.encoder = encoder
@@ -168,7 +169,8 @@ class PackedLoader:
         )
         self.consumed = 0
         self.tally = Tally()
-        self.report_skip = SkipReporter(rank if world_size > 1 else None)
+        self.report_skip = SkipReporter(rank if world_size > 1 else None) if report_skips \
+            else (lambda skip: None)  # another rank with the same data prints them
         self.stream: BinStream | None = None
 
     def _truncated_size(self, i: int, max_tokens: int):
@@ -232,9 +234,12 @@ class PackedLoader:
 def build_loaders(
     d: DataConfig, encoder, *, seed: int, rank: int = 0, world_size: int = 1, per_round: int = 1,
     pad_token_id: int, spatial_merge_size: int, pin_memory: bool = False, progress: bool = False,
+    report_skips: bool = True,
 ):
     """The training loader of this rank (endless) and the evaluation loader (one pass over the
-    held-out `data.eval_samples` at the end of the dataset, or None), from `data.*`."""
+    held-out `data.eval_samples` at the end of the dataset, or None), from `data.*`.
+    `report_skips=False` counts skipped samples without printing them (a context-parallel
+    rank other than its group's first reads the same data)."""
     import logging
 
     if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
@@ -267,7 +272,7 @@ def build_loaders(
         max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
         rank=rank, world_size=world_size, pad_token_id=pad_token_id,
         spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
-        total_len=d.seq_len if d.pad_to_seq_len else None,
+        total_len=d.seq_len if d.pad_to_seq_len else None, report_skips=report_skips,
     )
     train = PackedLoader(items[:n_train], encoder, sizes=sizes[:n_train], shuffle=d.shuffle,
                          epochs=None, num_workers=d.num_workers, per_round=per_round, **common)
