@@ -144,3 +144,32 @@ def test_check_on_the_users_folder_and_data(tmp_path, capsys):
                                                              "{{ m.role }}: "))
     assert main(args) != 0
     assert "chat_template.jinja: the template writes 0 assistant turns" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen2_5_vl"])
+def test_check_on_user_data_with_videos(tmp_path, capsys, name):
+    """`vlpack check --data FILE.jsonl` on frame-list and mp4 videos mixed with an image and
+    text: packed equals unpacked (the stock model given pixel_values_videos / video_grid_thw /
+    second_per_grid_ts) and the report names the samples it used."""
+    from tests.test_video import _frames, _mp4
+
+    a = _frames(tmp_path, 5, size=(60, 90))
+    _frames(tmp_path, 1, size=(64, 64), name="im")
+    _mp4(tmp_path / "clip.mp4", 17, fps=8)  # skips without PyAV
+    rows = [
+        {"id": "frames", "messages": [
+            {"role": "user", "content": [{"type": "video", "video": a, "fps": 2},
+                                         {"type": "text", "text": "What happens?"}]},
+            {"role": "assistant", "content": "A receipt appears."}]},
+        {"id": "mixed", "conversations": [
+            {"from": "human", "value": "<image> and <video>: same shop?"},
+            {"from": "gpt", "value": "Yes."}], "images": ["im0.png"], "videos": ["clip.mp4"]},
+        {"id": "text", "messages": [{"role": "user", "content": "Total?"},
+                                    {"role": "assistant", "content": "12.50"}]},
+    ]
+    data = tmp_path / "videos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["check", "--model", name, "--data", str(data), "--samples", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["passed"], r["failures"]
+    assert r["sample_keys"] == ["frames", "mixed", "text"] and r["videos"] == 2

@@ -69,9 +69,9 @@ def test_text_only_positions_are_arange() -> None:
 
 def test_grid_mismatch_is_a_clear_error() -> None:
     s = make_sample("s", np.random.default_rng(0))
-    with pytest.raises(ValueError, match="image 0 spans"):
+    with pytest.raises(ValueError, match="visual item 0 spans"):
         mrope_positions(s.mm_token_type_ids, np.array([[1, 2, 2]]), 2)
-    with pytest.raises(ValueError, match="image grids"):
+    with pytest.raises(ValueError, match="more visual spans than grids"):
         mrope_positions(s.mm_token_type_ids, np.zeros((0, 3), dtype=np.int64), 2)
 
 

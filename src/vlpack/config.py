@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from vlpack.data.video import VideoSettings
+
 PACKING_CHOICES = ("bfd", "ffd", "greedy", "none")
 
 
@@ -74,6 +76,9 @@ class DataConfig:
     max_image_pixels: int | None = None
     """Largest source image (width × height) opened (None: Pillow's decompression-bomb limit,
     about 179 M pixels); raise it only for files you trust."""
+    video: VideoSettings = field(default_factory=VideoSettings)
+    """How videos are sampled and sized (`data.video.fps=1`, `data.video.max_pixels=N`, ...;
+    see docs/data.md)."""
     tokenizer: str | None = None
     """Local HF folder holding the tokenizer (None: the model folder, else built-in)."""
     chat_template: str = "auto"

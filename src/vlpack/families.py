@@ -53,6 +53,13 @@ class Family:
     """The template strips whitespace around each message's rendered content."""
     image_norm: float | None = None
     """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
+    video_style: str = "qwen2"
+    """Whose video rules (data/video.py): "qwen2" (one span per video, frames sampled at a
+    stride) or "qwen3" (a `<t seconds>` text and a span per temporal patch, frames sampled end
+    to end)."""
+    tokens_per_second: int | None = None
+    """Temporal positions per second of video (Qwen2.5-VL's `vision_config.tokens_per_second`
+    of the released checkpoints); None: a video's temporal positions count its patches."""
 
     @property
     def model_class(self) -> str:
@@ -84,25 +91,26 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            compiled=("Qwen2VLRMSNorm", "Qwen2MLP", "VisionMlp")),
     Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN2_IDS, 14, "qwen2_5",
            "Qwen2_5_VLVisionAttention", "Qwen2_5_VisionTransformerPretrainedModel",
-           default_system=_HELPFUL, compiled=("Qwen2_5_VLRMSNorm", "Qwen2MLP", "Qwen2_5_VLMLP")),
+           default_system=_HELPFUL, compiled=("Qwen2_5_VLRMSNorm", "Qwen2MLP", "Qwen2_5_VLMLP"),
+           tokens_per_second=2),
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
            "Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel", image_norm=0.5,
-           compiled=("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLVisionMLP")),
+           video_style="qwen3", compiled=("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLVisionMLP")),
     Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
            "Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel", "Qwen3VLMoeTextModel",
            moe=("Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextExperts",
                 "Qwen3VLMoeTextTopKRouter"),
-           image_norm=0.5,
+           image_norm=0.5, video_style="qwen3",
            compiled=("Qwen3VLMoeTextRMSNorm", "Qwen3VLMoeTextMLP", "Qwen3VLMoeVisionMLP")),
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5VisionAttention", "Qwen3_5VisionModel", gated_deltanet="Qwen3_5GatedDeltaNet",
-           think_prefix=True, trim_content=True, image_norm=0.5,
+           think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
            compiled=("Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
            gated_deltanet="Qwen3_5MoeGatedDeltaNet",
            moe=("Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeExperts", "Qwen3_5MoeTopKRouter"),
-           think_prefix=True, trim_content=True, image_norm=0.5,
+           think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
            compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeMLP", "Qwen3_5MoeVisionMLP")),
 )}  # fmt: skip
 

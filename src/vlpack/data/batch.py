@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from vlpack.data.rope import mrope_positions
-from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
+from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 
 
 @dataclass
@@ -41,16 +41,17 @@ class ThdBatch:
                          Kernels use these; boundaries are never inferred from positions.
       mm_token_type_ids  [T] int32 — 0 text, 1 image, 2 video.
       padding_mask       [T] bool — True on padding.
-      pixel_values       [P, C] float32 — patches of all images, in the order their tokens
-                         appear in the row; shape [0, C] or None when the row has no image.
-      image_grid_thw     [I, 3] int64 — (t, h, w) in patches, same order.
+      pixel_values       [P, C] float32 — patches of all visual items (images and videos), in
+                         the order their tokens appear in the row; None when the row has none.
+      image_grid_thw     [I, 3] int64 — (t, h, w) in patches of each item, same order (the
+                         vision tower encodes images and videos alike, in one call).
       vision_cu_seqlens  [F+1] int32 — per-frame patch boundaries for the vision tower's
                          bidirectional varlen attention (one frame = h·w patches).
     Host-side fields (Python ints/lists, no device sync needed):
       max_seqlen         longest padded segment; vision_max_seqlen: longest frame in patches.
       image_grids        image_grid_thw's rows as (t, h, w) tuples.
       padded_bounds      cu_seqlens_padded as a tuple.
-      image_positions    row positions of the image tokens (mm_token_type_ids == 1), ascending.
+      image_positions    row positions of the visual tokens (mm_token_type_ids != 0), ascending.
       sample_keys        S stable sample keys; num_label_tokens: labels != -100.
     """
 
@@ -165,7 +166,8 @@ def build_thd_batch(
         labels[seg] = shifted_labels(s.labels)
         types[seg] = s.mm_token_type_ids
         padding_mask[seg] = False
-        mrope = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size)
+        mrope = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size,
+                                s.temporal_step)
         position_ids[0, start : start + p] = np.arange(p)
         position_ids[1:, seg] = mrope
         # Pads continue counting after the sample's last position: they only attend backwards
@@ -202,7 +204,7 @@ def build_thd_batch(
         vision_max_seqlen=int(frames.max()) if len(frames) else 0,
         image_grids=tuple(tuple(int(x) for x in row) for row in grid_thw),
         padded_bounds=bounds,
-        image_positions=tuple(np.flatnonzero(types == TOKEN_TYPE_IMAGE).tolist()),
+        image_positions=tuple(np.flatnonzero(types != TOKEN_TYPE_TEXT).tolist()),
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
     )

@@ -4,7 +4,10 @@ The rendering follows each family's released chat template (checked against the 
 Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
 
 - every turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an image is
-  `<|vision_start|>` + N × `<|image_pad|>` + `<|vision_end|>`, N = t·h·w / merge².
+  `<|vision_start|>` + N × `<|image_pad|>` + `<|vision_end|>`, N = t·h·w / merge²; a video is
+  the same with `<|video_pad|>` (qwen2 families), or, in qwen3 families, one such span of
+  h·w / merge² pads per temporal patch, each after its time as text (`<1.5 seconds>`), as
+  their processors expand it (data/video.py samples, sizes and times the frames).
 - qwen2_vl / qwen2_5_vl insert the system turn "You are a helpful assistant." when the first
   message is not a system message; qwen3_vl / qwen3_5 insert none.
 - qwen3_5 strips whitespace around each message's content, skips an empty system turn, and
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vlpack.data import template as chat
+from vlpack.data import video as vid
 from vlpack.data.tokenizer import (
     FamilySpec,
     family_spec,
@@ -40,20 +44,24 @@ from vlpack.data.tokenizer import (
 from vlpack.data.types import (
     IGNORE_INDEX,
     TOKEN_TYPE_IMAGE,
+    TOKEN_TYPE_TEXT,
+    TOKEN_TYPE_VIDEO,
     BadSampleError,
     Conversation,
     EncodedSample,
     ImageRef,
     Message,
     SampleSize,
+    VideoRef,
 )
+from vlpack.families import family as family_of
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
 
 _ATOMIC_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>")
+                  "<|image_pad|>", "<|video_pad|>")
 """The special tokens the encoder splices in by id (never through the BPE)."""
 
 
@@ -62,7 +70,8 @@ class _Rendered:
     """A rendered conversation: text runs between atomic tokens, with supervised char spans."""
 
     items: list[tuple] = field(default_factory=list)
-    """("text", str, [(start, end), ...]) | ("tok", id, supervised) | ("img", image index)."""
+    """("text", str, [(start, end), ...]) | ("tok", id, supervised) | ("img", item index) |
+    ("vid", item index, temporal patch or None for all)."""
     _buf: list[str] = field(default_factory=list)
     _len: int = 0
     _sup: list[tuple[int, int]] = field(default_factory=list)
@@ -82,6 +91,10 @@ class _Rendered:
         self.flush()
         self.items.append(("img", index))
 
+    def video(self, index: int, patch: int | None = None) -> None:
+        self.flush()
+        self.items.append(("vid", index, patch))
+
     def flush(self) -> None:
         if self._buf:
             self.items.append(("text", "".join(self._buf), self._sup))
@@ -97,7 +110,9 @@ class Encoder:
     checkpoint folder, else the built-in offline tokenizer is used. `max_image_pixels` raises
     Pillow's decompression-bomb limit on the source images; Pillow keeps that limit process-wide,
     so the encoder sets it before each open. `chat_template` (a checkpoint folder's, see
-    `vlpack.data.template`) replaces the built-in rendering.
+    `vlpack.data.template`) replaces the built-in rendering. `video` sets how videos are
+    sampled and sized (`vlpack.data.video`; the family processor's defaults otherwise);
+    `tokens_per_second` is the model's, for Qwen2.5-VL's video positions.
     """
 
     def __init__(
@@ -109,8 +124,15 @@ class Encoder:
         max_image_pixels: int | None = None,
         processor_path: str | None = None,
         chat_template: chat.FolderTemplate | None = None,
+        video: vid.VideoSettings | None = None,
+        tokens_per_second: int | None = None,
     ):
         self.family = family
+        self.video = video or vid.VideoSettings()
+        """How videos are sampled and sized (data/video.py)."""
+        self.tokens_per_second = tokens_per_second or family_of(family).tokens_per_second
+        """Qwen2.5-VL's temporal positions per second of video (the model config's
+        `vision_config.tokens_per_second`; the released checkpoints' by default)."""
         self.chat_template = chat_template
         self.max_image_pixels = max_image_pixels
         """Largest source image (width × height) opened; None: Pillow's decompression-bomb
@@ -135,6 +157,7 @@ class Encoder:
         self._tk = self.tokenizer.backend_tokenizer
         self._ids = {t: self._special_id(t) for t in _ATOMIC_TOKENS}
         self.image_pad_id = self._ids["<|image_pad|>"]
+        self.video_pad_id = self._ids["<|video_pad|>"]
         self.vision_start_id = self._ids["<|vision_start|>"]
         self.vision_end_id = self._ids["<|vision_end|>"]
 
@@ -156,25 +179,51 @@ class Encoder:
         images = [_open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
         for ref, image in zip(conv.images, images, strict=True):
             self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
-        pixel_values = None
-        grids = np.zeros((0, 3), dtype=np.int64)
+        items = self._items(conv, [image.size for image in images])
+        parts: list[np.ndarray] = []
         if images:
             out = self.image_processor(images=images, return_tensors=None)
-            pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+            pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
             grids = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
-        sample = self._assemble(conv, grids)
-        sample.pixel_values = pixel_values
+            assert [tuple(g) for g in grids.tolist()] == [
+                it.grid for it in items if it.plan is None], conv.key
+            parts = list(np.split(pixels, np.cumsum(grids.prod(axis=1))[:-1]))
+        images_left = iter(parts)
+        mean, std = self._video_norm()
+        stream = [next(images_left) if it.plan is None else vid.patches(
+            vid.decode(conv.key, it.ref, it.plan.indices), it.plan, self.family, mean, std)
+            for it in items]
+        sample = self._assemble(conv, items)
+        sample.pixel_values = np.concatenate(stream) if stream else None
         return sample
 
     def measure(self, conv: Conversation) -> SampleSize:
-        """Exact `SampleSize` of `encode(conv)`, from image headers only (no pixel decode)."""
+        """Exact `SampleSize` of `encode(conv)`, from image headers and video metadata only
+        (no pixel decode)."""
         return self.skeleton(conv).size
 
     def skeleton(self, conv: Conversation) -> EncodedSample:
-        """`encode(conv)` without pixels: grids come from the image headers."""
-        grids = [self._grid(conv.key, r, *_image_size(conv.key, r, self.max_image_pixels))
-                 for r in conv.images]
-        return self._assemble(conv, np.array(grids, np.int64).reshape(-1, 3))
+        """`encode(conv)` without pixels: grids come from the image headers and the videos'
+        metadata."""
+        sizes = [_image_size(conv.key, r, self.max_image_pixels) for r in conv.images]
+        return self._assemble(conv, self._items(conv, sizes))
+
+    def _items(self, conv: Conversation, image_sizes: list[tuple[int, int]]) -> list[_Item]:
+        """Grid and plan of each visual item of `conv`, in order (images from their sizes)."""
+        sizes = iter(image_sizes)
+        items = []
+        for ref in conv.visuals:
+            if isinstance(ref, ImageRef):
+                items.append(_Item(ref, self._grid(conv.key, ref, *next(sizes))))
+            else:
+                plan = vid.plan(self.family, conv.key, ref, self.video)
+                items.append(_Item(ref, plan.grid, plan))
+        return items
+
+    def _video_norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Mean and std the video pixels are normalised with (as the images')."""
+        proc = self.image_processor
+        return tuple(proc.image_mean), tuple(proc.image_std)
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) patch grid of a `width`×`height` image after the processor's resize
@@ -194,9 +243,9 @@ class Encoder:
             ) from None
 
     def truncate(self, sample: EncodedSample, max_tokens: int) -> EncodedSample:
-        """Cut `sample` to at most `max_tokens` tokens, never through an image: a cut inside an
-        image span moves before its `<|vision_start|>`, and that image and later ones lose their
-        grid and pixel rows. Raises BadSampleError when no supervised token remains."""
+        """Cut `sample` to at most `max_tokens` tokens, never through an image or video: a cut
+        inside one moves before its (first) `<|vision_start|>`, and that item and later ones lose
+        their grid and pixel rows. Raises BadSampleError when no supervised token remains."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if len(sample) <= max_tokens:
@@ -208,21 +257,16 @@ class Encoder:
             raise BadSampleError(
                 reason,
                 f"{sample.key}: {len(sample)} tokens, and cutting to {max_tokens}"
-                + (f" (before image {kept}, which cannot be split)" if dropped else "")
+                + (f" (before visual item {kept}, which cannot be split)" if dropped else "")
                 + " leaves no answer token: raise the sequence length, lower max_pixels, "
                 "or drop the sample",
             )
-        grids = sample.image_grid_thw[:kept]
-        pixels = sample.pixel_values
-        if pixels is not None:
-            pixels = pixels[: int(grids.prod(axis=1).sum()) if kept else 0]
         return EncodedSample(
             key=sample.key,
             input_ids=sample.input_ids[:cut],
             labels=sample.labels[:cut],
             mm_token_type_ids=sample.mm_token_type_ids[:cut],
-            image_grid_thw=grids,
-            pixel_values=pixels,
+            **sample.keep_visuals(kept),
         )
 
     def truncated_size(self, item: Conversation | EncodedSample, max_tokens: int) -> SampleSize:
@@ -233,36 +277,31 @@ class Encoder:
     # ---------------------------------------------------------------- internals
 
     def _safe_cut(self, sample: EncodedSample, max_tokens: int) -> tuple[int, int]:
-        """Largest cut ≤ max_tokens outside image spans, and the number of images kept."""
-        is_pad = sample.mm_token_type_ids == TOKEN_TYPE_IMAGE
-        starts = np.flatnonzero(is_pad[1:] & ~is_pad[:-1]) + 1  # first pad of each image
-        assert len(starts) == len(sample.image_grid_thw), (sample.key, len(starts))
+        """Largest cut ≤ max_tokens outside visual spans, and the number of items kept."""
         cut, kept = max_tokens, 0
-        for i, first_pad in enumerate(starts):
-            n = int(sample.image_grid_thw[i].prod()) // self.spec.merge_size**2
-            span_start, span_end = first_pad - 1, first_pad + n + 1  # vision_start .. vision_end
-            if span_end <= cut:
+        for i, (first, last) in enumerate(_item_spans(sample, self.spec.merge_size)):
+            if last + 1 <= cut:  # its <|vision_end|> is kept
                 kept = i + 1
             else:
-                cut = min(cut, max(int(span_start), 0))
+                cut = min(cut, max(first - 1, 0))  # before its <|vision_start|>
                 break
         return cut, kept
 
-    def _render(self, conv: Conversation, grids: np.ndarray) -> _Rendered:
+    def _render(self, conv: Conversation, items: list[_Item]) -> _Rendered:
         for m in conv.messages:
-            if m.role != "user" and any(isinstance(c, ImageRef) for c in m.content):
+            if m.role != "user" and any(not isinstance(c, str) for c in m.content):
                 raise BadSampleError(
-                    "bad_schema", f"{conv.key}: images are only supported in user turns"
+                    "bad_schema", f"{conv.key}: images and videos are only supported in user turns"
                 )
         if self.chat_template is not None:
-            return self._render_template(conv, grids)
+            return self._render_template(conv, items)
         spec, ids = self.spec, self._ids
         r = _Rendered()
         msgs = conv.messages
         if spec.default_system and (not msgs or msgs[0].role != "system"):
             msgs = (Message("system", (spec.default_system,)), *msgs)
         last_user = max((i for i, m in enumerate(msgs) if m.role == "user"), default=-1)
-        n_image = 0
+        n_item = 0
         for i, m in enumerate(msgs):
             content = _trim(m.content) if spec.trim_content else m.content
             if m.role == "system" and spec.trim_content and not content:
@@ -278,20 +317,38 @@ class Encoder:
             for c in content:
                 if isinstance(c, str):
                     r.text(c, supervised=sup)
-                else:
+                elif isinstance(c, ImageRef):
                     r.token(ids["<|vision_start|>"])
-                    r.image(n_image)
+                    r.image(n_item)
                     r.token(ids["<|vision_end|>"])
-                    n_image += 1
+                    n_item += 1
+                else:
+                    self._video_spans(r, n_item, items[n_item])
+                    n_item += 1
             r.token(ids["<|im_end|>"], supervised=sup)
             r.text("\n")
         r.flush()
-        assert n_image == len(grids), (conv.key, n_image, len(grids))
+        assert n_item == len(items), (conv.key, n_item, len(items))
         return r
 
-    def _render_template(self, conv: Conversation, grids: np.ndarray) -> _Rendered:
+    def _video_spans(self, r: _Rendered, index: int, item: _Item) -> None:
+        """A video's tokens: one span (qwen2 families) or a timed span per temporal patch."""
+        start, end = self._ids["<|vision_start|>"], self._ids["<|vision_end|>"]
+        if self.spec.family.video_style != "qwen3":
+            r.token(start)
+            r.video(index)
+            r.token(end)
+            return
+        for k, seconds in enumerate(item.plan.timestamps):
+            r.text(f"<{seconds:.1f} seconds>")
+            r.token(start)
+            r.video(index, k)
+            r.token(end)
+
+    def _render_template(self, conv: Conversation, items: list[_Item]) -> _Rendered:
         """`conv` rendered by the folder's chat template: its text between the atomic tokens,
-        split where supervision starts and ends."""
+        split where supervision starts and ends. A video's `<|vision_start|><|video_pad|>
+        <|vision_end|>` becomes its spans (`_video_spans`), as the family's processor expands it."""
         text, spans = chat.render(self.tokenizer, self.chat_template, conv.messages, conv.key)
 
         def inside(pos: int) -> bool:
@@ -299,12 +356,24 @@ class Encoder:
 
         cuts = sorted({a for a, _ in spans} | {b for _, b in spans})
         r = _Rendered()
-        n_image, pos = 0, 0
+        n_item, pos, skip_end = 0, 0, False
+        start_id = self._ids["<|vision_start|>"]
         for piece in _ATOMIC.split(text):
             end = pos + len(piece)
             if piece == "<|image_pad|>":
-                r.image(n_image)
-                n_image += 1
+                r.image(n_item)
+                n_item += 1
+            elif piece == "<|video_pad|>":
+                r.flush()
+                if not (r.items and r.items[-1][:2] == ("tok", start_id)):
+                    raise BadSampleError("template_mismatch", f"{self.chat_template.file}: a "
+                                         "video placeholder without <|vision_start|> before "
+                                         f"it ({conv.key})")
+                r.items.pop()
+                self._video_spans(r, n_item, items[n_item])
+                n_item, skip_end = n_item + 1, True
+            elif skip_end and piece == "<|vision_end|>":
+                skip_end = False
             elif piece in self._ids:
                 r.token(self._ids[piece], supervised=inside(pos))
             else:
@@ -314,15 +383,15 @@ class Encoder:
                     at = cut
             pos = end
         r.flush()
-        assert n_image == len(grids), (conv.key, n_image, len(grids))
+        assert n_item == len(items), (conv.key, n_item, len(items))
         return r
 
-    def _assemble(self, conv: Conversation, grids: np.ndarray) -> EncodedSample:
-        rendered = self._render(conv, grids)
+    def _assemble(self, conv: Conversation, items: list[_Item]) -> EncodedSample:
+        rendered = self._render(conv, items)
         texts = [it[1] for it in rendered.items if it[0] == "text"]
         encodings = iter(self._tk.encode_batch(texts, add_special_tokens=False) if texts else [])
         merge2 = self.spec.merge_size**2
-        ids_parts, sup_parts, img_parts = [], [], []
+        ids_parts, sup_parts, type_parts = [], [], []
         for item in rendered.items:
             if item[0] == "text":
                 enc = next(encodings)
@@ -334,25 +403,64 @@ class Encoder:
                         sup |= (off[:, 1] > a) & (off[:, 0] < b)
                 ids_parts.append(ids)
                 sup_parts.append(sup)
-                img_parts.append(np.zeros(len(ids), dtype=bool))
+                type_parts.append(np.full(len(ids), TOKEN_TYPE_TEXT, dtype=np.int8))
             elif item[0] == "tok":
                 ids_parts.append(np.array([item[1]], dtype=np.int64))
                 sup_parts.append(np.array([item[2]]))
-                img_parts.append(np.zeros(1, dtype=bool))
+                type_parts.append(np.full(1, TOKEN_TYPE_TEXT, dtype=np.int8))
             else:
-                n = int(grids[item[1]].prod()) // merge2
-                ids_parts.append(np.full(n, self.image_pad_id, dtype=np.int64))
+                t, h, w = items[item[1]].grid
+                is_video = item[0] == "vid"
+                n = (t if not is_video or item[2] is None else 1) * h * w // merge2
+                pad = self.video_pad_id if is_video else self.image_pad_id
+                ids_parts.append(np.full(n, pad, dtype=np.int64))
                 sup_parts.append(np.zeros(n, dtype=bool))
-                img_parts.append(np.ones(n, dtype=bool))
+                type_parts.append(np.full(n, TOKEN_TYPE_VIDEO if is_video else TOKEN_TYPE_IMAGE,
+                                          dtype=np.int8))
         input_ids = np.concatenate(ids_parts)
         supervised = np.concatenate(sup_parts)
+        tps = self.tokens_per_second
+        spg = np.array([0.0 if it.plan is None else it.plan.second_per_grid for it in items],
+                       dtype=np.float32)
+        step = np.array([tps * s if tps and it.plan is not None else 1.0
+                         for it, s in zip(items, spg, strict=True)], dtype=np.float32)
         return EncodedSample(
             key=conv.key,
             input_ids=input_ids,
             labels=np.where(supervised, input_ids, IGNORE_INDEX),
-            mm_token_type_ids=np.concatenate(img_parts).astype(np.int8) * TOKEN_TYPE_IMAGE,
-            image_grid_thw=grids,
+            mm_token_type_ids=np.concatenate(type_parts),
+            image_grid_thw=np.array([it.grid for it in items], np.int64).reshape(-1, 3),
+            visual_kinds=np.array([TOKEN_TYPE_IMAGE if it.plan is None else TOKEN_TYPE_VIDEO
+                                   for it in items], dtype=np.int8),
+            second_per_grid=spg,
+            temporal_step=step,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One visual item of a conversation: its grid, and for a video how it is encoded."""
+
+    ref: ImageRef | VideoRef
+    grid: tuple[int, int, int]
+    plan: vid.VideoPlan | None = None
+
+
+def _item_spans(sample: EncodedSample, merge_size: int) -> list[tuple[int, int]]:
+    """[first, last) token range of each visual item's pads (a qwen3-family video's first
+    span to its last), in order."""
+    types = sample.mm_token_type_ids
+    is_pad = types != TOKEN_TYPE_TEXT
+    starts = np.flatnonzero(is_pad & np.concatenate(([True], ~is_pad[:-1])))
+    ends = np.flatnonzero(is_pad & np.concatenate((~is_pad[1:], [True]))) + 1
+    out, run = [], 0
+    for t, h, w in sample.image_grid_thw.tolist():
+        frame = h * w // merge_size**2
+        n_runs = t if t > 1 and ends[run] - starts[run] == frame else 1
+        out.append((int(starts[run]), int(ends[run + n_runs - 1])))
+        run += n_runs
+    assert run == len(starts), (sample.key, run, len(starts))
+    return out
 
 
 _ATOMIC = re.compile("(" + "|".join(re.escape(t) for t in _ATOMIC_TOKENS) + ")")

@@ -22,7 +22,9 @@ class PaddedBatch:
 
     input_ids [B, L] int64; labels [B, L] int64 (shifted per sample like ThdBatch.labels, pads
     IGNORE_INDEX); attention_mask [B, L] int64 (1 real, 0 pad); mm_token_type_ids [B, L] int32;
-    pixel_values [P, C] float32 or None; image_grid_thw [I, 3] int64 (sample order).
+    pixel_values [P, C] float32 or None; image_grid_thw [I, 3] int64 — the images (sample
+    order); pixel_values_videos, video_grid_thw [V, 3] and second_per_grid_ts [V] — the videos
+    (None when the batch has none): transformers' own inputs.
     """
 
     input_ids: torch.Tensor
@@ -31,6 +33,9 @@ class PaddedBatch:
     mm_token_type_ids: torch.Tensor
     image_grid_thw: torch.Tensor
     pixel_values: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
     sample_keys: list[str] = field(default_factory=list)
     num_label_tokens: int = 0
 
@@ -74,17 +79,23 @@ def build_padded_batch(samples: Sequence[EncodedSample], *, pad_token_id: int) -
         labels[b, :n] = shifted_labels(s.labels)
         mask[b, :n] = 1
         types[b, :n] = s.mm_token_type_ids
-    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
-    pixels = [s.pixel_values for s in samples if s.pixel_values is not None and len(s.pixel_values)]
+    visuals = [s.hf_visuals() for s in samples]
+
+    def cat(name):
+        parts = [v[name] for v in visuals if v[name] is not None]
+        return torch.from_numpy(np.concatenate(parts)) if parts else None
+
+    image_grid = cat("image_grid_thw")
     return PaddedBatch(
         input_ids=torch.from_numpy(input_ids),
         labels=torch.from_numpy(labels),
         attention_mask=torch.from_numpy(mask),
         mm_token_type_ids=torch.from_numpy(types),
-        image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64))
-        if grids
-        else torch.zeros((0, 3), dtype=torch.int64),
-        pixel_values=torch.from_numpy(np.concatenate(pixels)) if pixels else None,
+        image_grid_thw=torch.zeros((0, 3), dtype=torch.int64) if image_grid is None else image_grid,
+        pixel_values=cat("pixel_values"),
+        pixel_values_videos=cat("pixel_values_videos"),
+        video_grid_thw=cat("video_grid_thw"),
+        second_per_grid_ts=cat("second_per_grid_ts"),
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
     )

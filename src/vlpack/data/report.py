@@ -1,7 +1,8 @@
 """`vlpack pack`: plan a whole dataset and report how well it packs.
 
 Every input sample is counted exactly once: packed, truncated (and packed), or skipped with a
-reason. Nothing is encoded: sizes come from image headers, so this runs fast on large datasets.
+reason. Nothing is encoded: sizes come from image headers and video metadata, so this runs fast
+on large datasets.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def pack_report(
     tokens = np.array([b.tokens for b in bins], dtype=np.int64)
     merge2 = encoder.spec.merge_size**2
     vision = np.array([b.patches // merge2 for b in bins], dtype=np.int64)
+
+    def video_patches(b) -> int:
+        cut = dict(b.truncate)
+        return sum(encoder.truncated_size(items[i], cut[i]).video_patches if i in cut
+                   else sizes[i].video_patches for i in b.items)
+
+    video = np.array([video_patches(b) // merge2 for b in bins], dtype=np.int64)
     per_bin = np.array([len(b.items) for b in bins], dtype=np.int64)
     n = max(len(bins), 1)
     return {
@@ -55,6 +63,11 @@ def pack_report(
             "min": int(vision.min()) if bins else 0,
             "max": int(vision.max()) if bins else 0,
         },
+        "video_tokens_per_bin": {
+            "mean": float(video.mean()) if bins else 0.0,
+            "min": int(video.min()) if bins else 0,
+            "max": int(video.max()) if bins else 0,
+        },
         "seconds": {"measure": round(t1 - t0, 3), "plan": round(t2 - t1, 3)},
     }
 
@@ -62,7 +75,7 @@ def pack_report(
 def format_report(r: dict) -> str:
     """The report as an aligned table."""
     skipped = ", ".join(f"{k}: {v}" for k, v in r["skipped"].items()) or "none"
-    v = r["vision_tokens_per_bin"]
+    v, vv = r["vision_tokens_per_bin"], r["video_tokens_per_bin"]
     rows = [
         ("samples in", r["samples"]),
         ("packed", r["packed"]),
@@ -72,6 +85,7 @@ def format_report(r: dict) -> str:
         ("fill efficiency", f"{100 * r['efficiency']:.2f}% (real tokens / bin capacity)"),
         ("samples per bin", f"{r['samples_per_bin']:.2f}"),
         ("vision tokens/bin", f"mean {v['mean']:.0f}, min {v['min']}, max {v['max']}"),
+        ("  of them video", f"mean {vv['mean']:.0f}, min {vv['min']}, max {vv['max']}"),
         ("time", f"measure {r['seconds']['measure']:.2f}s, plan {r['seconds']['plan']:.3f}s"),
     ]
     w = max(len(k) for k, _ in rows)

@@ -18,8 +18,15 @@ ShareGPT / LLaVA style::
 
 Each `<image>` placeholder in a string consumes the next entry of the record's `image`/`images`
 (messages-style string contents may use placeholders too); text around it is kept verbatim.
-Image paths are relative to the JSONL file's folder unless absolute. Images are not opened
-here: a missing or corrupt file is reported when the sample is encoded or measured.
+
+Videos: a messages-style item `{"type": "video", "video": "clip.mp4", "fps": 2}` (a container
+file; `fps`, optional, overrides the rate its header gives) or `{"type": "video", "video":
+["f0.jpg", "f1.jpg", ...], "fps": 2}` (frame images: a video sampled at `fps`, default 2); in
+ShareGPT records each `<video>` placeholder consumes the next entry of `video`/`videos` (a file
+path or a list of frame paths). Images and videos mix freely in user turns.
+
+Paths are relative to the JSONL file's folder unless absolute. Files are not opened here: a
+missing or corrupt one is reported when the sample is encoded or measured.
 
 The key of a sample is its `id` field, else `<file name>:<line>` (1-based).
 """
@@ -28,16 +35,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message, VideoRef
 
 log = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
          "gpt": "assistant"}  # fmt: skip
 RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -118,20 +128,26 @@ def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
     else:
         _bad(key, "bad_schema", 'a record needs a "messages" or a "conversations" list')
     base = Path(base_dir)
-    queue = [ImageRef(path=base / p) for p in images]
-    n_placeholders = sum(
-        part.count(IMAGE_PLACEHOLDER) for _, parts in raw for part in parts if isinstance(part, str)
-    )
-    if n_placeholders != len(images):
-        _bad(key, "image_count_mismatch",
-             f"{n_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s) in "
-             '"image"/"images": give exactly one image per placeholder, in order')  # fmt: skip
+    videos = [_video_ref(v, None, base, key) for v in _record_videos(obj, key)]
+    queues = {IMAGE_PLACEHOLDER: [ImageRef(path=base / p) for p in images],
+              VIDEO_PLACEHOLDER: videos}
+    for placeholder, items, what, field in (
+            (IMAGE_PLACEHOLDER, images, "image", '"image"/"images"'),
+            (VIDEO_PLACEHOLDER, videos, "video", '"video"/"videos"')):
+        n = sum(part.count(placeholder) for _, parts in raw for part in parts
+                if isinstance(part, str))
+        if n != len(items):
+            _bad(key, f"{what}_count_mismatch",
+                 f"{n} {placeholder} placeholder(s) but {len(items)} {what}(s) in {field}: give "
+                 f"exactly one {what} per placeholder, in order")
     messages = []
     for role, parts in raw:
-        content: list[str | ImageRef] = []
+        content: list[str | ImageRef | VideoRef] = []
         for part in parts:
             if isinstance(part, str):
-                content.extend(_split_placeholders(part, queue))
+                content.extend(_split_placeholders(part, queues))
+            elif isinstance(part, _RawVideo):
+                content.append(_video_ref(part.video, part.fps, base, key))
             else:
                 content.append(ImageRef(path=base / part))
         messages.append(Message(role=role, content=tuple(content)))
@@ -140,8 +156,17 @@ def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
     return conv
 
 
-# Raw turns: (role, parts) where a part is text (str) or an image path (Path, not yet joined).
-_Turns = list[tuple[str, list[str | Path]]]
+@dataclass(frozen=True)
+class _RawVideo:
+    """A messages-style video item as given: a path or a list of frame paths, and its fps."""
+
+    video: Any
+    fps: Any
+
+
+# Raw turns: (role, parts) where a part is text (str), an image path (Path, not yet joined) or
+# a video (_RawVideo).
+_Turns = list[tuple[str, list[str | Path | _RawVideo]]]
 
 
 def _bad(key: str, reason: str, message: str) -> NoReturn:
@@ -157,6 +182,36 @@ def _record_images(obj: dict, key: str) -> list[str]:
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         _bad(key, "bad_schema", '"image" must be a path and "images" a list of paths')
     return images
+
+
+def _record_videos(obj: dict, key: str) -> list:
+    videos = obj.get("videos", obj.get("video", []))
+    if videos is None:
+        return []
+    if isinstance(videos, str):
+        return [videos]
+    if not isinstance(videos, list):
+        _bad(key, "bad_schema", '"video" must be a path or a frame list, "videos" a list of them')
+    if videos and all(isinstance(v, str) for v in videos) and "video" in obj \
+            and "videos" not in obj:
+        return [videos]  # "video": [frames...] is one video given as frames
+    return videos
+
+
+def _video_ref(video: Any, fps: Any, base: Path, key: str) -> VideoRef:
+    """A VideoRef from a path or a frame list (joined to `base`) and an optional fps."""
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float)
+                            or not fps > 0):
+        _bad(key, "bad_schema", f"video fps must be a positive number, got {fps!r}")
+    fps = None if fps is None else float(fps)
+    if isinstance(video, str) and video:
+        if "://" in video:
+            _bad(key, "bad_schema", f"video {video!r} is a URL: download it and give a path")
+        return VideoRef(path=base / video, fps=fps)
+    if isinstance(video, list) and video and all(isinstance(p, str) and p for p in video):
+        return VideoRef(frames=tuple(base / p for p in video), fps=fps)
+    _bad(key, "bad_schema", f"a video must be a file path or a non-empty list of frame paths, "
+         f"got {video!r:.80}")
 
 
 def _role(value: Any, key: str, field: str) -> str:
@@ -182,18 +237,21 @@ def _messages_turns(messages: Any, key: str) -> _Turns:
     return turns
 
 
-def _content_item(item: Any, key: str) -> str | Path:
+def _content_item(item: Any, key: str) -> str | Path | _RawVideo:
     if isinstance(item, dict):
         kind = item.get("type")
         if kind == "text" and isinstance(item.get("text"), str):
             return item["text"]
+        if kind == "video" and "video" in item:
+            return _RawVideo(item["video"], item.get("fps"))
         path = item.get("image", item.get("path"))
         if kind in ("image", None) and isinstance(path, str) and path:
             if "://" in path:
                 _bad(key, "bad_schema", f"image {path!r} is a URL: download it and give a path")
             return Path(path)
     _bad(key, "bad_schema",
-         'content items must be {"type": "text", "text": ...} or {"type": "image", "image": PATH}'
+         'content items must be {"type": "text", "text": ...}, {"type": "image", "image": PATH} '
+         'or {"type": "video", "video": PATH or [FRAME, ...]}'
          f", got {item!r:.80}")  # fmt: skip
 
 
@@ -205,13 +263,16 @@ def _sharegpt_turns(conversations: Any, key: str) -> _Turns:
     return [(_role(t.get("from"), key, '"from"'), [t["value"]]) for t in conversations]
 
 
-def _split_placeholders(text: str, queue: list[ImageRef]) -> list[str | ImageRef]:
-    out: list[str | ImageRef] = []
-    pieces = text.split(IMAGE_PLACEHOLDER)
-    for i, piece in enumerate(pieces):
-        if i:
-            out.append(queue.pop(0))
-        if piece:
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+
+
+def _split_placeholders(text: str, queues: dict[str, list]) -> list[str | ImageRef | VideoRef]:
+    """`text` with each placeholder replaced by the next item of its queue."""
+    out: list[str | ImageRef | VideoRef] = []
+    for piece in _PLACEHOLDERS.split(text):
+        if piece in queues:
+            out.append(queues[piece].pop(0))
+        elif piece:
             out.append(piece)
     return out
 
@@ -225,12 +286,14 @@ def _validate(conv: Conversation) -> None:
         texts = [c for c in m.content if isinstance(c, str)]
         if m.role != "user" and len(texts) != len(m.content):
             _bad(key, "bad_schema",
-                 f"images are only supported in user turns, found one in a {m.role} turn")  # fmt: skip
+                 f"images and videos are only supported in user turns, found one in a {m.role} "
+                 "turn")
         for t in texts:
             if any(r in t for r in RESERVED):
                 _bad(key, "bad_schema",
                      f"text contains a reserved vision token ({', '.join(RESERVED)}): use "
-                     f"{IMAGE_PLACEHOLDER} or an image item instead")  # fmt: skip
+                     f"{IMAGE_PLACEHOLDER}/{VIDEO_PLACEHOLDER} or an image/video item "
+                     "instead")
     if "assistant" not in roles:
         _bad(key, "no_assistant_turn", "no assistant turn: nothing to learn from; add an answer")
     if "user" not in roles:

@@ -4,8 +4,10 @@ Each sample shows one or two receipts rendered with PIL (shop, address, date, it
 quantity and price, subtotal, tax, total) and asks for the receipt as JSON. Sizes range from
 300×400 to 1000×1600 px, so vision tokens span ~100 to ~2,000 at the default max_pixels. About
 15% each are multi-turn, two-receipt and text-only samples, ~30% carry a system prompt, and
-~20% are written in the ShareGPT shape (the rest in the messages shape). Output for a seed is
-byte-identical: the JSONL and the image files.
+~20% are written in the ShareGPT shape (the rest in the messages shape). About 10% of the
+single-receipt samples are short videos instead: the receipt revealed line by line over 4-8
+frames (a frame folder, 2 fps, at most 320 px wide), asking for the receipt as it ends. Output
+for a seed is byte-identical: the JSONL, the image and the frame files.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-SYNTH_VERSION = "1"
+SYNTH_VERSION = "2"
 _SHOP_A = ("Golden", "Happy", "Blue", "Corner", "Sunny", "Little", "Royal", "Green", "Lucky",
            "Urban", "Old Town", "Maple")  # fmt: skip
 _SHOP_B = ("Bakery", "Cafe", "Noodle House", "Grill", "Mart", "Deli", "Kitchen", "Tea Room",
@@ -121,8 +123,8 @@ def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     return ImageFont.load_default(size=size)
 
 
-def _render(r: dict[str, Any], rng: random.Random) -> Image.Image:
-    """A receipt image between 300×400 and 1000×1600 px."""
+def _render(r: dict[str, Any], rng: random.Random, shown: int | None = None) -> Image.Image:
+    """A receipt image between 300×400 and 1000×1600 px (only its first `shown` lines)."""
     width = rng.randint(300, 1000)
     height = min(1600, max(400, int(width * rng.uniform(1.3, 1.7))))
     shade = rng.randint(235, 255)
@@ -132,7 +134,7 @@ def _render(r: dict[str, Any], rng: random.Random) -> Image.Image:
     size = max(10, min(width // 22, int(height / (len(lines) + 4) / 1.3)))
     font, ink = _font(size), (rng.randint(0, 60),) * 3
     y, margin = size * 2, width // 12
-    for line in lines:
+    for line in lines[:shown]:
         draw.text((margin, y), line, fill=ink, font=font)
         y += int(size * 1.3)
     return image
@@ -144,6 +146,10 @@ def _render(r: dict[str, Any], rng: random.Random) -> Image.Image:
 def _sample(out: Path, seed: int, i: int) -> dict[str, Any]:
     rng = random.Random(seed * 1_000_003 + i)
     kind = rng.choices(("single", "multi_turn", "two_images", "text_only"), (55, 15, 15, 15))[0]
+    # its own stream, so the other samples stay those of a dataset without videos
+    video_rng = random.Random(seed * 1_000_003 + i + 0x5EED)
+    if kind == "single" and video_rng.random() < 0.1:
+        return _video_sample(out, seed, i, video_rng)
     receipts = [_receipt(rng) for _ in range(2 if kind == "two_images" else 1)]
     images = []
     if kind != "text_only":
@@ -178,6 +184,30 @@ def _sample(out: Path, seed: int, i: int) -> dict[str, Any]:
     else:
         record["messages"] = [_message(role, text, images) for role, text in turns]
     return record
+
+
+def _video_sample(out: Path, seed: int, i: int, rng: random.Random) -> dict[str, Any]:
+    """A receipt revealed line by line: 4-8 frames in `videos/{i}/`, asked about at the end."""
+    receipt = _receipt(rng)
+    n_frames = rng.randint(4, 8)
+    total_lines = len(_lines(receipt))
+    folder = out / "videos" / f"{i:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    layout = rng.random()  # one size, shade and ink for every frame
+    frames = []
+    for k in range(n_frames):
+        shown = max(1, round(total_lines * (k + 1) / n_frames))
+        image = _render(receipt, random.Random(layout), shown)
+        scale = min(1.0, 320 / image.width)
+        image = image.resize((max(1, int(image.width * scale)), max(1, int(image.height * scale))))
+        name = f"videos/{i:06d}/{k:02d}.jpg"
+        image.save(out / name, quality=85)
+        frames.append(name)
+    ask = "Watch the receipt being written and return it as JSON once it is complete."
+    return {"id": f"synth-s{seed}-{i:06d}", "messages": [
+        {"role": "user", "content": [{"type": "video", "video": frames, "fps": 2},
+                                     {"type": "text", "text": ask}]},
+        {"role": "assistant", "content": json.dumps(receipt, ensure_ascii=False)}]}
 
 
 def _message(role: str, text: str, images: list[str]) -> dict[str, Any]:

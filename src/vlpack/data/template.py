@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlpack.data.types import BadSampleError, ImageRef, Message
+from vlpack.data.types import BadSampleError, ImageRef, Message, VideoRef
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END = "<|im_end|>"
@@ -105,7 +105,8 @@ def hf_messages(messages) -> list[dict]:
         if all(isinstance(c, str) for c in m.content):
             out.append({"role": m.role, "content": "".join(m.content)})
             continue
-        items = [{"type": "text", "text": c} if isinstance(c, str) else {"type": "image"}
+        items = [{"type": "text", "text": c} if isinstance(c, str) else
+                 {"type": "video"} if isinstance(c, VideoRef) else {"type": "image"}
                  for c in m.content]
         out.append({"role": m.role, "content": items})
     return out
@@ -151,8 +152,10 @@ def render(tokenizer, template: FolderTemplate, messages, key: str) -> tuple[str
     for m, (a, b) in zip(answers, spans, strict=True):
         if _answer(m) not in text[a:b]:
             raise bad("the template does not write an answer's text into its assistant turn")
-    images = sum(1 for m in messages for c in m.content if not isinstance(c, str))
-    if text.count("<|image_pad|>") != images:
-        raise bad(f"the template writes {text.count('<|image_pad|>')} image placeholders for "
-                  f"{images} images")
+    for pad, kind, what in (("<|image_pad|>", ImageRef, "image"), ("<|video_pad|>", VideoRef,
+                                                                     "video")):
+        n = sum(1 for m in messages for c in m.content if isinstance(c, kind))
+        if text.count(pad) != n:
+            raise bad(f"the template writes {text.count(pad)} {what} placeholders for {n} "
+                      f"{what}s")
     return text, spans

@@ -45,6 +45,8 @@ class ModelSpec:
     has_gdn: bool
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    tokens_per_second: int | None = None
+    """Qwen2.5-VL's temporal positions per second of video (its vision config's)."""
 
     @property
     def patch_dim(self) -> int:
@@ -106,6 +108,8 @@ def _spec(name: str, config, attn: str) -> ModelSpec:
         has_gdn="linear_attention" in (getattr(text, "layer_types", None) or ()),
         num_experts=n_exp,
         num_experts_per_tok=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        tokens_per_second=(int(vision.tokens_per_second)
+                           if family_of(family).tokens_per_second else None),
     )
 
 

@@ -334,6 +334,7 @@ def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
         return default_mix(spec, n, seed=args.seed), "synthetic (multi-image, text-only, padded)"
     from vlpack.data.encode import Encoder
     from vlpack.data.sources import read_jsonl
+    from vlpack.data.video import VideoSettings
 
     path = args.data
     if path == "synth":
@@ -350,7 +351,11 @@ def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
     # a checkpoint folder's own tokenizer and chat template, as `vlpack train` uses them
     folder = Path(getattr(args, "model", "") or "")
     own = has_tokenizer(folder)
-    enc = Encoder(spec.family, max_pixels=64 * (spec.patch_size * spec.merge_size) ** 2,
+    factor2 = (spec.patch_size * spec.merge_size) ** 2  # small images and clips: a CPU check
+    enc = Encoder(spec.family, max_pixels=64 * factor2,
+                  video=VideoSettings(max_frames=8, min_pixels=4 * factor2,
+                                      max_pixels=128 * factor2),
+                  tokens_per_second=spec.tokens_per_second,
                   tokenizer_path=str(folder) if own else None,
                   chat_template=load_template("auto", folder) if own else None)
     return [enc.encode(c) for c in convs], str(path)
@@ -482,6 +487,8 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
+                        sample_keys=[x.key for x in batch_samples],
+                        videos=sum(x.num_videos for x in batch_samples),
                         tolerances=tol, isolation_bound=ISOLATION[dtype])
     failures: list[str] = []
 
@@ -560,7 +567,8 @@ def format_report(r: dict) -> str:
         + (f" × {r['cp']} context-parallel ranks" if r.get("cp", 1) > 1 else "")
         + f", {r['dtype']}, "
         f"backend {r['backend']} -> {r['attn_implementation']}",
-        f"data: {r['data']}, {r['samples']} samples packed into one row",
+        f"data: {r['data']}, {r['samples']} samples packed into one row ({r['videos']} videos): "
+        + ", ".join(r["sample_keys"]),
         "paths: " + ", ".join(f"{k}={v}" for k, v in sorted(r["paths"].items())),
         *([] if r["paths_no_grad"] == r["paths"] else [
             "paths without gradients: "

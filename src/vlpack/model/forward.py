@@ -53,6 +53,31 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def stock_visuals(spec: ModelSpec, **inputs) -> dict:
+    """transformers' image and video keyword arguments from `EncodedSample.hf_visuals`-style
+    inputs (arrays or tensors): those the sample has, and `second_per_grid_ts` only for the
+    family whose positions use it (Qwen2.5-VL)."""
+    out = {}
+    for name, value in inputs.items():
+        if value is None or len(value) == 0:
+            continue
+        if name == "second_per_grid_ts" and not family(spec.family).tokens_per_second:
+            continue
+        out[name] = torch.as_tensor(value)
+    if "pixel_values" not in out:
+        out.pop("image_grid_thw", None)
+    return out
+
+
+def visual_placeholders(input_ids_T: torch.Tensor, types_T: torch.Tensor,
+                        spec: ModelSpec) -> torch.Tensor:
+    """`input_ids` with every visual token as the image placeholder: the packed row's images and
+    videos are one stream (batch.py) that the stock merge places at image placeholders. The
+    merge replaces the embeddings there, so the ids at those positions change nothing else."""
+    return torch.where(types_T != 0, torch.full_like(input_ids_T, spec.image_token_id),
+                       input_ids_T)
+
+
 def boundaries(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> Boundaries:
     """The row's Boundaries, from the batch's host fields (no device sync)."""
     from vlpack.model.vision import vision_tables
@@ -91,7 +116,8 @@ def context_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec,
             "each image encoded on one rank, features gathered")
     rows = split.local_rows.to(batch.input_ids.device)
     return dict(
-        input_ids=batch.input_ids[rows][None],
+        input_ids=visual_placeholders(batch.input_ids[rows], batch.mm_token_type_ids[rows],
+                                      spec)[None],
         position_ids=batch.position_ids[:, rows][:, None, :],
         mm_token_type_ids=batch.mm_token_type_ids[rows][None],
         pixel_values=pixels if has_images else None,
@@ -106,7 +132,7 @@ def packed_model_inputs(model: nn.Module, batch: ThdBatch, spec: ModelSpec) -> d
     has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
     bounds = boundaries(model, batch, spec)
     return dict(
-        input_ids=batch.input_ids[None],
+        input_ids=visual_placeholders(batch.input_ids, batch.mm_token_type_ids, spec)[None],
         position_ids=batch.position_ids[:, None, :],
         mm_token_type_ids=batch.mm_token_type_ids[None],
         pixel_values=batch.pixel_values if has_images else None,
@@ -215,14 +241,13 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
     importable (no boundaries are given: the sample is one sequence).
     """
     device = _device(model)
-    has_images = sample.pixel_values is not None and len(sample.image_grid_thw) > 0
+    visuals = {k: v.to(device) for k, v in stock_visuals(spec, **sample.hf_visuals()).items()}
     inputs = dict(
         input_ids=torch.as_tensor(sample.input_ids, device=device)[None],
         mm_token_type_ids=torch.as_tensor(sample.mm_token_type_ids.astype(np.int32),
                                           device=device)[None],
-        pixel_values=torch.as_tensor(sample.pixel_values, device=device) if has_images else None,
-        image_grid_thw=torch.as_tensor(sample.image_grid_thw, device=device) if has_images else None,
         use_cache=False,
+        **visuals,
         **({BOUNDS_KWARG: Boundaries(text=None, gdn_torch_reference=True)} if gdn_torch else {}),
     )
     model.model.rope_deltas = None  # the model caches it across calls

@@ -14,7 +14,7 @@ from torch import nn
 from vlpack.data.padded import PaddedBatch
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec
-from vlpack.model.forward import ForwardOut
+from vlpack.model.forward import ForwardOut, stock_visuals
 from vlpack.model.moe import RouterCapture, router_stats
 
 
@@ -31,7 +31,11 @@ def padded_forward(
     device = next(model.parameters()).device
     if batch.input_ids.device != device:
         batch = batch.to(device)
-    has_images = batch.pixel_values is not None and batch.image_grid_thw.shape[0] > 0
+    visuals = stock_visuals(spec, pixel_values=batch.pixel_values,
+                            image_grid_thw=batch.image_grid_thw,
+                            pixel_values_videos=batch.pixel_values_videos,
+                            video_grid_thw=batch.video_grid_thw,
+                            second_per_grid_ts=batch.second_per_grid_ts)
     model.model.rope_deltas = None  # transformers caches it on the module across calls
     capture = RouterCapture(model) if spec.is_moe else None
     if capture is not None:
@@ -41,9 +45,8 @@ def padded_forward(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             mm_token_type_ids=batch.mm_token_type_ids,
-            pixel_values=batch.pixel_values if has_images else None,
-            image_grid_thw=batch.image_grid_thw if has_images else None,
             use_cache=False,
+            **visuals,
         )
     finally:
         if capture is not None:

@@ -1,16 +1,24 @@
 """Synthetic EncodedSamples with real token ids, for tests and `vlpack check`.
 
-Each sample is chat-shaped text with 0-2 images: <|vision_start|> + image pads
-(t·h·w / merge² of them) + <|vision_end|>, random pixel patches of the model's patch width, and
-labels on the "assistant" tail. Independent of the data encoder so the model side can be proven
-on its own.
+Each sample is chat-shaped text with 0-2 images and videos: <|vision_start|> + image pads
+(t·h·w / merge² of them) + <|vision_end|>, a video the same with video pads (qwen3 families: one
+such span per temporal patch, text between, as their template writes timestamps), random pixel
+patches of the model's patch width, and labels on the "assistant" tail. Independent of the data
+encoder so the model side can be proven on its own.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, TOKEN_TYPE_TEXT, EncodedSample
+from vlpack.data.types import (
+    IGNORE_INDEX,
+    TOKEN_TYPE_IMAGE,
+    TOKEN_TYPE_TEXT,
+    TOKEN_TYPE_VIDEO,
+    EncodedSample,
+)
+from vlpack.families import family
 from vlpack.model.build import ModelSpec
 
 
@@ -21,8 +29,13 @@ def synthetic_sample(
     *,
     text_len: int = 24,
     grids: list[tuple[int, int, int]] = (),
+    videos: tuple[int, ...] = (),
+    second_per_grid: float = 1.0,
 ) -> EncodedSample:
-    """One sample: text of `text_len` tokens around the images of the given (t, h, w) grids."""
+    """One sample: text of `text_len` tokens around the visual items of the given (t, h, w)
+    grids; the items at indices `videos` are videos spanning `second_per_grid` seconds per
+    temporal patch."""
+    fam = family(spec.family)
     m2 = spec.merge_size**2
     ids, types = [], []
     pieces = max(len(grids) + 1, 1)
@@ -34,10 +47,17 @@ def synthetic_sample(
         types += [TOKEN_TYPE_TEXT] * int(n)
         if i < len(grids):
             t, h, w = grids[i]
-            n_img = t * h * w // m2
-            ids += [spec.vision_start_token_id] + [spec.image_token_id] * n_img + \
-                [spec.vision_end_token_id]
-            types += [TOKEN_TYPE_TEXT] + [TOKEN_TYPE_IMAGE] * n_img + [TOKEN_TYPE_TEXT]
+            video = i in videos
+            spans = [t * h * w // m2] if not video or fam.video_style != "qwen3" else \
+                [h * w // m2] * t
+            for k, n_pad in enumerate(spans):
+                if k:  # the timestamp text before a qwen3-family temporal patch
+                    ids += rng.integers(0, 150000, size=3).tolist()
+                    types += [TOKEN_TYPE_TEXT] * 3
+                pad, kind = ((spec.video_token_id, TOKEN_TYPE_VIDEO) if video else
+                             (spec.image_token_id, TOKEN_TYPE_IMAGE))
+                ids += [spec.vision_start_token_id] + [pad] * n_pad + [spec.vision_end_token_id]
+                types += [TOKEN_TYPE_TEXT] + [kind] * n_pad + [TOKEN_TYPE_TEXT]
     ids += [spec.eos_token_id]
     types += [TOKEN_TYPE_TEXT]
     input_ids = np.asarray(ids, dtype=np.int64)
@@ -55,24 +75,33 @@ def synthetic_sample(
         mm_token_type_ids=np.asarray(types, dtype=np.int8),
         image_grid_thw=grid_arr,
         pixel_values=pixels,
+        visual_kinds=np.array([TOKEN_TYPE_VIDEO if i in videos else TOKEN_TYPE_IMAGE
+                               for i in range(len(grids))], dtype=np.int8),
+        second_per_grid=np.array([second_per_grid if i in videos else 0.0
+                                  for i in range(len(grids))], dtype=np.float32),
+        temporal_step=np.array([spec.tokens_per_second * second_per_grid
+                                if i in videos and spec.tokens_per_second else 1.0
+                                for i in range(len(grids))], dtype=np.float32),
     )
 
 
 def default_mix(spec: ModelSpec, n: int, seed: int = 0) -> list[EncodedSample]:
-    """n samples cycling through: two images, text only, one image, one larger image.
+    """n samples cycling through: two images, text only, an image and a video of 3 temporal
+    patches, one larger image.
 
-    Grids are 2×(4..8)×(4..8) patches (window attention needs 16×16 on qwen2.5: one such image
-    is in every cycle of four)."""
+    Grids are (1..3)×(4..8)×(4..8) patches (window attention needs 16×16 on qwen2.5: one such
+    image is in every cycle of four)."""
     rng = np.random.default_rng(seed)
     kinds = [
         [(1, 4, 6), (1, 6, 4)],  # multi-image
         [],                      # text only
-        [(1, 8, 8)],
+        [(1, 8, 8), (3, 4, 8)],  # image + video
         [(1, 16, 16)] if spec.family == "qwen2_5_vl" else [(1, 8, 12)],
     ]
     out = []
     for i in range(n):
         grids = kinds[i % len(kinds)]
         out.append(synthetic_sample(spec, rng, f"synthetic-{seed}-{i}",
-                                    text_len=int(rng.integers(12, 40)), grids=grids))
+                                    text_len=int(rng.integers(12, 40)), grids=grids,
+                                    videos=(1,) if i % len(kinds) == 2 else ()))
     return out

@@ -146,6 +146,7 @@ class Trainer:
         self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
                                min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
                                max_image_pixels=cfg.data.max_image_pixels,
+                               video=cfg.data.video, tokens_per_second=self.spec.tokens_per_second,
                                processor_path=str(folder) if folder.is_dir() else None,
                                chat_template=load_template(cfg.data.chat_template, folder))
         if self.encoder.chat_template and self.info.is_main:

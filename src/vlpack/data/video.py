@@ -1,0 +1,309 @@
+"""Videos: which frames, at what size, as which patches — each family's video processor's rules.
+
+A video is a container file (mp4, webm, ...; decoded with PyAV, the `video` extra) or a list of
+frame images (a video already sampled at its `fps`, default 2; no decoder needed). The rules
+follow transformers' video processors, checked against them (tests/test_video.py):
+
+- **Frames.** A file is sampled to `fps` frames per second of its duration, clamped to
+  `[min_frames, max_frames]` and to its frame count. qwen2_vl / qwen2_5_vl
+  (`Qwen2VLVideoProcessor.sample_frames`): the count is floored to an even number and the
+  frames are taken at a uniform stride from frame 0; qwen3_vl / qwen3_5
+  (`Qwen3VLVideoProcessor.sample_frames`): evenly from the first to the last frame. A frame list
+  keeps all its frames.
+- **Size.** Every frame of a video is resized to one size: qwen2 families bound each frame's
+  area (`smart_resize` over height × width), qwen3 families the whole clip's (frames × height
+  × width). With `cap_pixels_per_frame` (on by default, qwen-vl-utils' rule and transformers'
+  `cap_pixels_per_frame=True`) the budget is also shared out over the frames, so a long clip
+  costs tokens in proportion to its length rather than all of `max_pixels` per frame.
+- **Patches.** Bicubic, antialiased resize of the uint8 frames (the kernel torchvision runs on
+  a CPU), rescale and normalise as for images, the last frame repeated to an even count, then
+  patches of 2 frames × patch²; grid (t, h, w) = (frames / 2, height / patch, width / patch).
+- **Time.** qwen2_5_vl spaces temporal positions by `second_per_grid` = 2 / sampled fps (the
+  processor's `second_per_grid_ts`); qwen3 families write a `<{seconds:.1f} seconds>` text
+  before each temporal patch (the mean time of its two frames); qwen2_vl uses neither.
+
+Everything but the pixels is known from the container's metadata or the first frame's header
+(`plan`), so the planner sees a video's exact length without decoding it.
+
+Legend: F = frames, H/W = pixels, P = patches, C = 3 × temporal patch × patch².
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlpack.data.types import BadSampleError, VideoRef
+from vlpack.families import family as family_of
+
+FRAME_LIST_FPS = 2.0
+"""Frame rate of a frame list that names none (what qwen-vl-utils assumes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSettings:
+    """How videos are sampled and sized (None: the family's processor's default)."""
+
+    fps: float = 2.0
+    """Frames sampled per second of a video file."""
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int | None = None
+    """Lower bound on one frame's area (qwen2 families) or the clip's (qwen3 families)."""
+    max_pixels: int | None = None
+    """Upper bound, same meaning."""
+    cap_pixels_per_frame: bool = True
+    max_video_tokens: int | None = None
+    """The budget `cap_pixels_per_frame` shares out (qwen2: tokens of the whole clip, 128,000;
+    qwen3: tokens of one frame, 768)."""
+
+    def __post_init__(self) -> None:
+        if not self.fps > 0:
+            raise ValueError(f"data.video.fps must be positive, got {self.fps}")
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError(f"need 1 <= data.video.min_frames <= max_frames, got {self.min_frames} "
+                             f"and {self.max_frames}")
+
+
+@dataclass(frozen=True, slots=True)
+class VideoMeta:
+    """What is known of a video without decoding it."""
+
+    total_frames: int
+    fps: float
+    width: int
+    height: int
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """How one video is encoded: its frames, size, grid and timing."""
+
+    indices: tuple[int, ...]
+    """Frames used, ascending (before the last is repeated to an even count)."""
+    height: int
+    width: int
+    grid: tuple[int, int, int]
+    """(t, h, w) in patches."""
+    second_per_grid: float
+    """Seconds one temporal patch spans (2 / sampled fps)."""
+    timestamps: tuple[float, ...]
+    """Mean time in seconds of each temporal patch's frames (qwen3 families' text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Rules:
+    """A family's video processor constants."""
+
+    style: str  # "qwen2" | "qwen3"
+    patch: int
+    merge: int
+    temporal: int
+    min_pixels: int
+    max_pixels: int
+    max_video_tokens: int
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+
+def rules(family: str) -> _Rules:
+    """The video processor constants of `family` (transformers' class defaults)."""
+    f = family_of(family)
+    if f.video_style == "qwen3":  # Qwen3VLVideoProcessor
+        return _Rules("qwen3", f.patch_size, f.merge_size, f.temporal_patch_size,
+                      128 * 32 * 32, 768 * 32 * 32, 768)
+    return _Rules("qwen2", f.patch_size, f.merge_size, f.temporal_patch_size,  # Qwen2VL's
+                  128 * 28 * 28, 768 * 28 * 28, 128000)
+
+
+def sample_indices(family: str, meta: VideoMeta, settings: VideoSettings) -> tuple[int, ...]:
+    """Frames of a video file that the family's processor samples."""
+    import torch
+
+    r, total = rules(family), meta.total_frames
+    if r.style == "qwen3":
+        n = int(total / meta.fps * settings.fps)
+        n = min(max(n, settings.min_frames), settings.max_frames, total)
+        return tuple(np.linspace(0, total - 1, n).round().astype(int).tolist())
+    most = math.floor(min(settings.max_frames, total) / r.temporal) * r.temporal
+    n = min(max(total / meta.fps * settings.fps, settings.min_frames), most, total)
+    n = math.floor(n / r.temporal) * r.temporal
+    if n < 1:
+        raise ValueError(f"{total} frame(s) is too short to sample")
+    # torch's float arange, as the processor computes it (its rounding decides the frames)
+    return tuple(torch.arange(0, total, total / n).int().tolist())
+
+
+def frame_size(family: str, num_frames: int, height: int, width: int,
+               settings: VideoSettings) -> tuple[int, int]:
+    """(height, width) every frame is resized to; ValueError for a clip the processor refuses."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    r = rules(family)
+    lo = r.min_pixels if settings.min_pixels is None else settings.min_pixels
+    hi = r.max_pixels if settings.max_pixels is None else settings.max_pixels
+    budget = r.max_video_tokens if settings.max_video_tokens is None else settings.max_video_tokens
+    if r.style == "qwen2":
+        if settings.cap_pixels_per_frame:
+            total_pixels = int(budget * r.factor * r.factor * 0.9)
+            hi = max(min(hi, total_pixels * r.temporal // num_frames), int(lo * 1.05))
+        return smart_resize(height, width, factor=r.factor, min_pixels=lo, max_pixels=hi)
+    if settings.cap_pixels_per_frame:
+        per_frame = max(min(budget * r.factor * r.factor, hi // num_frames), int(lo * 1.05))
+        hi = per_frame * num_frames
+    return _smart_resize_clip(num_frames, height, width, r.temporal, r.factor, lo, hi)
+
+
+def _smart_resize_clip(num_frames: int, height: int, width: int, temporal: int, factor: int,
+                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's resize rule: the clip's frames × height × width within the bounds."""
+    if num_frames < temporal:
+        raise ValueError(f"{num_frames} frame(s): the family needs at least {temporal}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is over 200")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def plan(family: str, key: str, ref: VideoRef, settings: VideoSettings) -> VideoPlan:
+    """How `ref` is encoded, from its metadata only; BadSampleError for an unusable video."""
+    meta = read_meta(key, ref)
+    try:
+        indices = (tuple(range(meta.total_frames)) if ref.frames else
+                   sample_indices(family, meta, settings))
+        height, width = frame_size(family, len(indices), meta.height, meta.width, settings)
+    except ValueError as e:
+        raise BadSampleError("bad_video", f"{key}: video {ref.name} ({meta.width}x"
+                             f"{meta.height}, {meta.total_frames} frames): {e}") from None
+    r = rules(family)
+    padded = list(indices) + [indices[-1]] * (-len(indices) % r.temporal)
+    times = [i / meta.fps for i in padded]
+    stamps = tuple((times[i] + times[i + r.temporal - 1]) / 2
+                   for i in range(0, len(times), r.temporal))
+    sampled_fps = len(indices) / meta.total_frames * meta.fps
+    return VideoPlan(indices, height, width, (len(padded) // r.temporal, height // r.patch,
+                                              width // r.patch),
+                     r.temporal / sampled_fps, stamps)
+
+
+# ------------------------------------------------------------------------- reading
+
+
+def read_meta(key: str, ref: VideoRef) -> VideoMeta:
+    """Frame count, rate and size of `ref` without decoding pixels."""
+    if ref.frames:
+        from PIL import Image
+
+        for p in ref.frames:
+            if not p.is_file():
+                raise _bad(key, ref, "missing_video",
+                           f"frame {p} not found: fix the path (relative paths are resolved "
+                           "against the JSONL file's folder) or drop the sample")
+        try:
+            with Image.open(ref.frames[0]) as im:
+                width, height = im.size
+        except Exception as e:
+            raise _bad(key, ref, "corrupt_video", f"frame {ref.frames[0]} cannot be read "
+                       f"({type(e).__name__}: {e})") from None
+        return VideoMeta(len(ref.frames), ref.fps or FRAME_LIST_FPS, width, height)
+    av = _pyav(key, ref)
+    if not ref.path.is_file():
+        raise _bad(key, ref, "missing_video", "file not found: fix the path (relative paths are "
+                   "resolved against the JSONL file's folder) or drop the sample")
+    try:
+        with av.open(str(ref.path)) as container:
+            stream = container.streams.video[0]
+            total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except Exception as e:
+        raise _bad(key, ref, "corrupt_video",
+                   f"cannot be read ({type(e).__name__}: {e}): re-encode it (H.264 mp4) or "
+                   "drop the sample") from None
+    if total < 1 or rate <= 0 or width < 1 or height < 1:
+        raise _bad(key, ref, "corrupt_video", f"holds no usable video stream ({total} frames, "
+                   f"{rate} fps, {width}x{height}): re-encode it or drop the sample")
+    return VideoMeta(total, ref.fps or rate, width, height)
+
+
+def decode(key: str, ref: VideoRef, indices: tuple[int, ...]) -> np.ndarray:
+    """The frames `indices` of `ref` as RGB uint8 [F, H, W, 3]."""
+    if ref.frames:
+        from PIL import Image
+
+        frames = []
+        for i in indices:
+            try:
+                with Image.open(ref.frames[i]) as im:
+                    frames.append(np.asarray(im.convert("RGB")))
+            except Exception as e:
+                raise _bad(key, ref, "corrupt_video", f"frame {ref.frames[i]} cannot be read "
+                           f"({type(e).__name__}: {e})") from None
+    else:
+        av, wanted, frames = _pyav(key, ref), set(indices), []
+        try:
+            with av.open(str(ref.path)) as container:
+                for i, frame in enumerate(container.decode(video=0)):
+                    if i in wanted:
+                        frames.append(frame.to_ndarray(format="rgb24"))
+                    if i >= indices[-1]:
+                        break
+        except Exception as e:
+            raise _bad(key, ref, "corrupt_video", f"cannot be decoded ({type(e).__name__}: "
+                       f"{e}): re-encode it (H.264 mp4) or drop the sample") from None
+        if len(frames) < len(indices):
+            raise _bad(key, ref, "corrupt_video", f"decodes to fewer frames than its header "
+                       f"says (needed frame {indices[-1]}): re-encode it or drop the sample")
+    if len({f.shape for f in frames}) > 1:
+        raise _bad(key, ref, "bad_video", "its frames differ in size: resize them to one size")
+    return np.stack(frames)
+
+
+def patches(frames_FHW3: np.ndarray, vplan: VideoPlan, family: str,
+            mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """Pixel patches [P, C] float32 of decoded frames, in the vision tower's order."""
+    import torch
+    import torch.nn.functional as F
+
+    r = rules(family)
+    x = torch.from_numpy(np.ascontiguousarray(frames_FHW3)).permute(0, 3, 1, 2)  # uint8 F3HW
+    x = F.interpolate(x.contiguous(), size=(vplan.height, vplan.width), mode="bicubic",
+                      align_corners=False, antialias=True)
+    x = x.float() / 255.0
+    x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    if pad := -x.shape[0] % r.temporal:
+        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+    t, h, w = vplan.grid
+    m, p = r.merge, r.patch
+    x = x.view(t, r.temporal, 3, h // m, m, p, w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * h * w, 3 * r.temporal * p * p).numpy()
+
+
+def _pyav(key: str, ref: VideoRef):
+    try:
+        import av
+    except ImportError:
+        raise BadSampleError("video_decoder_missing", f"{key}: video {ref.name} needs PyAV to "
+                             "decode: pip install 'vlpack[video]' (or give the video as a list "
+                             "of frame images)") from None
+    return av
+
+
+def _bad(key: str, ref: VideoRef, reason: str, message: str) -> BadSampleError:
+    return BadSampleError(reason, f"{key}: video {ref.name}: {message}")
