@@ -3,6 +3,7 @@ sample, parity with the JSONL loader, 2 ranks × 2 workers with exact resume, co
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import shutil
@@ -283,3 +284,43 @@ def test_warns_when_a_buffer_exceeds_a_workers_share(clean, encoder, caplog) -> 
         EnergonLoader(out, encoder, packing_buffer_size=N // 4 + 1, num_workers=2, rank=0,
                       world_size=2, **COMMON)  # fmt: skip
     assert "at most 3" in caplog.text
+
+
+def test_video_samples_pack_as_on_the_jsonl_path(tmp_path: Path, encoder) -> None:
+    """Frame-list and container videos, mixed with an image, through `energon-prepare`: the
+    shards hold the files as members and the rows equal the JSONL loader's."""
+    from tests.test_video import _frames, _mp4
+
+    src = tmp_path / "src"
+    a = [f"clipA/{n}" for n in _frames(src / "clipA", 5, size=(60, 90))]
+    b = [f"clipB/{n}" for n in _frames(src / "clipB", 4, size=(48, 64), seed=1)]
+    _frames(src, 1, size=(64, 64), name="im")
+    rows = [
+        {"id": "v-frames", "messages": [
+            {"role": "user", "content": [{"type": "video", "video": a, "fps": 2},
+                                         {"type": "text", "text": "What happens?"}]},
+            {"role": "assistant", "content": "A receipt appears."}]},
+        {"id": "v-share", "conversations": [
+            {"from": "human", "value": "<image> then <video>"}, {"from": "gpt", "value": "ok"}],
+         "image": "im0.png", "video": b},
+    ]
+    if importlib.util.find_spec("av"):
+        _mp4(src / "clip.mp4", 17, fps=8)
+        rows.append({"id": "v-file", "messages": [
+            {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
+            {"role": "assistant", "content": "A clip."}]})
+    data = src / "videos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ds"
+    report = prepare_energon(data, out, shard_size=2)
+    assert report["samples"] == len(rows) and not report["skipped"]
+    with tarfile.open(out / "shard-000000.tar") as tar:
+        names = tar.getnames()
+    assert "000000000.vid0f004.png" in names and "000000001.vid0f000.png" in names
+    kw = dict(COMMON, packing="bfd", shuffle=False)
+    energon = EnergonLoader(out, encoder, packing_buffer_size=len(rows), **kw)
+    jsonl = PackedLoader(open_dataset("jsonl", str(data)), encoder, buffer_size=len(rows) + 1,
+                         epochs=None, **kw)
+    got, want = epoch_rows(energon, len(rows)), epoch_rows(jsonl, len(rows))
+    same_rows(got, want)
+    assert sum(int((r.mm_token_type_ids == 2).sum()) for r in got) > 0

@@ -220,7 +220,9 @@ def test_qwen3_timestamps_and_qwen2_5_second_per_grid(tmp_path: Path) -> None:
     text = enc.tokenizer.decode(s.input_ids)
     # frames 0..4 at 2 fps, last repeated: pairs (0, .5), (1, 1.5), (2, 2) → 0.25, 1.25, 2.0
     assert "<0.2 seconds><|vision_start|>" in text and "<1.2 seconds><|vision_start|>" in text
-    assert "<2.0 seconds><|vision_start|>" in text and text.count("<|vision_start|>") == 3
+    assert "<2.0 seconds><|vision_start|>" in text and text.count("<|vision_start|>") == 4
+    assert "user\n<|vision_start|><0.2 seconds><|vision_start|>" in text  # the outer pair stays
+    assert text.count("<|vision_end|><|vision_end|>") == 1
     s25 = Encoder("qwen2_5_vl").encode(_conv(tmp_path, content))
     assert s25.second_per_grid.tolist() == [1.0]  # 2 frames / 2 fps
     assert s25.temporal_step.tolist() == [2.0]    # × tokens_per_second 2
@@ -240,10 +242,12 @@ def test_truncation_never_splits_a_video(tmp_path: Path) -> None:
     cut = enc.truncate(s, at)
     assert len(cut.image_grid_thw) == 0 and cut.pixel_values.shape[0] == 0
     assert not (cut.mm_token_type_ids == TOKEN_TYPE_VIDEO).any()
-    assert len(cut) < video[0]  # before the first span's <|vision_start|>
+    assert len(cut) <= video[0] - 8  # before the outer <|vision_start|> and the first time
+    assert enc.tokenizer.decode(cut.input_ids).endswith("<|im_start|>user\n")
     assert enc.truncated_size(conv, at) == cut.size
-    whole = enc.truncate(s, int(video[-1]) + 2)  # its last <|vision_end|> fits: kept
+    whole = enc.truncate(s, int(video[-1]) + 3)  # both closing <|vision_end|> fit: kept
     assert whole.image_grid_thw.tolist() == s.image_grid_thw.tolist()
+    assert len(enc.truncate(s, int(video[-1]) + 2).image_grid_thw) == 0  # the outer one does not
 
 
 def test_bad_videos_are_counted_skips_naming_the_file(tmp_path: Path) -> None:
@@ -384,10 +388,11 @@ def test_encoded_video_sample_matches_transformers_processor(tmp_path: Path, fam
     processor = Processor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=enc.tokenizer,
                           video_processor=vp, chat_template=None)
     prompt = enc.tokenizer.decode(s.input_ids)
-    collapsed = re.sub(r"(<[0-9.]+ seconds>)?<\|vision_start\|>(<\|video_pad\|>)+<\|vision_end\|>",
-                       "", prompt)
-    at = prompt.index("<|vision_start|>") - (len("<0.2 seconds>") if fam == "qwen3_vl" else 0)
-    text = collapsed[:at] + "<|vision_start|><|video_pad|><|vision_end|>" + collapsed[at:]
+    # the chat template's text: the video's expansion back to one <|video_pad|>
+    text = re.sub(r"<\|vision_start\|>((<[0-9.]+ seconds>)?<\|vision_start\|>(<\|video_pad\|>)+"
+                  r"<\|vision_end\|>)+<\|vision_end\|>|<\|vision_start\|>(<\|video_pad\|>)+"
+                  r"<\|vision_end\|>", "<|vision_start|><|video_pad|><|vision_end|>", prompt)
+    assert text.count("<|video_pad|>") == 1
     out = processor(text=[text], videos=[frames], videos_kwargs={
         "video_metadata": [{"total_num_frames": 5, "fps": 2.0, "frames_indices": list(range(5))}],
         "return_metadata": True}, return_tensors="pt")

@@ -5,9 +5,10 @@ Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
 
 - every turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an image is
   `<|vision_start|>` + N × `<|image_pad|>` + `<|vision_end|>`, N = t·h·w / merge²; a video is
-  the same with `<|video_pad|>` (qwen2 families), or, in qwen3 families, one such span of
-  h·w / merge² pads per temporal patch, each after its time as text (`<1.5 seconds>`), as
-  their processors expand it (data/video.py samples, sizes and times the frames).
+  the same with `<|video_pad|>` (qwen2 families); in qwen3 families its `<|vision_start|>` …
+  `<|vision_end|>` holds one such span of h·w / merge² pads per temporal patch, each after its
+  time as text (`<1.5 seconds>`), as transformers' processor expands the template's
+  `<|video_pad|>` (data/video.py samples, sizes and times the frames).
 - qwen2_vl / qwen2_5_vl insert the system turn "You are a helpful assistant." when the first
   message is not a system message; qwen3_vl / qwen3_5 insert none.
 - qwen3_5 strips whitespace around each message's content, skips an empty system turn, and
@@ -279,11 +280,17 @@ class Encoder:
     def _safe_cut(self, sample: EncodedSample, max_tokens: int) -> tuple[int, int]:
         """Largest cut ≤ max_tokens outside visual spans, and the number of items kept."""
         cut, kept = max_tokens, 0
+        wrapped = self.spec.family.video_style == "qwen3"  # an outer start/end around a video
         for i, (first, last) in enumerate(_item_spans(sample, self.spec.merge_size)):
-            if last + 1 <= cut:  # its <|vision_end|> is kept
+            video = sample.visual_kinds[i] == TOKEN_TYPE_VIDEO
+            start, end = first - 1, last + 1  # its <|vision_start|> and <|vision_end|>
+            if video and wrapped:  # the outer pair, before the first time text and after
+                start = int(np.flatnonzero(sample.input_ids[:start] == self.vision_start_id)[-1])
+                end += 1
+            if end <= cut:
                 kept = i + 1
             else:
-                cut = min(cut, max(first - 1, 0))  # before its <|vision_start|>
+                cut = min(cut, max(start, 0))
                 break
         return cut, kept
 
@@ -323,7 +330,9 @@ class Encoder:
                     r.token(ids["<|vision_end|>"])
                     n_item += 1
                 else:
+                    r.token(ids["<|vision_start|>"])
                     self._video_spans(r, n_item, items[n_item])
+                    r.token(ids["<|vision_end|>"])
                     n_item += 1
             r.token(ids["<|im_end|>"], supervised=sup)
             r.text("\n")
@@ -332,13 +341,13 @@ class Encoder:
         return r
 
     def _video_spans(self, r: _Rendered, index: int, item: _Item) -> None:
-        """A video's tokens: one span (qwen2 families) or a timed span per temporal patch."""
-        start, end = self._ids["<|vision_start|>"], self._ids["<|vision_end|>"]
+        """A video's pads: one span (qwen2 families), or a timed span per temporal patch
+        (qwen3 families: transformers' processor expands the template's `<|video_pad|>`
+        between its `<|vision_start|>` and `<|vision_end|>`, which stay)."""
         if self.spec.family.video_style != "qwen3":
-            r.token(start)
             r.video(index)
-            r.token(end)
             return
+        start, end = self._ids["<|vision_start|>"], self._ids["<|vision_end|>"]
         for k, seconds in enumerate(item.plan.timestamps):
             r.text(f"<{seconds:.1f} seconds>")
             r.token(start)
@@ -347,8 +356,8 @@ class Encoder:
 
     def _render_template(self, conv: Conversation, items: list[_Item]) -> _Rendered:
         """`conv` rendered by the folder's chat template: its text between the atomic tokens,
-        split where supervision starts and ends. A video's `<|vision_start|><|video_pad|>
-        <|vision_end|>` becomes its spans (`_video_spans`), as the family's processor expands it."""
+        split where supervision starts and ends. A video's `<|video_pad|>` becomes its spans
+        (`_video_spans`), as the family's processor expands it."""
         text, spans = chat.render(self.tokenizer, self.chat_template, conv.messages, conv.key)
 
         def inside(pos: int) -> bool:
@@ -356,24 +365,15 @@ class Encoder:
 
         cuts = sorted({a for a, _ in spans} | {b for _, b in spans})
         r = _Rendered()
-        n_item, pos, skip_end = 0, 0, False
-        start_id = self._ids["<|vision_start|>"]
+        n_item, pos = 0, 0
         for piece in _ATOMIC.split(text):
             end = pos + len(piece)
             if piece == "<|image_pad|>":
                 r.image(n_item)
                 n_item += 1
             elif piece == "<|video_pad|>":
-                r.flush()
-                if not (r.items and r.items[-1][:2] == ("tok", start_id)):
-                    raise BadSampleError("template_mismatch", f"{self.chat_template.file}: a "
-                                         "video placeholder without <|vision_start|> before "
-                                         f"it ({conv.key})")
-                r.items.pop()
                 self._video_spans(r, n_item, items[n_item])
-                n_item, skip_end = n_item + 1, True
-            elif skip_end and piece == "<|vision_end|>":
-                skip_end = False
+                n_item += 1
             elif piece in self._ids:
                 r.token(self._ids[piece], supervised=inside(pos))
             else:

@@ -1,8 +1,9 @@
 """Synthetic EncodedSamples with real token ids, for tests and `vlpack check`.
 
 Each sample is chat-shaped text with 0-2 images and videos: <|vision_start|> + image pads
-(t·h·w / merge² of them) + <|vision_end|>, a video the same with video pads (qwen3 families: one
-such span per temporal patch, text between, as their template writes timestamps), random pixel
+(t·h·w / merge² of them) + <|vision_end|>, a video the same with video pads (qwen3 families:
+inside an outer start/end, one such span per temporal patch after a stand-in for its timestamp
+text, as their processor expands it), random pixel
 patches of the model's patch width, and labels on the "assistant" tail. Independent of the data
 encoder so the model side can be proven on its own.
 """
@@ -48,16 +49,22 @@ def synthetic_sample(
         if i < len(grids):
             t, h, w = grids[i]
             video = i in videos
-            spans = [t * h * w // m2] if not video or fam.video_style != "qwen3" else \
-                [h * w // m2] * t
-            for k, n_pad in enumerate(spans):
-                if k:  # the timestamp text before a qwen3-family temporal patch
+            timed = video and fam.video_style == "qwen3"
+            spans = [h * w // m2] * t if timed else [t * h * w // m2]
+            if timed:  # the outer pair transformers keeps around a qwen3-family video
+                ids.append(spec.vision_start_token_id)
+                types.append(TOKEN_TYPE_TEXT)
+            for n_pad in spans:
+                if timed:  # the timestamp text before each temporal patch
                     ids += rng.integers(0, 150000, size=3).tolist()
                     types += [TOKEN_TYPE_TEXT] * 3
                 pad, kind = ((spec.video_token_id, TOKEN_TYPE_VIDEO) if video else
                              (spec.image_token_id, TOKEN_TYPE_IMAGE))
                 ids += [spec.vision_start_token_id] + [pad] * n_pad + [spec.vision_end_token_id]
                 types += [TOKEN_TYPE_TEXT] + [kind] * n_pad + [TOKEN_TYPE_TEXT]
+            if timed:
+                ids.append(spec.vision_end_token_id)
+                types.append(TOKEN_TYPE_TEXT)
     ids += [spec.eos_token_id]
     types += [TOKEN_TYPE_TEXT]
     input_ids = np.asarray(ids, dtype=np.int64)

@@ -1,11 +1,12 @@
 """`vlpack data energon-prepare`: JSONL conversations → WebDataset shards Energon can read.
 
-Each sample of a shard holds the record as `KEY.json` (image paths rewritten to the sample's own
-members) and its images as `KEY.img0.jpg`, `KEY.img1.png`, ... (bytes copied verbatim, never
-re-encoded). The record keeps its vlpack key in `id` (the JSONL path's `file:line` when the record
-had none), so both paths name samples alike. Records that cannot be parsed or whose image files
-are missing are left out and counted by reason; image contents are checked when samples are
-encoded, as on the JSONL path.
+Each sample of a shard holds the record as `KEY.json` (image and video paths rewritten to the
+sample's own members) and its files: images as `KEY.img0.jpg`, `KEY.img1.png`, ..., video files
+as `KEY.vid0.mp4`, the frames of a frame-list video as `KEY.vid1f000.jpg`, `KEY.vid1f001.jpg`,
+... (bytes copied verbatim, never re-encoded). The record keeps its vlpack key in `id` (the
+JSONL path's `file:line` when the record had none), so both paths name samples alike. Records
+that cannot be parsed or whose files are missing are left out and counted by reason; contents
+are checked when samples are encoded, as on the JSONL path.
 
 Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
 `dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlpack.data.sources import iter_jsonl
-from vlpack.data.types import BadSampleError, Conversation
+from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
 REPORT_NAME = "vlpack-prepare.json"
 """Written into OUT_DIR: sample and shard counts, and what was left out by reason."""
@@ -84,33 +85,52 @@ def _write_shards(data: Path, out: Path, shard_size: int) -> tuple[int, int, Cou
 
 
 def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, bytes]:
-    """{"json": record, "img0.jpg": bytes, ...} for one sample (one member per distinct image)."""
+    """{"json": record, "img0.jpg": bytes, "vid0.mp4": bytes, ...} for one sample (one member
+    per distinct file)."""
     names: dict[Path, str] = {}
-    images: dict[str, bytes] = {}
-    for ref in conv.images:
-        if ref.path in names:
-            continue
-        name = f"img{len(names)}{ref.path.suffix.lower() or '.img'}"
+    files: dict[str, bytes] = {}
+
+    def add(path: Path, name: str, reason: str, what: str) -> None:
+        if path in names:
+            return
+        name += path.suffix.lower() or ".bin"
         try:
-            images[name] = ref.path.read_bytes()
+            files[name] = path.read_bytes()
         except FileNotFoundError:
-            raise BadSampleError("missing_image", f"{conv.key}: image {ref.path} not found") from None
-        names[ref.path] = name
-    record = _rewrite_images(obj, lambda p: names[base / p])
+            raise BadSampleError(reason, f"{conv.key}: {what} {path} not found") from None
+        names[path] = name
+
+    n_image = n_video = 0
+    for ref in conv.visuals:
+        if isinstance(ref, ImageRef):
+            if ref.path not in names:
+                add(ref.path, f"img{n_image}", "missing_image", "image")
+                n_image += 1
+            continue
+        for j, frame in enumerate(ref.frames):
+            add(frame, f"vid{n_video}f{j:03d}", "missing_video", "video frame")
+        if ref.path is not None:
+            add(ref.path, f"vid{n_video}", "missing_video", "video")
+        n_video += 1
+    record = _rewrite_paths(obj, lambda p: names[base / p])
     record["id"] = conv.key
-    return {"json": json.dumps(record, ensure_ascii=False).encode(), **images}
+    return {"json": json.dumps(record, ensure_ascii=False).encode(), **files}
 
 
-def _rewrite_images(obj: dict, rename: Callable[[str], str]) -> dict:
-    """A copy of a record with every image path renamed, in the places `parse_record` reads
-    them: top-level `image`/`images`, and `image`/`path` of messages' content items."""
-    record = dict(obj)
-    for k in ("image", "images"):
-        v = record.get(k)
+def _rewrite_paths(obj: dict, rename: Callable[[str], str]) -> dict:
+    """A copy of a record with every image and video path renamed, in the places
+    `parse_record` reads them: top-level `image`/`images`/`video`/`videos`, and the paths of
+    messages' content items."""
+
+    def paths(v):  # a path, or a (nested) list of them
         if isinstance(v, str):
-            record[k] = rename(v)
-        elif isinstance(v, list):
-            record[k] = [rename(p) for p in v]
+            return rename(v)
+        return [paths(p) for p in v] if isinstance(v, list) else v
+
+    record = dict(obj)
+    for k in ("image", "images", "video", "videos"):
+        if k in record:
+            record[k] = paths(record[k])
     if isinstance(record.get("messages"), list):
         record["messages"] = [_rewrite_message(m, rename) for m in record["messages"]]
     return record
@@ -128,6 +148,10 @@ def _rewrite_message(message: dict, rename: Callable[[str], str]) -> dict:
                 if isinstance(item.get(k), str) and item[k]:
                     item[k] = rename(item[k])
                     break
+        elif isinstance(item, dict) and item.get("type") == "video":
+            item = dict(item)
+            v = item.get("video")
+            item["video"] = rename(v) if isinstance(v, str) else [rename(p) for p in v]
         items.append(item)
     return {**message, "content": items}
 

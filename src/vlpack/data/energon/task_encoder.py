@@ -59,11 +59,11 @@ run's seed itself, as the JSONL planner's first round does."""
 
 @edataclass
 class ConversationSample(Sample):
-    """A cooked sample: the record (None when its JSON did not parse) and its images' bytes by
-    member name (`img0.jpg`, ...)."""
+    """A cooked sample: the record (None when its JSON did not parse) and its images' and
+    videos' bytes by member name (`img0.jpg`, `vid0.mp4`, `vid1f000.jpg`, ...)."""
 
     record: Any
-    images: dict
+    media: dict
 
 
 @edataclass
@@ -82,8 +82,8 @@ def cook_conversation(sample: dict) -> ConversationSample:
         record = json.loads(sample["json"])
     except (KeyError, ValueError):
         record = None
-    images = {k: v for k, v in sample.items() if k.startswith("img")}
-    return ConversationSample(**basic_sample_keys(sample), record=record, images=images)
+    media = {k: v for k, v in sample.items() if k.startswith(("img", "vid"))}
+    return ConversationSample(**basic_sample_keys(sample), record=record, media=media)
 
 
 @dataclass
@@ -167,10 +167,11 @@ class QwenVLTaskEncoder(TaskEncoder):
             raise BadSampleError("bad_json", f"{sample.__key__}: the sample's .json member is "
                                  "missing or not a JSON object; re-run vlpack data energon-prepare")
         key = str(record.get("id") or sample.__key__)
-        # Encoder reads images by path: spill this sample's bytes to a private scratch folder
-        # (RAM-backed where /dev/shm exists) so parse_record and Encoder run unchanged.
+        # Encoder reads images and videos by path: spill this sample's bytes to a private
+        # scratch folder (RAM-backed where /dev/shm exists) so parse_record and Encoder run
+        # unchanged.
         with tempfile.TemporaryDirectory(prefix="vlpack-", dir=_scratch_root()) as tmp:
-            for name, payload in sample.images.items():
+            for name, payload in sample.media.items():
                 if "/" not in name:
                     (Path(tmp) / name).write_bytes(payload)
             return self.encoder.encode(parse_record(record, base_dir=tmp, key=key))
