@@ -116,6 +116,17 @@ MUTATIONS = [
              "obj = out.loss_sum * (ws / denom)", "obj = out.loss_sum * (1 / denom)",
              tests=("tests/test_step_gradient.py::"
                     "test_two_rank_step_gradient_is_the_global_token_mean",)),
+    Mutation("Qwen2.5-VL video positions not spaced by time", "data/rope.py",
+             "step = 1.0 if temporal_step_I is None else float(temporal_step_I[item])",
+             "step = 1.0", check="tiny-qwen2_5_vl",
+             tests=("tests/test_video.py::test_video_positions_match_transformers",)),
+    Mutation("a qwen3-family video's temporal patches read as one span", "data/rope.py",
+             "if kind == TOKEN_TYPE_VIDEO and t > 1 and e - s == gh * gw // spatial_merge_size**2:",
+             "if False:",
+             tests=("tests/test_video.py::test_video_positions_match_transformers",)),
+    Mutation("qwen2-family frames sampled end to end (the qwen3 rule)", "data/video.py",
+             'if r.style == "qwen3":\n        n = int(', 'if True:\n        n = int(',
+             tests=("tests/test_video.py::test_frame_sampling_hand_worked",)),
 ]
 
 

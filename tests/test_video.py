@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
 import types
 from pathlib import Path
@@ -404,3 +405,49 @@ def test_encoded_video_sample_matches_transformers_processor(tmp_path: Path, fam
     if fam == "qwen2_5_vl":
         np.testing.assert_allclose(np.asarray(out["second_per_grid_ts"], np.float32),
                                    hf["second_per_grid_ts"])
+
+
+def _video_folder(tmp_path: Path, **cfg) -> Path:
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_folder_video_settings_apply_and_user_settings_win(tmp_path: Path) -> None:
+    folder = _video_folder(tmp_path, fps=1, min_frames=2, max_frames=6, patch_size=16,
+                           size={"shortest_edge": 4096, "longest_edge": 65536},
+                           cap_pixels_per_frame=False)
+    enc = Encoder("qwen3_vl", processor_path=str(folder))
+    assert enc.video_file == str(folder / "video_preprocessor_config.json")
+    assert (enc.video.fps, enc.video.max_frames, enc.video.min_pixels, enc.video.max_pixels,
+            enc.video.cap_pixels_per_frame) == (1.0, 6, 4096, 65536, False)
+    mine = Encoder("qwen3_vl", processor_path=str(folder), video=vid.VideoSettings(fps=0.5))
+    assert (mine.video.fps, mine.video.max_frames) == (0.5, 6)
+    # 40 frames at 10 fps: 4 s at 1 fps → 4 frames; at 0.5 fps → 2, raised to min_frames 2
+    meta = vid.VideoMeta(total_frames=40, fps=10.0, width=64, height=64)
+    assert len(vid.sample_indices("qwen3_vl", meta, enc.video)) == 4
+    assert len(vid.sample_indices("qwen3_vl", meta, mine.video)) == 2
+    bad = _video_folder(tmp_path, patch_size=14)
+    with pytest.raises(ValueError, match=r"video_preprocessor_config\.json: patch_size=14"):
+        Encoder("qwen3_vl", processor_path=str(bad))
+
+
+def test_folder_video_settings_match_transformers_loading_the_same_file(tmp_path: Path) -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    folder = _video_folder(tmp_path, fps=1, min_frames=2, max_frames=6, patch_size=16,
+                           temporal_patch_size=2, merge_size=2, cap_pixels_per_frame=True,
+                           size={"shortest_edge": 4096, "longest_edge": 200000},
+                           image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    enc = Encoder("qwen3_vl", processor_path=str(folder))
+    hf = Qwen3VLVideoProcessor.from_pretrained(str(folder), local_files_only=True)
+    frames = np.random.default_rng(5).integers(0, 256, (50, 90, 160, 3), dtype=np.uint8)
+    meta = vid.VideoMeta(total_frames=50, fps=10.0, width=160, height=90)
+    indices = vid.sample_indices("qwen3_vl", meta, enc.video)
+    out = hf(videos=[frames], video_metadata=[{"total_num_frames": 50, "fps": 10.0}],
+             return_tensors="pt", return_metadata=True)
+    assert list(out["video_metadata"][0].frames_indices) == list(indices)
+    h, w = vid.frame_size("qwen3_vl", len(indices), 90, 160, enc.video)
+    assert out["video_grid_thw"][0].tolist() == [-(-len(indices) // 2), h // 16, w // 16]

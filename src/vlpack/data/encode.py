@@ -112,7 +112,8 @@ class Encoder:
     Pillow's decompression-bomb limit on the source images; Pillow keeps that limit process-wide,
     so the encoder sets it before each open. `chat_template` (a checkpoint folder's, see
     `vlpack.data.template`) replaces the built-in rendering. `video` sets how videos are
-    sampled and sized (`vlpack.data.video`; the family processor's defaults otherwise);
+    sampled and sized (`vlpack.data.video`; where it leaves a value None, that of
+    `processor_path`'s `video_preprocessor_config.json`, else the family processor's);
     `tokens_per_second` is the model's, for Qwen2.5-VL's video positions.
     """
 
@@ -129,8 +130,13 @@ class Encoder:
         tokens_per_second: int | None = None,
     ):
         self.family = family
-        self.video = video or vid.VideoSettings()
-        """How videos are sampled and sized (data/video.py)."""
+        folder_video = vid.folder_settings(processor_path, family) if processor_path else None
+        self.video_file = folder_video[1] if folder_video else None
+        """The `video_preprocessor_config.json` whose settings this encoder uses, if any."""
+        self.video = (video or vid.VideoSettings()).over(
+            folder_video[0] if folder_video else vid.VideoSettings()).over(vid.DEFAULTS)
+        """How videos are sampled and sized (data/video.py): `video`, else the folder's, else
+        the family's."""
         self.tokens_per_second = tokens_per_second or family_of(family).tokens_per_second
         """Qwen2.5-VL's temporal positions per second of video (the model config's
         `vision_config.tokens_per_second`; the released checkpoints' by default)."""

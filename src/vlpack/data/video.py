@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -44,27 +45,81 @@ FRAME_LIST_FPS = 2.0
 
 @dataclass(frozen=True, slots=True)
 class VideoSettings:
-    """How videos are sampled and sized (None: the family's processor's default)."""
+    """How videos are sampled and sized. None: the checkpoint folder's
+    `video_preprocessor_config.json` when it sets the value, else the family processor's
+    default (`DEFAULTS`, and the pixel bounds of `rules`)."""
 
-    fps: float = 2.0
-    """Frames sampled per second of a video file."""
-    min_frames: int = 4
-    max_frames: int = 768
+    fps: float | None = None
+    """Frames sampled per second of a video file (default 2)."""
+    min_frames: int | None = None
+    """Fewest frames sampled from a file (default 4)."""
+    max_frames: int | None = None
+    """Most frames sampled from a file (default 768)."""
     min_pixels: int | None = None
     """Lower bound on one frame's area (qwen2 families) or the clip's (qwen3 families)."""
     max_pixels: int | None = None
     """Upper bound, same meaning."""
-    cap_pixels_per_frame: bool = True
+    cap_pixels_per_frame: bool | None = None
+    """Share the pixel budget over the frames (default on)."""
     max_video_tokens: int | None = None
     """The budget `cap_pixels_per_frame` shares out (qwen2: tokens of the whole clip, 128,000;
     qwen3: tokens of one frame, 768)."""
 
     def __post_init__(self) -> None:
-        if not self.fps > 0:
+        if self.fps is not None and not self.fps > 0:
             raise ValueError(f"data.video.fps must be positive, got {self.fps}")
-        if not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"need 1 <= data.video.min_frames <= max_frames, got {self.min_frames} "
+        for name in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_video_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"data.video.{name} must be positive, got {v}")
+        if self.min_frames and self.max_frames and self.min_frames > self.max_frames:
+            raise ValueError(f"need data.video.min_frames <= max_frames, got {self.min_frames} "
                              f"and {self.max_frames}")
+
+    def over(self, base: VideoSettings) -> VideoSettings:
+        """These settings, `base`'s where these are None."""
+        return VideoSettings(**{f: getattr(base, f) if getattr(self, f) is None else
+                                getattr(self, f) for f in self.__slots__})
+
+
+DEFAULTS = VideoSettings(fps=2.0, min_frames=4, max_frames=768, cap_pixels_per_frame=True)
+"""The family processors' sampling defaults (`cap_pixels_per_frame`: qwen-vl-utils' rule,
+transformers' announced default)."""
+
+
+def folder_settings(folder: str | Path, family: str) -> tuple[VideoSettings, str] | None:
+    """The video settings a HF checkpoint folder saved in `video_preprocessor_config.json`, and
+    the file (None without one); a ValueError naming the file when its patch, merge or temporal
+    size differs from the family's model."""
+    import json
+
+    path = Path(folder) / "video_preprocessor_config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({e}); fix the file or remove it to use the "
+                         f"{family} defaults") from None
+    f = family_of(family)
+    for key, want in (("patch_size", f.patch_size), ("merge_size", f.merge_size),
+                      ("temporal_patch_size", f.temporal_patch_size)):
+        if cfg.get(key) is not None and int(cfg[key]) != want:
+            raise ValueError(f"{path}: {key}={cfg[key]} but the {family} model takes {want}: "
+                             "this video processor belongs to another model")
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge"))
+    hi = cfg.get("max_pixels", size.get("longest_edge"))
+
+    def num(key, kind):
+        return None if cfg.get(key) is None else kind(cfg[key])
+
+    return VideoSettings(fps=num("fps", float), min_frames=num("min_frames", int),
+                         max_frames=num("max_frames", int),
+                         min_pixels=None if lo is None else int(lo),
+                         max_pixels=None if hi is None else int(hi),
+                         cap_pixels_per_frame=num("cap_pixels_per_frame", bool),
+                         max_video_tokens=num("max_video_tokens", int)), str(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +179,7 @@ def sample_indices(family: str, meta: VideoMeta, settings: VideoSettings) -> tup
     """Frames of a video file that the family's processor samples."""
     import torch
 
-    r, total = rules(family), meta.total_frames
+    r, total, settings = rules(family), meta.total_frames, settings.over(DEFAULTS)
     if r.style == "qwen3":
         n = int(total / meta.fps * settings.fps)
         n = min(max(n, settings.min_frames), settings.max_frames, total)
@@ -143,7 +198,7 @@ def frame_size(family: str, num_frames: int, height: int, width: int,
     """(height, width) every frame is resized to; ValueError for a clip the processor refuses."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    r = rules(family)
+    r, settings = rules(family), settings.over(DEFAULTS)
     lo = r.min_pixels if settings.min_pixels is None else settings.min_pixels
     hi = r.max_pixels if settings.max_pixels is None else settings.max_pixels
     budget = r.max_video_tokens if settings.max_video_tokens is None else settings.max_video_tokens

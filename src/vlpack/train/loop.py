@@ -151,6 +151,8 @@ class Trainer:
                                chat_template=load_template(cfg.data.chat_template, folder))
         if self.encoder.chat_template and self.info.is_main:
             log.info("chat template from %s", self.encoder.chat_template.file)
+        if self.encoder.video_file and self.info.is_main:
+            log.info("video settings from %s: %s", self.encoder.video_file, self.encoder.video)
         if self.encoder.processor_file and self.info.is_main:
             log.info("image settings from %s: %d-%d pixels per image", self.encoder.processor_file,
                      self.encoder.min_pixels, self.encoder.max_pixels)
