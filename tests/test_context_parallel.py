@@ -211,6 +211,7 @@ def test_check_cp_without_torchrun_says_how_to_run_it():
 
 
 SMALL_RUN = ["data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
+             "data.video.min_pixels=4096", "data.video.max_pixels=50176",
              "data.buffer_size=8", "data.eval_samples=4", "data.shuffle=false",
              "train.progress=false", "train.eval_every=2", "train.save_every=0",
              "train.max_steps=4", "model.name=tiny-qwen3_5_moe", "train.aux_loss_coef=0.1"]

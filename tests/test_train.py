@@ -15,6 +15,7 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import open_dataset
 from vlpack.data.padded import build_padded_batch
+from vlpack.data.video import VideoSettings
 from vlpack.model.build import build_model
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.loop import NonFiniteLossError, Trainer
@@ -25,6 +26,7 @@ from vlpack.train.step import optimizer_step
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SMALL = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
+         "data.video.min_pixels=4096", "data.video.max_pixels=50176",
          "data.buffer_size=8", "data.eval_samples=0", "train.progress=false",
          "train.eval_every=0", "train.save_every=0"]
 
@@ -40,7 +42,8 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def samples():
-    enc = Encoder("qwen3_vl", min_pixels=16384, max_pixels=50176)
+    enc = Encoder("qwen3_vl", min_pixels=16384, max_pixels=50176,
+                  video=VideoSettings(min_pixels=4096, max_pixels=50176))
     items = open_dataset("synthetic", None, synthetic_samples=24)
     return [enc.encode(c) for c in items[:15]]
 

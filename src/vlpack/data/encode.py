@@ -260,7 +260,9 @@ class Encoder:
         cut, kept = self._safe_cut(sample, max_tokens)
         if not (sample.labels[:cut] != IGNORE_INDEX).any():
             dropped = len(sample.image_grid_thw) - kept
-            reason = "overlong_image" if dropped else "overlong_prompt"
+            video = dropped and sample.visual_kinds[kept] == TOKEN_TYPE_VIDEO
+            reason = "overlong_video" if video else "overlong_image" if dropped else \
+                "overlong_prompt"
             raise BadSampleError(
                 reason,
                 f"{sample.key}: {len(sample)} tokens, and cutting to {max_tokens}"
