@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import run_ranks
+from tests.helpers import finished, run_ranks
 from vlpack.data.types import IGNORE_INDEX, EncodedSample
 from vlpack.families import FAMILIES
 
@@ -171,14 +171,6 @@ def test_cp2_equals_cp1(cp_results, name):
         assert r["aux"] <= 1e-6 and r["counts"] and r["num_tokens"][0] == r["num_tokens"][1], r
 
 
-TEARDOWN_ABORT = "terminate called without an active exception"
-"""A CPU gloo process that finished its work sometimes aborts while the interpreter exits
-(seen on 2-process torchrun runs before context parallelism existed; its cause is not found).
-A run whose work ended (one of `done` on stdout) and which then died of exactly that counts as
-finished: what the tests compare (metrics, checkpoints, the printed report) was written
-before it."""
-
-
 def _torchrun(*args: str, nproc: int = CP,
               done: tuple[str, ...] = ("vlpack: done", "vlpack: stopped early"),
               ) -> subprocess.CompletedProcess:
@@ -186,9 +178,7 @@ def _torchrun(*args: str, nproc: int = CP,
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc-per-node={nproc}", "-m", "vlpack", *args],
                          capture_output=True, text=True, env=env, timeout=600)
-    if run.returncode and TEARDOWN_ABORT in run.stderr and any(d in run.stdout for d in done):
-        run.returncode = 0
-    return run
+    return finished(run, done)
 
 
 def test_check_cp2_under_torchrun_passes_on_the_hybrid_moe_family():

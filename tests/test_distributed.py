@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers import finished
 from tests.test_train import SMALL
 from vlpack.config import load_config
 
@@ -64,12 +65,12 @@ def _accounting_lines(stdout: str) -> list[str]:
 def _two_and_one(tmp_path: Path, args: list[str]):
     """`vlpack train ARGS` on 2 processes (torchrun, into tmp_path/two) and on 1 with 2
     micro-batches (the same global batch, into tmp_path/one); both must succeed."""
-    two = subprocess.run(
+    two = finished(subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "vlpack", "train",
          f"train.output_dir={tmp_path / 'two'}", *args],
         env=_env(), capture_output=True, text=True, timeout=600,
-    )
+    ))
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     one = subprocess.run(
         [sys.executable, "-m", "vlpack", "train", f"train.output_dir={tmp_path / 'one'}",
@@ -100,12 +101,12 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
 
     # FSDP2 sharded checkpoint: stop after 2 steps (as a time-limited job would), resume, finish.
     for extra in (["train.stop_after=2"], []):
-        part = subprocess.run(
+        part = finished(subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--master-port", str(_free_port()), "-m", "vlpack", "train",
              f"train.output_dir={tmp_path / 'resumed'}", *args, *extra],
             env=_env(), capture_output=True, text=True, timeout=600,
-        )
+        ))
         assert part.returncode == 0, part.stdout[-3000:] + part.stderr[-3000:]
     assert "resumed from" in part.stdout
     assert _losses(tmp_path / "resumed") == b
