@@ -257,15 +257,18 @@ def test_fsdp_root_keeps_fp32_loss_weights() -> None:
     assert seen == [torch.float32]
 
 
-def test_two_process_lora_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("model.name=tiny-qwen3_vl_moe", "model.lora.experts=true")],
+                         ids=["dense", "moe-experts"])
+def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, ...]) -> None:
     """LoRA under FSDP2 (frozen base weights and trainable adapters in one FSDP unit) on 2
     processes gives the 1-process losses, and rank 0 writes the adapter from the gathered
-    shards."""
+    shards; also with the routed experts' weights adapted (peft's parametrization inside the
+    sharded layer)."""
     from safetensors.torch import load_file
 
     pytest.importorskip("peft")
     args = [*SMALL, "train.max_steps=3", "data.shuffle=false", "model.lora.rank=4",
-            "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
+            "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0", *extra]
     _two_and_one(tmp_path, args)
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
@@ -274,3 +277,5 @@ def test_two_process_lora_equals_one_process(tmp_path: Path) -> None:
               for r in ("one", "two"))
     assert set(w1) == set(w2) and all(k.startswith("base_model.model.") for k in w1)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    if extra:
+        assert any(".experts.lora_A" in k for k in w1)

@@ -147,3 +147,47 @@ def test_lora_targets():
     assert all(n.rsplit(".", 1)[-1] in ("gate_proj", "down_proj") for n in named)
     assert set(lora.target_names(model, LoraConfig(rank=4, vision=True))) >= vision
     assert not set(lora.target_names(model, LoraConfig(rank=4))) & vision
+
+
+def test_lora_on_routed_experts(tmp_path: Path):
+    """`model.lora.experts=true` on an MoE family: a rank-r update per expert of the routed
+    experts' weights (peft `target_parameters`). Packed equals unpacked in logits and in the
+    adapters' gradients; the adapter loads in peft and the merged weights in the plain model,
+    both with the adapted model's logits; a dense family is refused."""
+    from vlpack.model.check import compare, run_packed, run_unpacked
+    from vlpack.model.synthetic import default_mix
+
+    model, spec = build_model("tiny-qwen3_vl_moe", dtype=torch.float32, device="cpu", seed=0)
+    lora.apply_lora(model, LoraConfig(rank=4, alpha=8, experts=True))
+    adapted = [n for n, p in model.named_parameters() if p.requires_grad and ".experts." in n]
+    assert len(adapted) == 4 * len(model.model.language_model.layers)  # A, B × 2 weights
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # stand in for training: B = 0 would leave the model unchanged
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.train()
+    samples = default_mix(spec, 4, seed=1)
+    d = compare(run_packed(model, spec, samples, 8), run_unpacked(model, spec, samples))
+    assert max(d["logits"]) <= 1e-4 and max(d["grad"].values()) <= 1e-4, d
+
+    ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(0))
+    want = _logits(model, ids)
+    base, _ = build_model("tiny-qwen3_vl_moe", backend="sdpa", dtype=torch.float32, device="cpu",
+                          seed=0)
+    untrained = _logits(base, ids)
+    assert (untrained - want).abs().max() > 1e-3  # the experts' adapters change the model
+    merged = lora.merged_state_dict(model, model.state_dict())
+    assert not any("lora" in k or "base_layer" in k for k in merged)
+    plain, _ = build_model("tiny-qwen3_vl_moe", backend="sdpa", dtype=torch.float32, device="cpu",
+                           seed=0)
+    plain.load_state_dict(merged, strict=True)
+    assert (_logits(plain, ids) - want).abs().max() <= 1e-4
+    lora.save_adapter(model, tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert (_logits(loaded, ids) - want).abs().max() <= 1e-5
+    dense, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="no routed experts"):
+        lora.apply_lora(dense, LoraConfig(rank=4, experts=True))
+    with pytest.raises(ValueError, match="lora.dropout=0"):
+        LoraConfig(rank=4, experts=True, dropout=0.1)

@@ -158,15 +158,21 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] | None = None
     """Leaf names of the text model's linears to adapt; None: the LLM's attention,
-    Gated-DeltaNet and MLP projections (routed experts stay frozen)."""
+    Gated-DeltaNet and MLP projections (routed experts: see `experts`)."""
     vision: bool = False
     """Also adapt every linear of the vision tower and its mergers."""
+    experts: bool = False
+    """Also adapt the routed experts' weights (MoE families): a low-rank update per expert of
+    `gate_up_proj` and `down_proj`, through peft's `target_parameters` (needs lora.dropout 0)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"model.lora.rank={self.rank}: use 0 (off) or a positive rank, e.g. 8")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.lora.dropout={self.dropout}: use a value in [0, 1)")
+        if self.experts and self.dropout:
+            raise ValueError("model.lora.experts=true needs model.lora.dropout=0: peft cannot "
+                             "drop out the input of a LoRA update on a weight tensor")
 
 
 @dataclass(kw_only=True, slots=True)

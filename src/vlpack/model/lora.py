@@ -7,10 +7,12 @@ the LoRA weights train. `save_adapter` writes peft's format (`adapter_config.jso
 `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads on the base model;
 `merged_state_dict` folds the adapter into the base weights for a plain transformers folder.
 
-Default targets: the LLM's attention, Gated-DeltaNet and MLP projections (dense and shared-expert;
-routed experts are 3-D parameters, not linears, and stay frozen); `target_modules` names other
-leaf names of the text model. `vision=True` adds every linear of the vision tower and its
-mergers.
+Default targets: the LLM's attention, Gated-DeltaNet and MLP projections (dense and shared-expert);
+`target_modules` names other leaf names of the text model. `vision=True` adds every linear of the
+vision tower and its mergers. `experts=True` adds the routed experts: their weights are 3-D
+parameters ([experts, ...]), not linears, and peft adapts them through `target_parameters`
+(`ParamWrapper`: one rank-r update per expert, W + B·A applied as a parametrization while the
+experts module runs, so vlpack's experts kernel sees the adapted weight).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from vlpack.config import LoraConfig as VlpackLora
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "out_proj")
 """Projection names of the text model that LoRA adapts by default."""
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+"""The routed experts' weights `model.lora.experts` adapts (peft `target_parameters`)."""
 
 
 def _peft():
@@ -47,9 +51,8 @@ def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
     routed = sorted(wanted & ((experts - text_linears) | {"experts"}))
     if cfg.target_modules and routed:
         raise ValueError(f"model.lora.target_modules names {routed}: the routed experts' weights "
-                         "are 3-D parameters, not linear layers, and vlpack adapts linears only "
-                         "(the experts stay frozen); leave them out, or adapt the shared expert's "
-                         "gate_proj / up_proj / down_proj")
+                         "are 3-D parameters, not linear layers; adapt them with "
+                         "model.lora.experts=true (and leave them out of target_modules)")
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or name.endswith("lm_head"):
@@ -75,11 +78,31 @@ def _text_linear_names(model: nn.Module) -> set[str]:
             if isinstance(m, nn.Linear) and ".visual." not in f".{n}." and not n.endswith("lm_head")}
 
 
-def peft_config(model: nn.Module, cfg: VlpackLora):
-    """The `peft.LoraConfig` of `cfg` on `model` (its targets as full module names)."""
+def expert_parameters(model: nn.Module, cfg: VlpackLora) -> list[str]:
+    """The `target_parameters` of `cfg` on `model`: the routed experts' weights with
+    `cfg.experts`, else none; a ValueError for a dense model or a peft without them."""
+    if not cfg.experts:
+        return []
+    names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]
+             for n, _ in model.named_parameters() if ".experts." in n}
+    found = [p for p in EXPERT_PARAMETERS if p in names]
+    if not found:
+        raise ValueError(f"model.lora.experts=true but {type(model).__name__} has no routed "
+                         "experts (a dense family): leave model.lora.experts off")
     peft = _peft()
+    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        raise ValueError(f"model.lora.experts=true needs peft >= 0.17 (LoRA on weight tensors); "
+                         f"peft {peft.__version__} is installed: pip install -U peft")
+    return found
+
+
+def peft_config(model: nn.Module, cfg: VlpackLora):
+    """The `peft.LoraConfig` of `cfg` on `model` (its targets as full module names, the
+    experts' weights as `target_parameters`)."""
+    peft = _peft()
+    extra = {"target_parameters": p} if (p := expert_parameters(model, cfg)) else {}
     return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=target_names(model, cfg), bias="none")
+                           target_modules=target_names(model, cfg), bias="none", **extra)
 
 
 def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
@@ -93,6 +116,30 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
         p.requires_grad_("lora_" in name)
     model._vlpack_lora = pc
     return sum(1 for m in model.modules() if hasattr(m, "lora_A"))
+
+
+def _wrapped_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """{state-dict prefix of a ParamWrapper: (the wrapped parameter's full key, the wrapper)}."""
+    out = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "parameter_name") and hasattr(m, "lora_A"):
+            inner = name
+            while True:  # the wrapped parameter lives on the innermost base layer
+                inner += ".base_layer"
+                if not hasattr(model.get_submodule(inner), "lora_A"):
+                    break
+            out[name] = (f"{inner}.{m.parameter_name}", m)
+    return out
+
+
+def _expert_delta(wrapper: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The update B·A of one adapted expert weight, per expert, in the weight's layout (peft's
+    `ParamWrapper` factor layout: A [experts·r, in], B [out, r·experts])."""
+    e = wrapper.num_experts
+    a = a.reshape(e, -1, a.shape[-1])
+    b = b.reshape(b.shape[0], -1, e)
+    layout = "e o i" if wrapper._did_swap_in_out_features else "e i o"
+    return torch.einsum(f"o r e, e r i -> {layout}", b, a) * wrapper.scaling["default"]
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None = None,
@@ -118,14 +165,24 @@ def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None 
 
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
     """`state_dict` (the full state of a LoRA model) with each adapter folded into its base
-    weight (W + scale · B A) under the base layer's own name: the state of the plain model."""
+    weight (W + scale · B A; per expert for the routed experts' weights) under the base
+    layer's own name: the state of the plain model."""
     pc = model._vlpack_lora
     scale = pc.lora_alpha / pc.r
+    wrapped = _wrapped_parameters(model)
+    deltas = {}
+    for prefix, (key, wrapper) in wrapped.items():
+        a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
+        b = state_dict[f"{prefix}.lora_B.default.weight"].to(torch.float32)
+        deltas[key] = _expert_delta(wrapper, a, b)
     out = {}
     for key, value in state_dict.items():
         if ".lora_" in key:
             continue
-        if ".base_layer." in key:
+        if key in deltas:
+            value = (value.to(torch.float32) + deltas[key]).to(value.dtype)
+            key = key.replace(".base_layer", "")
+        elif ".base_layer." in key:
             prefix, leaf = key.split(".base_layer.")
             if leaf == "weight":
                 a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
@@ -141,8 +198,11 @@ def describe(model: nn.Module) -> str:
     pc = model._vlpack_lora
     total = sum(p.numel() for p in model.parameters())
     train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    adapted = sum(1 for m in model.modules() if hasattr(m, "lora_A"))
-    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {adapted} linears: "
+    adapted = sum(1 for m in model.modules() if hasattr(m, "lora_A")
+                  and not hasattr(m, "parameter_name"))
+    experts = sum(1 for m in model.modules() if hasattr(m, "parameter_name"))
+    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {adapted} linears"
+            + (f" and {experts} expert weights" if experts else "") + ": "
             f"{train:,} of {total:,} parameters train ({100 * train / total:.2f}%)")
 
 
