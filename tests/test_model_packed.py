@@ -7,7 +7,6 @@ sample alone. The bin mixes a two-image sample, a text-only sample and single-im
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -92,27 +91,25 @@ def test_paths_named(family_run):
 
 # --- MoE statistics --------------------------------------------------------------------------
 def _padded_router_logits(model, spec, samples):
-    """Stock forward of the samples as one right-padded batch with a 2-D mask."""
-    L = max(len(s) for s in samples)
-    S = len(samples)
-    ids = torch.full((S, L), spec.pad_token_id)
-    mask = torch.zeros(S, L, dtype=torch.long)
-    types = torch.zeros(S, L, dtype=torch.int32)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = torch.as_tensor(s.input_ids)
-        mask[i, : len(s)] = 1
-        types[i, : len(s)] = torch.as_tensor(s.mm_token_type_ids.astype(np.int32))
-    pix = [s.pixel_values for s in samples if s.pixel_values is not None]
-    grids = np.concatenate([s.image_grid_thw for s in samples if len(s.image_grid_thw)])
+    """Stock forward of the samples as one right-padded batch with a 2-D mask (images and
+    videos as transformers' own inputs)."""
+    from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import set_attn_implementation
+    from vlpack.model.forward import stock_visuals
+
+    b = build_padded_batch(samples, pad_token_id=spec.pad_token_id)
+    ids, mask, types = b.input_ids, b.attention_mask, b.mm_token_type_ids
+    visuals = stock_visuals(spec, pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw,
+                            pixel_values_videos=b.pixel_values_videos,
+                            video_grid_thw=b.video_grid_thw,
+                            second_per_grid_ts=b.second_per_grid_ts)
 
     set_attn_implementation(model, "sdpa")
     model.model.rope_deltas = None
     try:
         with torch.no_grad(), RouterCapture(model) as cap:
             model.model(input_ids=ids, attention_mask=mask, mm_token_type_ids=types,
-                        pixel_values=torch.as_tensor(np.concatenate(pix)),
-                        image_grid_thw=torch.as_tensor(grids), use_cache=False)
+                        use_cache=False, **visuals)
     finally:
         set_attn_implementation(model, spec.attn_implementation)
     return tuple(cap.logits), mask
