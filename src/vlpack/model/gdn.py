@@ -215,9 +215,11 @@ class GatedDeltaNet:
         z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
         b = self.in_proj_b(x_BTD)
         a = self.in_proj_a(x_BTD)
-        if split is not None:
-            mixed_BCT = split.gather_row(mixed_BCT, dim=2)
-            b, a = split.gather_row(b, dim=1), split.gather_row(a, dim=1)
+        if split is not None:  # the conv's and the gates' inputs in one collective
+            widths = [mixed_BCT.shape[1], b.shape[-1], a.shape[-1]]
+            both = split.gather_row(torch.cat([mixed_BCT.transpose(1, 2), b, a], -1), dim=1)
+            mixed_BTC, b, a = both.split(widths, -1)
+            mixed_BCT = mixed_BTC.transpose(1, 2)
             T = mixed_BCT.shape[2]
         mixed_BCT = segment_conv1d(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                    self.activation, segs, bounds=bounds, torch_only=torch_only)
