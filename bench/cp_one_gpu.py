@@ -11,10 +11,12 @@ import sys
 import torch.distributed as dist
 
 from vlpack.model.check import check
+from vlpack.model.context import ContextGroup
 
 dist.init_process_group("gloo")
+group = ContextGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
 for name in sys.argv[1:]:
-    r = check(name, cp=2)
+    r = check(name, context=group)
     if dist.get_rank() == 0:
         keep = ("model", "dtype", "cp", "passed", "failures", "max_logit_diff", "paths", "rule")
         print(json.dumps({k: r.get(k) for k in keep}, default=float), flush=True)

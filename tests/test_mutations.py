@@ -116,6 +116,10 @@ MUTATIONS = [
              "obj = out.loss_sum * (ws / denom)", "obj = out.loss_sum * (1 / denom)",
              tests=("tests/test_step_gradient.py::"
                     "test_two_rank_step_gradient_is_the_global_token_mean",)),
+    Mutation("context-parallel Gated-DeltaNet: the chunk states' gather cut from the graph",
+             "model/gdn.py", "gathered = split.gather_rows(summary)",
+             "gathered = split.gather_rows(summary.detach())",
+             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",)),
     Mutation("Qwen2.5-VL video positions not spaced by time", "data/rope.py",
              "step = 1.0 if temporal_step_I is None else float(temporal_step_I[item])",
              "step = 1.0", check="tiny-qwen2_5_vl",

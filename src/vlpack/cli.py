@@ -115,9 +115,28 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from vlpack.model.check import check_command
+    from vlpack.model.check import EXIT_COULD_NOT_RUN, check_command
 
-    return check_command(args)
+    if args.cp == 1:
+        return check_command(args)
+    from vlpack.train.parallel import context_group, init_distributed, shutdown
+
+    try:
+        if args.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {args.cp}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != args.cp:
+            raise ValueError(f"context parallelism over {args.cp} ranks needs {args.cp} "
+                             f"processes, found WORLD_SIZE={world}: run under `torchrun "
+                             f"--standalone --nproc-per-node {args.cp} -m vlpack check ...`")
+        context = context_group(init_distributed(), args.cp)
+    except ValueError as e:
+        print(f"vlpack check could not run: {e}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    try:
+        return check_command(args, context)
+    finally:
+        shutdown()
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

@@ -324,8 +324,9 @@ def _context_attention(name, query, key, value, split, scale, paths):
         raise ValueError(f"context-parallel attention got {query.shape[2]} tokens but this rank "
                          f"holds {split.num_local} of the row: run packed rows (batch 1)")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = attend_chunks(name, q, split.gather_keys(k), split.gather_keys(v), split.chunks_q,
-                        split.chunks_k, scale=scale, paths=paths)
+    # keys and values in one collective
+    k, v = split.gather_keys(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], -1)
+    out = attend_chunks(name, q, k, v, split.chunks_q, split.chunks_k, scale=scale, paths=paths)
     return out[None]
 
 

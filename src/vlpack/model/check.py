@@ -46,7 +46,7 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
-from vlpack.model.context import ContextGroup, ContextSplit
+from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
 from vlpack.model.seams import classes_of
@@ -159,9 +159,7 @@ def _forward_row(model, spec: ModelSpec, batch, context: ContextGroup | None, *,
     aux = out.aux_loss
     if context is None or context.size == 1:
         return out, out.logits, out.hidden, cap.logits, aux
-    split = ContextSplit(context, batch.padded_bounds, batch.image_positions,
-                         batch.input_ids.device)
-    row = lambda x: None if x is None else split.gather_row(x.detach())  # noqa: E731
+    row = lambda x: None if x is None else out.split.gather_row(x.detach())  # noqa: E731
     aux = None if aux is None else context.all_reduce(aux)
     return out, row(out.logits), row(out.hidden), [row(r) for r in cap.logits], aux
 
@@ -461,16 +459,15 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
-          device: str | None = None, cp: int = 1) -> dict:
+          device: str | None = None, context: ContextGroup | None = None) -> dict:
     """Run the check; returns the report dict (`passed`, and `failures` naming each item that
     does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
 
-    With `cp` > 1 (under torchrun, `cp` processes) the packed side is split across them by
+    With a `context` group of several processes the packed side is split across them by
     context parallelism; every rank builds the same model and reference, and the packed
     row's logits and gradients are gathered before the comparison."""
-    if cp < 1:
-        raise CheckUnsupportedError(f"--cp must be >= 1, got {cp}")
-    context = ContextGroup.world(cp) if cp > 1 else None
+    cp = 1 if context is None else context.size
+    context = context if cp > 1 else None
     if device is None and context is not None and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -607,11 +604,12 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def check_command(args: argparse.Namespace) -> int:
-    """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run."""
+def check_command(args: argparse.Namespace, context: ContextGroup | None = None) -> int:
+    """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run. `context`: the
+    context-parallel group of `--cp N` (made by the CLI)."""
     try:
         r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
-                  seed=args.seed, data=args.data, cp=getattr(args, "cp", 1))
+                  seed=args.seed, data=args.data, context=context)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise
@@ -620,10 +618,6 @@ def check_command(args: argparse.Namespace) -> int:
         print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
         logger.debug("check failed to run", exc_info=True)
         return EXIT_COULD_NOT_RUN
-    finally:
-        from vlpack.model.context import leave_world
-
-        leave_world()
     if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
         print(json.dumps(r, default=float) if args.json else format_report(r))
     return EXIT_PASSED if r["passed"] else EXIT_FAILED

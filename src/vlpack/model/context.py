@@ -51,35 +51,12 @@ class ContextGroup:
     def single(cls) -> ContextGroup:
         return cls(None, 0, 1)
 
-    @classmethod
-    def world(cls, size: int) -> ContextGroup:
-        """torchrun's whole world as one group of `size` processes (joined here if it is not
-        yet: NCCL on GPUs, gloo on CPUs)."""
-        import os
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != size:
-            raise ValueError(f"context parallelism over {size} ranks needs {size} processes, "
-                             f"found WORLD_SIZE={world}: run under `torchrun --standalone "
-                             f"--nproc-per-node {size} -m vlpack ...`")
-        if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return cls(dist.group.WORLD, dist.get_rank(), size)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the group (not differentiable: for statistics and counts)."""
         out = x.detach().clone()
         if self.size > 1:
             dist.all_reduce(out, group=self.group)
         return out
-
-
-def leave_world() -> None:
-    """Leave the process group `ContextGroup.world` joined (no-op when none is joined)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class _GatherRows(torch.autograd.Function):

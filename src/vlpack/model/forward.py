@@ -37,7 +37,7 @@ class ForwardOut:
     logits: [T, V] only when asked; router_stats: per-expert counts (MoE);
     paths: the kernels that ran (attention, GDN, MoE experts, loss); hf_loss: transformers' own token-mean
     loss (`unpacked_forward(..., hf_labels=True)` only); hidden: [T, H] final hidden states,
-    only when asked."""
+    only when asked; split: this rank's share of a context-parallel row (None otherwise)."""
 
     loss_sum: torch.Tensor
     num_label_tokens: int
@@ -47,6 +47,7 @@ class ForwardOut:
     paths: dict[str, str] = field(default_factory=dict)
     hf_loss: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    split: ContextSplit | None = None
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -227,6 +228,7 @@ def packed_forward(
         paths={k if k.startswith(("gdn.", "vision.", "moe.", "loss")) else f"attention.{k}": v
                for k, v in sorted(paths.items())},
         hidden=hidden_TH if return_hidden else None,
+        split=split,
     )
 
 

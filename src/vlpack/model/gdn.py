@@ -168,6 +168,77 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     return torch.cat(outs, dim=1)
 
 
+def _delta_rule_kernel(query, key, value, g, beta, bounds: Boundaries, torch_fn: Callable,
+                       torch_only: bool):
+    """fla's varlen delta rule where it runs (and its backward is approved), else None: the
+    same decision as `segment_delta_rule`, said in `bounds.paths`."""
+    if torch_only or not _use_fla(query):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta)):
+        decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn)
+        bounds.paths["gdn.backward"] = decision.describe()
+        if not decision.ok:
+            _warn_once(f"vlpack: {decision.describe()}; the delta rule runs per segment in "
+                       "torch (install tilelang or Triton >= 3.7.1 for fla's backward)")
+            return None
+    return _fla()[1]
+
+
+def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
+                       torch_fn: Callable, torch_only: bool = False) -> torch.Tensor:
+    """The delta rule over this rank's tokens of a context-parallel row [1, R, H, D], exact:
+    every sample's recurrent state passes from chunk to chunk across the ranks.
+
+    The state after a chunk is affine in the state before it: S_out = A·S_in + B (A [Dk, Dk]
+    per head: the chunk's product of decays and Householder-like updates; B: the chunk's state
+    from a zero start). Each rank computes A (the chunk run from the identity with zero values)
+    and B (the run from zero) for its chunks, the group gathers them (small: a state per chunk),
+    every rank scans each sample's chunks in order for its chunks' starting states, and runs
+    its chunks once more from those states for the outputs. Gradients flow back through the
+    scan and the gather to the ranks that own the earlier chunks."""
+    chunks = split.chunks_q
+    n = len(chunks.host) - 1  # this rank's chunks: two per sample (chunks r and 2·cp−1−r)
+    H, Dk = key.shape[2], key.shape[3]
+    gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
+    bounds.paths["gdn.delta_rule"] = (
+        "fla chunk_gated_delta_rule (cu_seqlens), state passed across ranks" if gdr is not None
+        else "per-chunk torch chunk_gated_delta_rule, state passed across ranks")
+
+    def run(v, initial):  # (outputs [1, R, H, Dv], final states [n, H, Dk, Dv]) of the chunks
+        if gdr is not None:
+            out, final = gdr(query, key, v, g=g, beta=beta, initial_state=initial,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             **_fla_bounds(gdr, chunks, None, query.device))
+            return out, final
+        outs, finals = [], []
+        for j, (s, e) in enumerate(itertools.pairwise(chunks.host)):
+            o, f = torch_fn(query[:, s:e], key[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                            initial_state=None if initial is None else initial[j : j + 1],
+                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+
+    eye = torch.eye(Dk, device=key.device, dtype=torch.float32).expand(n, H, Dk, Dk)
+    _, b_state = run(value, None)
+    _, a_state = run(value.new_zeros((*value.shape[:3], Dk)), eye.contiguous())
+    summary = torch.cat([a_state.float(), b_state.float()], dim=-1)  # [n, H, Dk, Dk + Dv]
+    gathered = split.gather_rows(summary)  # [cp·n, ...], rank-major
+    cp, r = split.group.size, split.group.rank
+    samples = n // 2
+    state = b_state.new_zeros((samples, *b_state.shape[1:]), dtype=torch.float32)
+    starts = [None, None]
+    for c in range(2 * cp):  # each sample's chunks in row order
+        if c in (r, 2 * cp - 1 - r):
+            starts[0 if c == r else 1] = state
+        owner, second = (c, 0) if c < cp else (2 * cp - 1 - c, 1)
+        rows = gathered[owner * n + second + 2 * torch.arange(samples, device=key.device)]
+        state = rows[..., :Dk] @ state + rows[..., Dk:]
+    initial = torch.stack(starts, dim=1).reshape(n, *b_state.shape[1:])  # local chunk order
+    out, _ = run(value, initial.to(b_state.dtype))
+    return out
+
+
 def _stock_function(stock: type, name: str) -> Callable:
     """transformers' pure-torch `name` of the modeling module that defines `stock`."""
     fn = getattr(sys.modules[stock.__module__], name, None)
@@ -208,19 +279,20 @@ class GatedDeltaNet:
     def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
                 torch_only: bool, split=None) -> torch.Tensor:
         """The packed forward over `segs`. With a context-parallel `split` x holds this rank's
-        tokens: the projections run on them, the conv and the delta rule on the whole row
-        (its inputs gathered from every rank, exact), and this rank keeps its outputs."""
+        tokens: the projections run on them, the conv on the whole row (its inputs gathered),
+        the delta rule on this rank's chunks with the recurrent state passed across ranks
+        (`context_delta_rule`)."""
         B, T, _ = x_BTD.shape
         mixed_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
         z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
         b = self.in_proj_b(x_BTD)
         a = self.in_proj_a(x_BTD)
-        if split is not None:
+        if split is not None:  # the conv's inputs of the whole row (a depthwise conv: cheap)
             mixed_BCT = split.gather_row(mixed_BCT, dim=2)
-            b, a = split.gather_row(b, dim=1), split.gather_row(a, dim=1)
-            T = mixed_BCT.shape[2]
         mixed_BCT = segment_conv1d(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                    self.activation, segs, bounds=bounds, torch_only=torch_only)
+        if split is not None:  # this rank's tokens again
+            mixed_BCT = split.keep_local(mixed_BCT, dim=2)
         query, key, value = torch.split(mixed_BCT.transpose(1, 2),
                                         [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(B, T, -1, self.head_k_dim)
@@ -232,11 +304,12 @@ class GatedDeltaNet:
         if self.num_v_heads // self.num_k_heads > 1:
             query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
             key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
-        out = segment_delta_rule(
-            query, key, value, g, beta, segs, bounds,
-            torch_fn=_stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule"),
-            torch_only=torch_only)
-        if split is not None:
-            out = split.keep_local(out, dim=1)
+        torch_fn = _stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
+        if split is None:
+            out = segment_delta_rule(query, key, value, g, beta, segs, bounds,
+                                     torch_fn=torch_fn, torch_only=torch_only)
+        else:
+            out = context_delta_rule(query, key, value, g, beta, split, bounds,
+                                     torch_fn=torch_fn, torch_only=torch_only)
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(B, z.shape[1], -1))
