@@ -10,11 +10,10 @@ carries what the layers need, in the forward's `Boundaries` (`Boundaries.context
   sums the gradients back to the rank that owns each row) and runs each local query chunk
   against its segment's keys up to the chunk's end (`attention.attend_chunks`, causal aligned
   to the chunk's last key);
-- the Gated-DeltaNet layers gather their conv inputs and run the (cheap, depthwise) conv on the
-  whole row with the row's boundaries, keep their own tokens (`row_order`, `local_rows`), and
-  run the delta rule on their own chunks only, each sample's recurrent state passed from chunk
-  to chunk across the ranks (`gdn.context_delta_rule`: per-chunk state maps gathered and
-  scanned, exact);
+- the Gated-DeltaNet layers run on their own chunks: the short conv with each chunk's left
+  halo gathered from the ranks holding it (`gdn.context_conv1d`), the delta rule with each
+  sample's recurrent state passed from chunk to chunk across the ranks
+  (`gdn.context_delta_rule`: per-chunk state maps gathered and scanned, exact);
 - the vision tower encodes each image of the row on one rank of the group (`images_mine`,
   balanced by patches) and the features are gathered, so each rank keeps those of its own image
   tokens (`image_index_gathered`); the deepstack merge adds them at its local positions. A row

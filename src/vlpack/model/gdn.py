@@ -132,6 +132,44 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segme
     return y.to(x_BCT.dtype)
 
 
+def context_conv1d(x_BCR, weight_CW, bias_C, activation: str | None, split, *,
+                   bounds: Boundaries | None = None, torch_only: bool = False):
+    """`segment_conv1d` over this rank's tokens of a context-parallel row [1, C, R]: each of its
+    chunks gets the W−1 tokens before it in its sample (its left halo) from the ranks holding
+    them, the conv runs over halo + chunk (restarting at each), and the halo's outputs are
+    dropped. One gather of every chunk's last W−1 tokens (small); exact."""
+    h = weight_CW.shape[-1] - 1
+    chunks = split.shard.chunks
+    n, cp, r = len(chunks), split.group.size, split.group.rank
+    C = x_BCR.shape[1]
+    # every local chunk's last h tokens (left-padded with zeros when shorter), gathered
+    tails = torch.stack([F.pad(x_BCR[0, :, c.q_start + max(c.length - h, 0): c.q_start + c.length],
+                               (max(h - c.length, 0), 0)) for c in chunks])  # [n, C, h]
+    gathered = split.gather_rows(tails)  # [cp·n, C, h], rank-major
+
+    def tail(sample: int, index: int) -> torch.Tensor:  # the last h tokens of chunk `index`
+        owner, second = (index, 0) if index < cp else (2 * cp - 1 - index, 1)
+        return gathered[owner * n + 2 * sample + second]
+
+    pieces, keep, cu = [], [], [0]
+    for j, c in enumerate(chunks):
+        sample, index = j // 2, (r if j % 2 == 0 else 2 * cp - 1 - r)
+        have = min(h, index * c.length)  # halo tokens inside the sample
+        if have:
+            back = -(-have // c.length)  # chunks the halo reaches into
+            parts = [tail(sample, index - m)[:, h - min(h, c.length):] for m in range(back, 0, -1)]
+            pieces.append(torch.cat(parts, dim=1)[:, -have:])
+        pieces.append(x_BCR[0, :, c.q_start : c.q_start + c.length])
+        keep.append(torch.arange(cu[-1] + have, cu[-1] + have + c.length))
+        cu.append(cu[-1] + have + c.length)
+    x = torch.cat(pieces, dim=1)[None]
+    assert x.shape[1] == C
+    y = segment_conv1d(x, weight_CW, bias_C, activation,
+                       Segments.from_host(tuple(cu), x.device), bounds=bounds,
+                       torch_only=torch_only)
+    return y.index_select(2, torch.cat(keep).to(y.device))
+
+
 # --- gated delta rule ---------------------------------------------------------------------------
 def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Boundaries, *,
                        torch_fn: Callable, torch_only: bool = False) -> torch.Tensor:
@@ -279,20 +317,18 @@ class GatedDeltaNet:
     def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
                 torch_only: bool, split=None) -> torch.Tensor:
         """The packed forward over `segs`. With a context-parallel `split` x holds this rank's
-        tokens: the projections run on them, the conv on the whole row (its inputs gathered),
-        the delta rule on this rank's chunks with the recurrent state passed across ranks
-        (`context_delta_rule`)."""
+        tokens: the projections, the conv (`context_conv1d`, each chunk with its left halo from
+        the ranks holding it) and the delta rule (`context_delta_rule`, the recurrent state
+        passed across ranks) all run on them."""
         B, T, _ = x_BTD.shape
         mixed_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
         z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
         b = self.in_proj_b(x_BTD)
         a = self.in_proj_a(x_BTD)
-        if split is not None:  # the conv's inputs of the whole row (a depthwise conv: cheap)
-            mixed_BCT = split.gather_row(mixed_BCT, dim=2)
-        mixed_BCT = segment_conv1d(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                   self.activation, segs, bounds=bounds, torch_only=torch_only)
-        if split is not None:  # this rank's tokens again
-            mixed_BCT = split.keep_local(mixed_BCT, dim=2)
+        conv = segment_conv1d if split is None else context_conv1d
+        mixed_BCT = conv(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                         self.activation, segs if split is None else split, bounds=bounds,
+                         torch_only=torch_only)
         query, key, value = torch.split(mixed_BCT.transpose(1, 2),
                                         [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(B, T, -1, self.head_k_dim)
