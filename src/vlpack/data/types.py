@@ -53,9 +53,6 @@ class VideoRef:
         return f"{self.frames[0]} (+{len(self.frames) - 1} frames)"
 
 
-Visual = ImageRef | VideoRef
-
-
 @dataclass(frozen=True, slots=True)
 class Message:
     """One turn. `content` interleaves text (str), images and videos in reading order."""
