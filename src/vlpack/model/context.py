@@ -159,6 +159,14 @@ class ContextSplit:
         g = self.group
         return _GatherRows.apply(x_R, g.group, g.rank, g.size)
 
+    def chunk_row(self, sample: int, index: int) -> int:
+        """Where chunk `index` (0 … 2·cp−1, row order) of sample `sample` is among per-chunk
+        rows gathered rank-major (`gather_rows` of one row per local chunk): rank r holds
+        chunks r and 2·cp−1−r of every sample, in that order."""
+        cp, n = self.group.size, len(self.shard.chunks)
+        owner, second = (index, 0) if index < cp else (2 * cp - 1 - index, 1)
+        return owner * n + 2 * sample + second
+
     def gather_keys(self, k_RKD: torch.Tensor) -> torch.Tensor:
         """Keys (or values) of this rank's tokens → the key rows of its query chunks [K, ...]."""
         return self.gather_rows(k_RKD).index_select(0, self.key_index.to(k_RKD.device))

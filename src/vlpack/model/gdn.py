@@ -140,7 +140,7 @@ def context_conv1d(x_BCR, weight_CW, bias_C, activation: str | None, split, *,
     dropped. One gather of every chunk's last W−1 tokens (small); exact."""
     h = weight_CW.shape[-1] - 1
     chunks = split.shard.chunks
-    n, cp, r = len(chunks), split.group.size, split.group.rank
+    cp, r = split.group.size, split.group.rank
     C = x_BCR.shape[1]
     # every local chunk's last h tokens (left-padded with zeros when shorter), gathered
     tails = torch.stack([F.pad(x_BCR[0, :, c.q_start + max(c.length - h, 0): c.q_start + c.length],
@@ -148,8 +148,7 @@ def context_conv1d(x_BCR, weight_CW, bias_C, activation: str | None, split, *,
     gathered = split.gather_rows(tails)  # [cp·n, C, h], rank-major
 
     def tail(sample: int, index: int) -> torch.Tensor:  # the last h tokens of chunk `index`
-        owner, second = (index, 0) if index < cp else (2 * cp - 1 - index, 1)
-        return gathered[owner * n + 2 * sample + second]
+        return gathered[split.chunk_row(sample, index)]
 
     pieces, keep, cu = [], [], [0]
     for j, c in enumerate(chunks):
@@ -181,19 +180,9 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     if B != 1:
         raise ValueError("packed Gated-DeltaNet needs batch size 1 (one packed row)")
     segs.check(T, "Gated-DeltaNet")
-    use_fla = not torch_only and _use_fla(query)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, key, value, g, beta))
-    if use_fla and needs_grad:
-        decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn)
-        bounds.paths["gdn.backward"] = decision.describe()
-        if not decision.ok:
-            _warn_once(f"vlpack: {decision.describe()}; the delta rule runs per segment in "
-                       "torch (install tilelang or Triton >= 3.7.1 for fla's backward)")
-            use_fla = False
-    if use_fla:
+    gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
+    if gdr is not None:
         bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
-        gdr = _fla()[1]
         out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
                      **_fla_bounds(gdr, segs, bounds, query.device))
         return out
@@ -269,8 +258,7 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
     for c in range(2 * cp):  # each sample's chunks in row order
         if c in (r, 2 * cp - 1 - r):
             starts[0 if c == r else 1] = state
-        owner, second = (c, 0) if c < cp else (2 * cp - 1 - c, 1)
-        rows = gathered[owner * n + second + 2 * torch.arange(samples, device=key.device)]
+        rows = gathered[[split.chunk_row(s, c) for s in range(samples)]]
         state = rows[..., :Dk] @ state + rows[..., Dk:]
     initial = torch.stack(starts, dim=1).reshape(n, *b_state.shape[1:])  # local chunk order
     out, _ = run(value, initial.to(b_state.dtype))
