@@ -247,11 +247,11 @@ class FolderProcessor:
     image_std: tuple[float, ...] | None
 
 
-def folder_processor(folder: str | Path, family: str) -> FolderProcessor | None:
-    """The image settings a HF checkpoint folder saved (None when it has no
-    `preprocessor_config.json`); a ValueError naming the file when its patch, merge or temporal
-    size differs from the family's model (a processor of another model)."""
-    path = Path(folder) / "preprocessor_config.json"
+def read_processor_config(path: Path, family: str) -> dict | None:
+    """A checkpoint folder's processor settings file (`preprocessor_config.json`,
+    `video_preprocessor_config.json`) as a dict, None when absent; a ValueError naming the file
+    when it cannot be read or its patch, merge or temporal size differs from the family's model
+    (a processor of another model)."""
     if not path.is_file():
         return None
     try:
@@ -262,9 +262,20 @@ def folder_processor(folder: str | Path, family: str) -> FolderProcessor | None:
     spec = family_spec(family)
     for key, want in (("patch_size", spec.patch_size), ("merge_size", spec.merge_size),
                       ("temporal_patch_size", spec.temporal_patch_size)):
-        if key in cfg and int(cfg[key]) != want:
+        if cfg.get(key) is not None and int(cfg[key]) != want:
             raise ValueError(f"{path}: {key}={cfg[key]} but the {family} model takes {want}: "
                              "this processor belongs to another model")
+    return cfg
+
+
+def folder_processor(folder: str | Path, family: str) -> FolderProcessor | None:
+    """The image settings a HF checkpoint folder saved (None when it has no
+    `preprocessor_config.json`); a ValueError naming the file when its patch, merge or temporal
+    size differs from the family's model (a processor of another model)."""
+    path = Path(folder) / "preprocessor_config.json"
+    cfg = read_processor_config(path, family)
+    if cfg is None:
+        return None
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels", size.get("min_pixels", size.get("shortest_edge")))
     hi = cfg.get("max_pixels", size.get("max_pixels", size.get("longest_edge")))

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlpack.data.tokenizer import read_processor_config
 from vlpack.data.types import BadSampleError, VideoRef
 from vlpack.families import family as family_of
 
@@ -91,22 +92,10 @@ def folder_settings(folder: str | Path, family: str) -> tuple[VideoSettings, str
     """The video settings a HF checkpoint folder saved in `video_preprocessor_config.json`, and
     the file (None without one); a ValueError naming the file when its patch, merge or temporal
     size differs from the family's model."""
-    import json
-
     path = Path(folder) / "video_preprocessor_config.json"
-    if not path.is_file():
+    cfg = read_processor_config(path, family)
+    if cfg is None:
         return None
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it ({e}); fix the file or remove it to use the "
-                         f"{family} defaults") from None
-    f = family_of(family)
-    for key, want in (("patch_size", f.patch_size), ("merge_size", f.merge_size),
-                      ("temporal_patch_size", f.temporal_patch_size)):
-        if cfg.get(key) is not None and int(cfg[key]) != want:
-            raise ValueError(f"{path}: {key}={cfg[key]} but the {family} model takes {want}: "
-                             "this video processor belongs to another model")
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels", size.get("shortest_edge"))
     hi = cfg.get("max_pixels", size.get("longest_edge"))

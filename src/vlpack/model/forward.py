@@ -62,7 +62,7 @@ def stock_visuals(spec: ModelSpec, **inputs) -> dict:
     for name, value in inputs.items():
         if value is None or len(value) == 0:
             continue
-        if name == "second_per_grid_ts" and not family(spec.family).tokens_per_second:
+        if name == "second_per_grid_ts" and not spec.tokens_per_second:
             continue
         out[name] = torch.as_tensor(value)
     if "pixel_values" not in out:
