@@ -10,7 +10,8 @@
 #   prof-2b    qwen3-vl-2b throughput of vlpack packed, with a torch.profiler table
 #   bench-2b   qwen3-vl-2b throughput, four modes side by side (one process per mode; $MODES
 #              narrows them, e.g. MODES="vlpack_packed vlpack_padded"; $LEVERS, e.g. --compile,
-#              applies to the vlpack modes of bench-*, mem-2b and prof-*)
+#              applies to the vlpack modes of bench-*, mem-2b and prof-*; $BENCH_ARGS, e.g.
+#              "--warmup 11 --steps 11", is added to every mode of bench-*)
 #   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each);
 #              $LEVER_SETS: other sets, ';' between them (e.g. "--compile;--compile --bf16-params")
 #   levers-8b  qwen3-vl-8b (AC, no optimizer) and levers-35b (cut): vlpack packed plain, --compile
@@ -79,7 +80,7 @@ bench() {  # bench MODEL EXTRA...: one process per mode
     local path=$PYTHONPATH
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
     local levers=""; [[ $m == vlpack* ]] && levers=${LEVERS:-}  # stock modes stay stock
-    PYTHONPATH=$path tp bench.log --model "$model" --modes $m $levers "$@"
+    PYTHONPATH=$path tp bench.log --model "$model" --modes $m $levers "$@" ${BENCH_ARGS:-}
     tar czf "$TGZ" -C "$R" .
   done
 }
