@@ -308,6 +308,22 @@ def test_chunked_loss_equals_plain(chunk):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+@pytest.mark.parametrize("method", ["plain", "chunked"])
+def test_loss_with_the_host_label_count(method):
+    """Given the label count from the host, the loss picks the same rows as without it (the
+    literal sum of per-token CE), and a count that does not match the labels is refused."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(9, 8, generator=g)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.tensor([3, -100, 5, 0, -100, -100, 10, 1, -100])
+    keep = labels != -100
+    want = F.cross_entropy(head(h[keep]), labels[keep], reduction="sum")
+    got, n = linear_ce_sum(h, head, labels, method=method, num_label_tokens=5)
+    assert n == 5 and torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(RuntimeError, match="num_label_tokens does not match"):
+        linear_ce_sum(h, head, labels, method=method, num_label_tokens=4)
+
+
 def test_chunked_loss_under_bf16_autocast_matches_plain():
     """Under autocast the chunked loss runs its matmuls in bf16 (weight gradient included) and
     stays within bf16 rounding of the plain path run under the same autocast."""

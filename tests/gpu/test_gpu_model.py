@@ -294,8 +294,9 @@ def test_chunked_and_liger_loss_on_gpu():
 def test_host_syncs_do_not_grow_with_depth(name):
     """vlpack's seams (and the fla kernels they call) synchronise the host a fixed number of
     times per packed training step, none per layer: the model with every text layer and the one
-    with half of them wait equally often there. transformers' own per-layer syncs (grouped_mm's
-    offsets) are printed, not asserted."""
+    with half of them wait equally often there. The features' split per image, the placeholder
+    check and the loss's label rows wait for nothing. transformers' own per-layer syncs
+    (grouped_mm's offsets) are printed, not asserted."""
     from vlpack.data.batch import build_thd_batch
     from vlpack.model.build import build_model
     from vlpack.model.presets import get_preset, reduced_depth
@@ -320,14 +321,14 @@ def test_host_syncs_do_not_grow_with_depth(name):
         print(preset, syncs)
         ours[preset] = {site: n for site, n in syncs["sites"].items()
                         if site.startswith(("vlpack/", "fla/"))}
-        # the vision tower's tables come from the host (vlpack.model.vision.vision_tables)
-        assert not [s for s in syncs["sites"] if s.startswith("transformers/vision_utils.py")], syncs
+        # the vision tower's tables and the grids come from the host (vlpack.model.vision)
+        assert not [s for s in syncs["sites"] if s.startswith("transformers/vision_utils.py")
+                    or s.endswith((" get_image_features", " get_placeholder_mask",
+                                   " torch_compilable_check", " _label_rows"))], syncs
     full, half = ours.values()
-    assert full, "no wait attributed to vlpack: the loss's label rows always take one"
     assert full == half, ours
-    # once per forward at most: text and vision boundaries, loss rows, deepstack positions,
-    # router statistics, fla's chunk indices
-    assert sum(full.values()) <= 6, full
+    # once per forward at most: fla's chunk indices (the rest of vlpack's seams wait for nothing)
+    assert sum(full.values()) <= 1, full
 
 
 def _slow_host(x: torch.Tensor) -> torch.Tensor:

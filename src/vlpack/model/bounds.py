@@ -62,12 +62,13 @@ class Segments:
 @dataclass(frozen=True, slots=True, eq=False)
 class VisionTables:
     """What the vision tower would derive from `grid_thw` on the device, computed on the host:
-    the keyword arguments its helpers take precomputed (`tables`), and the attention boundaries
-    of its full (and, for Qwen2.5-VL, windowed) layers."""
+    the keyword arguments its helpers take precomputed (`tables`), the attention boundaries of
+    its full (and, for Qwen2.5-VL, windowed) layers, and the grids themselves on the host."""
 
     tables: dict[str, Any]
     full: Segments
     window: Segments | None = None
+    grid: torch.Tensor | None = None  # the grids, int64 [I, 3] on the host
 
     def segments(self, cu: torch.Tensor) -> Segments:
         """The `Segments` whose device tensor `cu` is (the tower passes one of ours per block)."""

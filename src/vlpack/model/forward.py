@@ -216,8 +216,10 @@ def packed_forward(
     if split is not None:
         labels_T, real_T = split.keep_local(labels_T), split.keep_local(real_T)
         weight_T = None if weight_T is None else split.keep_local(weight_T)
-    loss_sum, n = loss.linear_ce_sum(hidden_TH, model.lm_head, labels_T, method=loss_method,
-                                     chunk_size=chunk_size, token_weight_T=weight_T, paths=paths)
+    loss_sum, n = loss.linear_ce_sum(
+        hidden_TH, model.lm_head, labels_T, method=loss_method, chunk_size=chunk_size,
+        token_weight_T=weight_T, paths=paths,
+        num_label_tokens=batch.num_label_tokens if split is None else None)
     stats = _moe_stats(spec, capture, real_T, split)
     return ForwardOut(
         loss_sum=loss_sum,

@@ -32,10 +32,19 @@ logger = logging.getLogger(__name__)
 LOSS_METHODS = ("auto", "plain", "chunked", "liger")
 
 
-def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None):
-    """The rows that carry a label: hidden states, labels, weights. One host sync (the count)."""
+def _label_rows(hidden_TH: torch.Tensor, labels_T: torch.Tensor, weight_T: torch.Tensor | None = None,
+                count: int | None = None):
+    """The rows that carry a label: hidden states, labels, weights. Given their `count` (the
+    batch's host `num_label_tokens`) the host does not wait for the device; the count is then
+    checked on the device (an asynchronous assert). Without it, one host sync."""
     labels_T = labels_T.to(hidden_TH.device)
-    idx_N = torch.nonzero(labels_T != IGNORE_INDEX).squeeze(1)
+    has_label_T = labels_T != IGNORE_INDEX
+    if count is None:
+        idx_N = torch.nonzero(has_label_T).squeeze(1)
+    else:
+        torch._assert_async(has_label_T.sum() == count,
+                            "vlpack: the batch's num_label_tokens does not match its labels")
+        idx_N = torch.nonzero_static(has_label_T, size=count).squeeze(1)
     w_N = None if weight_T is None else weight_T.reshape(-1).index_select(0, idx_N).float()
     return hidden_TH.index_select(0, idx_N), labels_T.index_select(0, idx_N), w_N
 
@@ -128,12 +137,14 @@ def linear_ce_sum(
     chunk_size: int = 1024,
     token_weight_T: torch.Tensor | None = None,
     paths: dict[str, str] | None = None,
+    num_label_tokens: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(summed CE over label tokens, number of label tokens) from hidden states and lm_head.
 
     With `token_weight_T` the sum is weighted per token (e.g. 1/label tokens of the token's
     sample, for a per-sample mean); liger has no weights, so the chunked path runs then. The
-    method that ran lands in `paths["loss"]` when given.
+    method that ran lands in `paths["loss"]` when given. `num_label_tokens`, the count known on
+    the host, spares the host a wait for the device.
     """
     if method not in LOSS_METHODS:
         raise ValueError(f"unknown loss method {method!r}: use one of {', '.join(LOSS_METHODS)}")
@@ -148,7 +159,7 @@ def linear_ce_sum(
         method = "chunked"
     if paths is not None:
         paths["loss"] = method
-    h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T)
+    h_NH, y_N, r_N = _label_rows(hidden_TH, labels_T, token_weight_T, num_label_tokens)
     n = y_N.numel()
     if method == "plain":
         return plain_ce_sum(lm_head(h_NH), y_N, r_N), n

@@ -66,7 +66,7 @@ def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.dev
         window = Segments.from_host(tuple(cu_window.tolist()), device)
         tables.update(window_index=to_device(index, device), cu_window_seqlens=window.cu,
                       max_window_seqlen=window.max_len)
-    return VisionTables(tables, full, window)
+    return VisionTables(tables, full, window, grid)
 
 
 class VisionTower(nn.Module):
@@ -112,11 +112,16 @@ class VisionAttention(nn.Module):
 
 
 class ImageFeatures(nn.Module):
-    """Mixin for a base model class: a context-parallel rank's own image features."""
+    """Mixin for a base model class: the image features and their placeholders without host
+    waits, and a context-parallel rank's own image features."""
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-        out = super().get_image_features(pixel_values, image_grid_thw, **kwargs)
         bounds = kwargs.get(BOUNDS_KWARG)
+        if bounds is not None and bounds.vision is not None:
+            # the same grids, on the host: the stock split of the features per image reads
+            # them with .tolist(), which on the device waits for the whole vision tower
+            image_grid_thw = bounds.vision.grid
+        out = super().get_image_features(pixel_values, image_grid_thw, **kwargs)
         split = bounds.context if bounds is not None else None
         if split is None:
             return out
@@ -134,3 +139,18 @@ class ImageFeatures(nn.Module):
             out.deepstack_features = [(m,) if isinstance(f, list | tuple) else m
                                       for m, f in zip(mine[1:], deepstack, strict=True)]
         return out
+
+    def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None,
+                             video_features=None):
+        """The stock masks and the stock check that the placeholders match the features, run
+        on the device (an asynchronous assert; on the CPU it raises at once): the stock check
+        formats and reads the count on the host, two waits for the device per forward.
+        vlpack's encoder makes placeholders and features agree, so the check is an invariant."""
+        image_mask, video_mask = super().get_placeholder_mask(input_ids, inputs_embeds)
+        width = inputs_embeds.shape[-1]
+        for mask, feats, what in ((image_mask, image_features, "image"),
+                                  (video_mask, video_features, "video")):
+            if feats is not None:
+                torch._assert_async(mask[..., 0].sum() * width == feats.numel(),
+                                    f"{what} features and {what} tokens do not match")
+        return image_mask, video_mask
