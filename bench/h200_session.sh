@@ -64,6 +64,8 @@ TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R
 tp() {  # tp LOG ARGS...: one train_throughput.py process, at most $MODE_S seconds, logged to $R/LOG
   local log=$1; shift
   timeout ${MODE_S:-150} $TP "$@" 2>&1 | grep -v Warning | tee -a "$R/$log"
+  [[ ${PIPESTATUS[0]} == 124 ]] && echo "tp $*: stopped after MODE_S=${MODE_S:-150} s" | tee -a "$R/$log"
+  return 0
 }
 vtrain() {  # vtrain GPUS RECIPE SAMPLES RUN OVERRIDES...: `vlpack train` under torchrun, output
   # in $R/RUN, at most $SCALE_S seconds ($SCALE_EXTRA: more overrides); prints the whole log but

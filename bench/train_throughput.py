@@ -171,7 +171,13 @@ def make_batches(samples, mode: str, spec, seq_len: int, batch: int):
                             spatial_merge_size=spec.merge_size) for b in bins]
 
 
+def _progress(mode: str, what: str, t0: float) -> None:
+    """One line per setup phase and warmup step (to stderr): where a cut-off run spent its time."""
+    print(f"{mode:>16}: {what} at {time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
+
+
 def run_mode(mode: str, args, samples, device) -> dict:
+    t0 = time.perf_counter()
     backend = "auto" if mode == "vlpack_packed" else "sdpa"
     model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
                               device=device, seed=0)
@@ -198,6 +204,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     ) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
+    _progress(mode, f"model built, {len(batches)} distinct batches", t0)
     need = args.warmup + args.steps + (args.profile_steps + 1 if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
     if device.type == "cuda":  # as the trainer's DataLoader (pin_memory=True) hands them over
@@ -232,9 +239,10 @@ def run_mode(mode: str, args, samples, device) -> dict:
 
     real = tokens = 0
     flop_total = 0.0
-    for b in batches[: args.warmup]:
+    for i, b in enumerate(batches[: args.warmup]):  # the first steps compile and autotune
         step(b, False)
-    sync(device)
+        sync(device)
+        _progress(mode, f"warmup step {i + 1}/{args.warmup} ({b.num_tokens} tokens) done", t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     allocs0 = _allocator_counts(device)
