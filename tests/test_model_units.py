@@ -78,6 +78,12 @@ def test_reduced_depth_keeps_the_shape_and_the_hybrid_pattern():
     assert spec.has_gdn and spec.is_moe
     with pytest.raises(ValueError, match="between 1 and"):
         reduced_depth("qwen3.5-35b-a3b", 41)
+    # by name, as a recipe's model.name: the first 8 layers (the pattern's second period)
+    cut = get_preset("qwen3.5-35b-a3b-8L")
+    assert cut.text["num_hidden_layers"] == 8
+    assert cut.text["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    with pytest.raises(ValueError, match="between 1 and"):
+        get_preset("qwen3.5-35b-a3b-41L")
 
 
 def test_unknown_preset_says_what_to_do():

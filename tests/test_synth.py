@@ -25,6 +25,8 @@ def test_deterministic_per_seed(tmp_path):
     assert a == tmp_path / "a" / "data.jsonl"
     assert _digest(a.parent) == _digest(b.parent)  # jsonl and every image byte-identical
     assert a.read_bytes() != c.read_bytes()
+    d = write_synthetic(tmp_path / "d", n=12, seed=3, workers=2)  # rendered in two processes
+    assert _digest(d.parent) == _digest(a.parent)
 
 
 def test_mix_and_sizes(tmp_path):

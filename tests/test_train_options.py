@@ -145,7 +145,16 @@ def test_plot_overlays_runs(tmp_path: Path) -> None:
     out = tmp_path / "overlay.png"
     assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
+    panels = tmp_path / "panels.png"
+    assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(panels),
+                 "--metrics", "loss,grad_norm", "--x", "step"]) == 0
+    from PIL import Image
+
+    # two panels stacked: taller than the one-panel figure at the same width
+    assert Image.open(panels).size[1] > Image.open(out).size[1] * 1.5
     assert main(["plot", str(tmp_path / "missing")]) == 2
+    # a dense model records no aux loss: refused with the metrics it does record
+    assert main(["plot", str(tmp_path / "packed"), "--metrics", "aux_loss"]) == 2
 
 
 def test_pad_to_seq_len_gives_static_rows_and_the_same_loss(tmp_path: Path) -> None:

@@ -156,6 +156,11 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="overlay loss curves of runs")
     p.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: first run's folder)")
+    p.add_argument("--metrics", default="loss",
+                   help="comma list of per-step metrics, one panel each (e.g. "
+                        "loss,aux_loss,grad_norm); default: loss")
+    p.add_argument("--x", default="samples", choices=("samples", "step"),
+                   help="horizontal axis: samples seen (default) or step")
     p.set_defaults(func=_run_plot)
 
 

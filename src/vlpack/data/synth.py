@@ -12,12 +12,15 @@ for a seed is byte-identical: the JSONL, the image and the frame files.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +45,30 @@ _ASK = ("Extract this receipt as JSON.", "Read the receipt and return its fields
         "Transcribe the receipt into JSON with shop, address, date, items and totals.")  # fmt: skip
 
 
-def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, progress: bool = False) -> Path:
-    """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/`; returns the JSONL path."""
+def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, progress: bool = False,
+                    workers: int | None = None) -> Path:
+    """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/`; returns the JSONL path.
+    Samples render in `workers` processes (default: up to 8 for 256 samples or more, else
+    none); each sample depends only on (seed, index), so the output is the same either way."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    indices: Any = range(n)
-    if progress:
-        from tqdm import tqdm
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1) if n >= 256 else 1
+    make = functools.partial(_sample, out, seed)
+    with contextlib.ExitStack() as stack:
+        if workers > 1:  # spawned: the caller may hold threads or a GPU context
+            pool = stack.enter_context(ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")))
+            samples: Any = pool.map(make, range(n), chunksize=32)
+        else:
+            samples = map(make, range(n))
+        if progress:
+            from tqdm import tqdm
 
-        indices = tqdm(indices, desc="synth", unit="sample")
-    lines = [json.dumps(_sample(out, seed, i), ensure_ascii=False) for i in indices]
+            samples = tqdm(samples, total=n, desc="synth", unit="sample")
+        lines = [json.dumps(s, ensure_ascii=False) for s in samples]
     path = out / "data.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

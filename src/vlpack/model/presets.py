@@ -10,6 +10,7 @@ values come from; `unverified` lists values not confirmed against a published co
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,7 +208,11 @@ _add(Preset(
 
 
 def get_preset(name: str) -> Preset:
-    """The preset called `name`; ValueError lists the known names."""
+    """The preset called `name`, or `BASE-<n>L`: preset BASE cut to its first n text layers
+    (`reduced_depth`); ValueError lists the known names."""
+    cut = re.fullmatch(r"(.+)-(\d+)L", name)
+    if name not in PRESETS and cut and cut.group(1) in PRESETS:
+        return PRESETS[reduced_depth(cut.group(1), int(cut.group(2)))]
     if name not in PRESETS:
         raise ValueError(
             f"unknown model preset {name!r}: use one of {', '.join(PRESETS)} or a local HF "

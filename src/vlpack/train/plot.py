@@ -1,34 +1,50 @@
-"""Loss curves: the PNG written at the end of a run, and `vlpack plot` overlaying runs."""
+"""Curves of runs: the loss PNG written at the end of a run, and `vlpack plot` overlaying runs
+(the loss, and optionally the MoE aux loss, the gradient norm or any other per-step metric)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from vlpack.train.metrics import read_metrics
 
+LABELS = {"loss": "loss (token mean)", "aux_loss": "MoE aux loss", "grad_norm": "gradient norm",
+          "tokens_per_s": "real tokens/s", "lr": "learning rate"}
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path, *, x: str = "samples") -> Path:
-    """Overlay the training loss of runs against samples seen (or `step`); eval loss dashed."""
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, x: str = "samples",
+              metrics: Sequence[str] = ("loss",)) -> Path:
+    """Overlay `metrics` of runs, one panel each, against samples seen (or `step`); the eval
+    loss dashed on the loss panel. ValueError naming the metric when no run recorded it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for run in run_dirs:
-        rows = read_metrics(run)
-        xs = [r.get(x, r["step"]) for r in rows if r.get("loss") is not None]
-        ys = [r["loss"] for r in rows if r.get("loss") is not None]
-        (line,) = ax.plot(xs, ys, label=Path(run).name, lw=1.4)
-        ev = [(r.get(x, r["step"]), r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-        if ev:
-            ax.plot(*zip(*ev, strict=True), ls="--", marker="o", ms=3, color=line.get_color(),
-                    label=f"{Path(run).name} (eval)")
-    ax.set_xlabel("samples seen" if x == "samples" else x)
-    ax.set_ylabel("loss (token mean)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    rows = {Path(run).name: read_metrics(run) for run in run_dirs}
+    recorded = {k for rs in rows.values() for r in rs for k, v in r.items() if v is not None}
+    for m in metrics:
+        if m not in recorded:
+            raise ValueError(f"no run recorded {m!r} (dense models have no aux_loss): drop it from "
+                             f"--metrics; these runs record {sorted(recorded)}")
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 3.2 * len(metrics) + 1.0), dpi=120,
+                             sharex=True, squeeze=False)
+    for ax, m in zip(axes[:, 0], metrics, strict=True):
+        for name, rs in rows.items():
+            pts = [(r.get(x, r["step"]), r[m]) for r in rs if r.get(m) is not None]
+            if not pts:
+                continue
+            (line,) = ax.plot(*zip(*pts, strict=True), label=name, lw=1.4)
+            ev = [(r.get(x, r["step"]), r["eval_loss"]) for r in rs
+                  if m == "loss" and r.get("eval_loss") is not None]
+            if ev:
+                ax.plot(*zip(*ev, strict=True), ls="--", marker="o", ms=3, color=line.get_color(),
+                        label=f"{name} (eval)")
+        ax.set_ylabel(LABELS.get(m, m))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("samples seen" if x == "samples" else x)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -39,5 +55,6 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, x: str = "samples"
 
 def plot_command(args: argparse.Namespace) -> int:
     out = args.out or Path(args.runs[0]) / "loss_overlay.png"
-    print(f"wrote {plot_runs(args.runs, out)}")
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    print(f"wrote {plot_runs(args.runs, out, x=args.x, metrics=metrics)}")
     return 0
