@@ -125,15 +125,16 @@ def _untied() -> str:
 
 
 def _worker(rank: int, port: int, out: str, name: str = "tiny-qwen3_vl",
-            loss: str = "plain") -> None:
-    """Rank 0 trains on a text-only bin, rank 1 on a bin with images (FSDP2 over gloo)."""
+            loss: str = "plain", padded: bool = False) -> None:
+    """Rank 0 trains on a text-only bin, rank 1 on a bin with images (FSDP2 over gloo); padded:
+    rank 0 on a padded batch with images, rank 1 on one with an image and a video."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from vlpack.train.parallel import apply_fsdp, init_distributed, shutdown
 
     info = init_distributed()
-    model, module, batches = _setup(name, loss)
+    model, module, batches = _setup(name, loss, padded)
     apply_fsdp(module, model, info, param_dtype=None)
     module.touch_vision = True
     opt, sched = _optimizer(module)  # after sharding: FSDP2 swaps in DTensor parameters
@@ -145,17 +146,23 @@ def _worker(rank: int, port: int, out: str, name: str = "tiny-qwen3_vl",
     shutdown()
 
 
-def _setup(name: str = "tiny-qwen3_vl", loss: str = "plain"):
+def _setup(name: str = "tiny-qwen3_vl", loss: str = "plain", padded: bool = False):
     import numpy as np
 
     from tests.helpers import make_sample
     from vlpack.data.batch import build_thd_batch
+    from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import build_model
+    from vlpack.model.synthetic import default_mix
     from vlpack.train.module import TrainModule
     if name.endswith("-untied"):
         name = _untied()
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
     module = TrainModule(model, spec, loss_method=loss)
+    if padded:  # default_mix: sample 0 has two images, sample 2 an image and a video
+        mix = default_mix(spec, 4)
+        return model, module, [build_padded_batch([mix[i]], pad_token_id=spec.pad_token_id)
+                               for i in (0, 2)]
     rng = np.random.default_rng(0)
     text_only = [make_sample("t0", rng, text=(30,), grids=(), patch_dim=spec.patch_dim, spec=spec)]
     with_images = [make_sample("i0", rng, text=(6, 12), grids=((1, 4, 4),),
@@ -172,14 +179,18 @@ def _optimizer(module):
     return opt, build_scheduler(opt, cfg.optim, 10)
 
 
-@pytest.mark.parametrize("name,loss", [("tiny-qwen3_vl", "plain"),
-                                       ("tiny-qwen3_vl-untied", "chunked")])
+@pytest.mark.parametrize("name,loss,padded", [("tiny-qwen3_vl", "plain", False),
+                                              ("tiny-qwen3_vl-untied", "chunked", False),
+                                              ("tiny-qwen3_5", "chunked", True)])
 def test_text_only_rank_does_not_hang_and_matches_one_process(
-        tmp_path: Path, name: str, loss: str) -> None:
+        tmp_path: Path, name: str, loss: str, padded: bool) -> None:
+    """Packed: one rank's bin has no image. Padded: one rank's batch has a video, the other's
+    not (the stock forward encodes images and videos in separate tower calls)."""
     out = tmp_path / "losses.json"
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out), name, loss)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out), name, loss, padded))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -193,7 +204,7 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(
     from vlpack.train.parallel import DistInfo
     from vlpack.train.step import optimizer_step
 
-    model, module, batches = _setup(name, loss)
+    model, module, batches = _setup(name, loss, padded)
     assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == (
         not name.endswith("-untied"))
     opt, sched = _optimizer(module)

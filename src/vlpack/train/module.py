@@ -54,6 +54,11 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def _has(pixels: torch.Tensor | None, grid: torch.Tensor | None) -> int:
+    """1 when a micro-batch's image (or video) stream holds at least one item, else 0."""
+    return int(pixels is not None and grid is not None and grid.shape[0] > 0)
+
+
 class TrainModule(nn.Module):
     """forward(batch) → ForwardOut for a ThdBatch (packed) or a PaddedBatch (baseline)."""
 
@@ -82,10 +87,20 @@ class TrainModule(nn.Module):
         return sum(x.float().sum() for x in _tensors(out)) * 0.0
 
     def forward(self, batch: ThdBatch | PaddedBatch, token_weights=None) -> ForwardOut:
-        """Loss of one micro-batch: summed CE (weighted per token when `token_weights`)."""
+        """Loss of one micro-batch: summed CE (weighted per token when `token_weights`).
+
+        With `touch_vision` (several FSDP ranks) every micro-batch runs the vision tower the
+        same number of times on every rank, blank images making up the difference: once for a
+        packed row (its images and videos are one stream), twice for a padded batch (the stock
+        forward encodes its images and its videos in separate calls)."""
         zero = None
-        if self.touch_vision and (batch.pixel_values is None or batch.image_grid_thw.shape[0] == 0):
-            zero = self._dummy_vision()
+        if self.touch_vision:
+            runs = _has(batch.pixel_values, batch.image_grid_thw)
+            if isinstance(batch, PaddedBatch):
+                runs += _has(batch.pixel_values_videos, batch.video_grid_thw)
+            for _ in range((1 if isinstance(batch, ThdBatch) else 2) - runs):
+                dummy = self._dummy_vision()
+                zero = dummy if zero is None else zero + dummy
         if isinstance(batch, ThdBatch):
             out = packed_forward(self.model, batch, spec=self.spec, loss_method=self.loss_method,
                                  token_weights=token_weights, context=self.context)
