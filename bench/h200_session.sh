@@ -45,6 +45,12 @@
 #              fit one GPU) against LoRA rank 16 with AdamW on the adapters (throughput_lora.json)
 #   ac-9b      qwen3.5-9b vlpack packed, whole layers compiled, no optimizer, recomputing $SHARES
 #              of each layer stack (default "0.5")
+#   cp-8b      context parallelism: qwen3-vl-8b recipe ($CP_RECIPE) on $CP_SEQ-token rows (default 65,536),
+#              runs $CP_RUNS as GPUS:CP (default "2:1 2:2 4:2 4:4"), $CP_STEPS steps (default 50);
+#              tokens/s, peak memory and the loss curves side by side (context_parallel.json)
+#   full-35b   qwen3.5-35b-a3b recipe packed vs -nopack ($FULL_RECIPES, model $FULL_MODEL) on every GPU, $FULL_LAYERS text layers
+#              (default all), $FULL_STEPS steps (default 300): loss, aux loss and grad-norm overlay
+#              (full_35b.json, full-35b/curves.png)
 set -u
 OUT=${1:-out}; shift; TAG=${TAG:-}; R=/tmp/vlres$TAG; rm -rf "$R"; mkdir -p "$OUT" "$R"
 TGZ="$OUT/results$TAG.tgz"
@@ -197,6 +203,41 @@ for part in "$@"; do
           2>&1 | tail -12 | tee -a "$R/fsdp1.log"
         tar czf "$TGZ" -C "$R" .
       done ;;
+    cp-8b)  # context parallelism on long rows, qwen3-vl-8b recipe: $CP_RUNS as GPUS:CP pairs (a run
+            # needing more GPUs than the machine has is skipped), $CP_SEQ-token rows, $CP_STEPS steps;
+            # CP=1 recomputes every layer (model.checkpoint_share=1), CP>1 half of them as the recipe
+      gpus=$(nvidia-smi -L | wc -l); runs=()
+      for rc in ${CP_RUNS:-2:1 2:2 4:2 4:4}; do
+        n=${rc%:*}; c=${rc#*:}; run=cp-8b/gpus$n-cp$c
+        (( n > gpus )) && { echo "skip $run: the machine has $gpus GPUs"; continue; }
+        share=0.5; (( c == 1 )) && share=1.0
+        mkdir -p "$R/cp-8b"
+        SCALE_S=${CP_S:-540} vtrain $n ${CP_RECIPE:-qwen3-vl-8b} ${CP_SAMPLES:-4000} $run parallel.cp=$c \
+          data.seq_len=${CP_SEQ:-65536} train.max_steps=${CP_STEPS:-50} data.num_workers=3 \
+          model.checkpoint_share=$share > "$R/$run.log" 2>&1
+        tail -6 "$R/$run.log"
+        [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; tail -20 "$R/$run.log" > "$R/$run/error.txt"; }
+        runs+=("$R/$run"); tar czf "$TGZ" -C "$R" .
+      done
+      (( ${#runs[@]} )) && python3 bench/run_summary.py "${runs[@]}" --out "$R/context_parallel.json" \
+        --png "$R/cp-8b/loss.png" --metrics loss,grad_norm \
+        --command "CP_RUNS='${CP_RUNS:-2:1 2:2 4:2 4:4}' bash bench/h200_session.sh OUT cp-8b" ;;
+    full-35b)  # the Megatron-Bridge experiment: the qwen3.5-35b-a3b recipe and its -nopack twin on every
+               # GPU of the machine, cut to its first $FULL_LAYERS text layers (default all 40),
+               # $FULL_STEPS steps each (a run cut off at $FULL_S seconds keeps the steps it made)
+      gpus=$(nvidia-smi -L | wc -l); name=${FULL_MODEL:-qwen3.5-35b-a3b}${FULL_LAYERS:+-${FULL_LAYERS}L}; runs=()
+      mkdir -p "$R/full-35b"
+      for recipe in ${FULL_RECIPES:-qwen3.5-35b-a3b qwen3.5-35b-a3b-nopack}; do
+        run=full-35b/$recipe
+        SCALE_S=${FULL_S:-560} vtrain $gpus $recipe ${FULL_SAMPLES:-4000} $run model.name=$name \
+          train.max_steps=${FULL_STEPS:-300} data.num_workers=4 > "$R/$run.log" 2>&1
+        tail -6 "$R/$run.log"
+        [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; tail -20 "$R/$run.log" > "$R/$run/error.txt"; }
+        runs+=("$R/$run"); tar czf "$TGZ" -C "$R" .
+      done
+      python3 bench/run_summary.py "${runs[@]}" --out "$R/full_35b.json" --png "$R/full-35b/curves.png" \
+        --metrics loss,aux_loss,grad_norm \
+        --command "FULL_LAYERS=${FULL_LAYERS:-} bash bench/h200_session.sh OUT full-35b ($gpus GPUs)" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   tar czf "$TGZ" -C "$R" .

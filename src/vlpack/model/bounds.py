@@ -67,8 +67,8 @@ class VisionTables:
 
     tables: dict[str, Any]
     full: Segments
-    window: Segments | None = None
-    grid: torch.Tensor | None = None  # the grids, int64 [I, 3] on the host
+    window: Segments | None
+    grid: torch.Tensor  # the grids, int64 [I, 3] on the host
 
     def segments(self, cu: torch.Tensor) -> Segments:
         """The `Segments` whose device tensor `cu` is (the tower passes one of ours per block)."""

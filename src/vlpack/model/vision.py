@@ -120,6 +120,8 @@ class ImageFeatures(nn.Module):
         if bounds is not None and bounds.vision is not None:
             # the same grids, on the host: the stock split of the features per image reads
             # them with .tolist(), which on the device waits for the whole vision tower
+            assert image_grid_thw is None or image_grid_thw.shape == bounds.vision.grid.shape, \
+                "the packed row's visuals are one stream: only its grids reach get_image_features"
             image_grid_thw = bounds.vision.grid
         out = super().get_image_features(pixel_values, image_grid_thw, **kwargs)
         split = bounds.context if bounds is not None else None
