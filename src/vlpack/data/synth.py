@@ -48,14 +48,16 @@ _ASK = ("Extract this receipt as JSON.", "Read the receipt and return its fields
 def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, progress: bool = False,
                     workers: int | None = None) -> Path:
     """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/`; returns the JSONL path.
-    Samples render in `workers` processes (default: up to 8 for 256 samples or more, else
+    Samples render in `workers` processes (default for 256 samples or more: up to 8, sharing
+    the cores with the other ranks of a torchrun node, which generate the same data; else
     none); each sample depends only on (seed, index), so the output is the same either way."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     if workers is None:
-        workers = min(8, os.cpu_count() or 1) if n >= 256 else 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = max(1, min(8, (os.cpu_count() or 1) // ranks)) if n >= 256 else 1
     make = functools.partial(_sample, out, seed)
     with contextlib.ExitStack() as stack:
         if workers > 1:  # spawned: the caller may hold threads or a GPU context
