@@ -210,15 +210,15 @@ _add(Preset(
 def get_preset(name: str) -> Preset:
     """The preset called `name`, or `BASE-<n>L`: preset BASE cut to its first n text layers
     (`reduced_depth`); ValueError lists the known names."""
+    if name in PRESETS:
+        return PRESETS[name]
     cut = re.fullmatch(r"(.+)-(\d+)L", name)
-    if name not in PRESETS and cut and cut.group(1) in PRESETS:
+    if cut and cut.group(1) in PRESETS:
         return PRESETS[reduced_depth(cut.group(1), int(cut.group(2)))]
-    if name not in PRESETS:
-        raise ValueError(
-            f"unknown model preset {name!r}: use one of {', '.join(PRESETS)} or a local HF "
-            "checkpoint folder (config.json + *.safetensors)"
-        )
-    return PRESETS[name]
+    raise ValueError(
+        f"unknown model preset {name!r}: use one of {', '.join(PRESETS)} or a local HF "
+        "checkpoint folder (config.json + *.safetensors)"
+    )
 
 
 def reduced_depth(name: str, layers: int) -> str:
