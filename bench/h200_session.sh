@@ -82,6 +82,17 @@ vtrain() {  # vtrain GPUS RECIPE SAMPLES RUN OVERRIDES...: `vlpack train` under 
     data.synthetic_samples=$samples data.eval_samples=0 train.save_every=0 train.save_final=false \
     train.progress=false train.output_dir="$R/$run" "$@" ${SCALE_EXTRA:-} 2>&1 | grep -v "${VDROP:-Warning}"
 }
+vrun() {  # vrun RUN LIMIT_S GPUS RECIPE SAMPLES OVERRIDES...: vtrain logged to $R/RUN.log (its tail
+  # printed); a run that made no step leaves its first error lines and the log's tail in
+  # $R/RUN/error.txt (run_summary.py)
+  local run=$1 limit=$2; shift 2
+  mkdir -p "$(dirname "$R/$run")"
+  SCALE_S=$limit vtrain "$1" "$2" "$3" "$run" "${@:4}" > "$R/$run.log" 2>&1
+  tail -6 "$R/$run.log"
+  [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; { grep -m 3 -E "vlpack: error|Error: " \
+    "$R/$run.log"; echo "--- log tail:"; tail -20 "$R/$run.log"; } > "$R/$run/error.txt"; }
+  tar czf "$TGZ" -C "$R" .
+}
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
   for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
@@ -211,13 +222,10 @@ for part in "$@"; do
         n=${rc%:*}; c=${rc#*:}; run=cp-8b/gpus$n-cp$c
         (( n > gpus )) && { echo "skip $run: the machine has $gpus GPUs"; continue; }
         share=0.5; (( c == 1 )) && share=1.0
-        mkdir -p "$R/cp-8b"
-        SCALE_S=${CP_S:-540} vtrain $n ${CP_RECIPE:-qwen3-vl-8b} ${CP_SAMPLES:-4000} $run parallel.cp=$c \
+        vrun $run ${CP_S:-540} $n ${CP_RECIPE:-qwen3-vl-8b} ${CP_SAMPLES:-4000} parallel.cp=$c \
           data.seq_len=${CP_SEQ:-65536} train.max_steps=${CP_STEPS:-50} data.num_workers=3 \
-          model.checkpoint_share=$share > "$R/$run.log" 2>&1
-        tail -6 "$R/$run.log"
-        [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; tail -20 "$R/$run.log" > "$R/$run/error.txt"; }
-        runs+=("$R/$run"); tar czf "$TGZ" -C "$R" .
+          model.checkpoint_share=$share
+        runs+=("$R/$run")
       done
       (( ${#runs[@]} )) && python3 bench/run_summary.py "${runs[@]}" --out "$R/context_parallel.json" \
         --png "$R/cp-8b/loss.png" --metrics loss,grad_norm \
@@ -226,14 +234,10 @@ for part in "$@"; do
                # GPU of the machine, cut to its first $FULL_LAYERS text layers (default all 40),
                # $FULL_STEPS steps each (a run cut off at $FULL_S seconds keeps the steps it made)
       gpus=$(nvidia-smi -L | wc -l); name=${FULL_MODEL:-qwen3.5-35b-a3b}${FULL_LAYERS:+-${FULL_LAYERS}L}; runs=()
-      mkdir -p "$R/full-35b"
       for recipe in ${FULL_RECIPES:-qwen3.5-35b-a3b qwen3.5-35b-a3b-nopack}; do
-        run=full-35b/$recipe
-        SCALE_S=${FULL_S:-560} vtrain $gpus $recipe ${FULL_SAMPLES:-4000} $run model.name=$name \
-          train.max_steps=${FULL_STEPS:-300} data.num_workers=4 > "$R/$run.log" 2>&1
-        tail -6 "$R/$run.log"
-        [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; tail -20 "$R/$run.log" > "$R/$run/error.txt"; }
-        runs+=("$R/$run"); tar czf "$TGZ" -C "$R" .
+        vrun full-35b/$recipe ${FULL_S:-560} $gpus $recipe ${FULL_SAMPLES:-4000} model.name=$name \
+          train.max_steps=${FULL_STEPS:-300} data.num_workers=4
+        runs+=("$R/full-35b/$recipe")
       done
       python3 bench/run_summary.py "${runs[@]}" --out "$R/full_35b.json" --png "$R/full-35b/curves.png" \
         --metrics loss,aux_loss,grad_norm \

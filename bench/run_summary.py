@@ -32,7 +32,7 @@ def summarise(run: Path, tail: int, skip: int) -> dict:
     """One run's figures, or the reason it has none."""
     if not (run / "metrics.jsonl").exists():
         err = run / "error.txt"
-        return {"error": err.read_text().strip()[-500:] if err.exists() else "no metrics.jsonl"}
+        return {"error": err.read_text().strip()[:2000] if err.exists() else "no metrics.jsonl"}
     rows = [r for r in read_metrics(run) if r.get("loss") is not None]
     if not rows:
         return {"error": "metrics.jsonl has no step with a loss"}
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     for name, r in runs.items():
         if "error" in r:
-            print(f"{name:>24}: {r['error'].splitlines()[-1] if r['error'] else 'error'}")
+            print(f"{name:>24}: {(r['error'].splitlines() or ['error'])[0]}")
             continue
         vs = r.get("vs_reference")
         print(f"{name:>24}: {r['steps']} steps, final loss {r['final_loss']:.4f}"
