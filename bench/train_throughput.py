@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -145,19 +146,46 @@ def hf_padded_loss(model, b):
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
                 mm_token_type_ids=b.mm_token_type_ids, pixel_values=b.pixel_values,
                 image_grid_thw=b.image_grid_thw if b.pixel_values is not None else None,
+                pixel_values_videos=b.pixel_values_videos,
+                video_grid_thw=b.video_grid_thw if b.pixel_values_videos is not None else None,
                 use_cache=False)
     return torch.nn.functional.cross_entropy(
         out.logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=IGNORE_INDEX,
         reduction="sum")
 
 
+def stock_visual_streams(b) -> dict:
+    """A packed row's one visual stream (`ThdBatch.pixel_values`, images and videos in row
+    order) as transformers takes it: images and videos apart, each item's kind read from the
+    token type of its first placeholder."""
+    if b.pixel_values is None or not b.image_grids:
+        return {}
+    types = b.mm_token_type_ids.cpu()
+    visual = types[types != 0].tolist()
+    merge = sum(t * h * w for t, h, w in b.image_grids) // len(visual)  # patches per token
+    streams: dict[int, tuple[list, list]] = {1: ([], []), 2: ([], [])}
+    patch = token = 0
+    for grid in b.image_grids:
+        n = grid[0] * grid[1] * grid[2]
+        pixels, grids = streams[visual[token]]
+        pixels.append(b.pixel_values[patch : patch + n])
+        grids.append(grid)
+        patch, token = patch + n, token + n // merge
+    out = {}
+    for kind, (pix, grid) in (("pixel_values", streams[1]), ("pixel_values_videos", streams[2])):
+        if pix:
+            out[kind] = torch.cat(pix)
+            key = "image_grid_thw" if kind == "pixel_values" else "video_grid_thw"
+            out[key] = torch.tensor(grid, dtype=b.image_grid_thw.dtype, device=b.image_grid_thw.device)
+    return out
+
+
 def hf_padding_free_loss(model, b):
     """Stock transformers packing: 4-row position ids, no attention mask, no cu kwargs."""
     model.model.rope_deltas = None
     out = model(input_ids=b.input_ids[None], position_ids=b.position_ids[:, None],
-                mm_token_type_ids=b.mm_token_type_ids[None], pixel_values=b.pixel_values,
-                image_grid_thw=b.image_grid_thw if b.pixel_values is not None else None,
-                use_cache=False)
+                mm_token_type_ids=b.mm_token_type_ids[None], use_cache=False,
+                **stock_visual_streams(b))
     return torch.nn.functional.cross_entropy(
         out.logits[0].float(), b.labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -362,7 +390,11 @@ def main(argv=None) -> int:
                         "computed), so compare tokens/s")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
+    p.add_argument("--stacks-every", type=float, default=0, metavar="S",
+                   help="print every thread's Python stack to stderr every S seconds")
     args = p.parse_args(argv)
+    if args.stacks_every:  # where a slow setup or first step spends its time, if it is cut off
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.bf16_params and device.type != "cuda":
         p.error("--bf16-params needs a GPU (on CPU everything runs in float32)")
