@@ -501,15 +501,24 @@ def test_fla_self_test_inside_a_checkpointed_layer(monkeypatch):
     assert x.grad is not None and len(calls) == 2
 
 
+@pytest.mark.parametrize("heads", [2, 5])
 @pytest.mark.parametrize("leaky", [False, True])
-def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeypatch, leaky):
+def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeypatch, leaky, heads):
     """The self-test's judgement, on CPU with a stand-in for fla's kernel: one that restarts at
     the boundaries (the per-segment torch kernel) is approved; one that carries state across
-    them is refused, with its errors, and leaves no approval behind."""
+    them is refused, with its errors, and leaves no approval behind. The row has the layer's
+    head count (`heads`)."""
     from vlpack.model import fla_hopper
 
     raw, Backend = _stand_in_fla(monkeypatch, leaky)
-    d = fla_hopper.self_test(16, 16, torch.device("cpu"), raw)
+    seen = []
+
+    def counting(q, *args, **kwargs):
+        seen.append(q.shape[2])
+        return raw(q, *args, **kwargs)
+
+    d = fla_hopper.self_test(16, 16, torch.device("cpu"), counting, heads=heads)
+    assert seen and set(seen) == {heads}
     assert set(d.errors) == {"q", "k", "v", "g", "beta"}
     assert d.ok is not leaky, d.describe()
     assert (Backend.approved == {}) is leaky

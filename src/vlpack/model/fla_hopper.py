@@ -6,15 +6,17 @@ upstream bisection (fla PR #826, PR #983) pins the miscompile to block width 64;
 compute correctly. On a Hopper GPU fla tiles that kernel min(next_pow2(head dim), 128) wide, so
 Qwen3.5's head dim 128 gets the correct width 128.
 
-vlpack decides per (device, key dim, value dim), once per process:
+vlpack decides per (device, key dim, value dim, heads), once per process:
   1. fla's guard does not apply (another GPU, Triton >= 3.7.1, tilelang) → fla's own backward;
   2. the tiling fla would use has width 64 → refused, the delta rule runs per segment in torch;
   3. otherwise a numerical self-test on the device: fla's varlen forward and backward against
      transformers' torch kernel run per segment in float32, on a small packed row of that head
      shape. Each gradient's error must be within 2× the error of the same torch kernel fed
-     bfloat16 inputs (the bf16 rule of `vlpack check`). Passed → fla's backward kernel runs
-     through `VlpackHopperBackend`, registered with fla's own backend registry (`fla.backends`)
-     for the approved shapes only; failed → refused.
+     bfloat16 inputs (the bf16 rule of `vlpack check`). The row has the layer's head count, so
+     fla's Triton autotuning (keyed on head counts and dims, not tokens) done for the self-test
+     serves the layer too. Passed → fla's backward kernel runs through `VlpackHopperBackend`,
+     registered with fla's own backend registry (`fla.backends`) for the approved shapes only;
+     failed → refused.
 The decision and the self-test's errors go into the forward's paths report (`gdn.backward`).
 
 Legend: T = tokens, H = heads, K/V = key/value head dims, BK/BV = the kernel's block widths.
@@ -36,6 +38,7 @@ BROKEN_WIDTH = 64
 SELF_TEST_BOUNDS = (0, 61, 64, 250, 384)
 """The packed row of the self-test: segments that end on and off fla's 64-token chunks."""
 SELF_TEST_HEADS = 2
+"""The self-test's head count where the caller names none (the CPU tests)."""
 
 
 @dataclass(frozen=True)
@@ -152,17 +155,18 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
-              width: tuple[int, int] | None = None, approve: bool = True) -> Decision:
+              width: tuple[int, int] | None = None, approve: bool = True,
+              heads: int = SELF_TEST_HEADS) -> Decision:
     """Run fla's varlen gated delta rule forward and backward through vlpack's backend at
-    block widths `width` (default: fla's own tiling) against `torch_fn` (transformers' torch
-    kernel) per segment; approve (K, V) if every gradient meets the bf16 rule (and `approve`;
-    otherwise the approvals are left as they were)."""
+    block widths `width` (default: fla's own tiling) on a row of `heads` heads against
+    `torch_fn` (transformers' torch kernel) per segment; approve (K, V) if every gradient meets
+    the bf16 rule (and `approve`; otherwise the approvals are left as they were)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     cls = _register()
     widths = width or fla_tiling(K, V, device.index or 0)
     gen = torch.Generator(device=device).manual_seed(0)
-    T, H = SELF_TEST_BOUNDS[-1], SELF_TEST_HEADS
+    T, H = SELF_TEST_BOUNDS[-1], heads
 
     def rand(*shape):
         return torch.randn(*shape, device=device, generator=gen)
@@ -226,13 +230,15 @@ def _restore(approved: dict, key: tuple[int, int], before: tuple[int, int] | Non
 
 
 @functools.cache
-def decide(K: int, V: int, device: torch.device, torch_fn: Callable) -> Decision:
+def decide(K: int, V: int, device: torch.device, torch_fn: Callable,
+           heads: int = SELF_TEST_HEADS) -> Decision:
     """Whether fla's gated-delta-rule backward runs for head dims K, V on `device` (cached per
-    process; see the module docstring for the order of the rules)."""
+    process; see the module docstring for the order of the rules); `heads`, the layer's head
+    count, sizes the self-test's row."""
     if not guard_applies():
         return Decision(True, "fla's own backward (fla's Hopper guard does not apply here)")
     widths = fla_tiling(K, V, device.index or 0)
     if BROKEN_WIDTH in widths:
         return Decision(False, f"fla would tile its backward {widths[0]}x{widths[1]}; width "
                         f"{BROKEN_WIDTH} miscompiles on Hopper with this Triton (fla #640)")
-    return self_test(K, V, device, torch_fn)
+    return self_test(K, V, device, torch_fn, heads=heads)

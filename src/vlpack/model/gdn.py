@@ -202,7 +202,8 @@ def _delta_rule_kernel(query, key, value, g, beta, bounds: Boundaries, torch_fn:
     if torch_only or not _use_fla(query):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta)):
-        decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn)
+        decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn,
+                                     heads=value.shape[2])
         bounds.paths["gdn.backward"] = decision.describe()
         if not decision.ok:
             _warn_once(f"vlpack: {decision.describe()}; the delta rule runs per segment in "
