@@ -1,8 +1,8 @@
 """Start-up cost of fla's gated delta rule on a GPU: vlpack's backward self-test, then varlen
 forward + backward calls at a layer's shape, each timed. The first calls of a process autotune
-fla's Triton kernels; the autotuning is keyed on head counts and dims, not tokens, so a
-self-test at the layer's head count (`--self-test-heads`, default `--heads`) leaves the layer's
-calls nothing to tune.
+fla's Triton kernels, most of them keyed on head counts and dims, not tokens: a self-test at the
+layer's head count (`--self-test-heads`, default `--heads`) tunes those for the layer's calls.
+Figures: docs/benchmarks/profiles.md.
 
     python bench/fla_startup.py --heads 32 --self-test-heads 32   # one process per setting
     python bench/fla_startup.py --heads 32 --self-test-heads 2

@@ -13,10 +13,10 @@ vlpack decides per (device, key dim, value dim, heads), once per process:
      transformers' torch kernel run per segment in float32, on a small packed row of that head
      shape. Each gradient's error must be within 2× the error of the same torch kernel fed
      bfloat16 inputs (the bf16 rule of `vlpack check`). The row has the layer's head count, so
-     fla's Triton autotuning (keyed on head counts and dims, not tokens) done for the self-test
-     serves the layer too. Passed → fla's backward kernel runs through `VlpackHopperBackend`,
-     registered with fla's own backend registry (`fla.backends`) for the approved shapes only;
-     failed → refused.
+     the self-test's Triton autotuning of fla's kernels, most of it keyed on head counts and
+     dims rather than tokens, serves the layer too. Passed → fla's backward kernel runs through
+     `VlpackHopperBackend`, registered with fla's own backend registry (`fla.backends`) for the
+     approved shapes only; failed → refused.
 The decision and the self-test's errors go into the forward's paths report (`gdn.backward`).
 
 Legend: T = tokens, H = heads, K/V = key/value head dims, BK/BV = the kernel's block widths.
