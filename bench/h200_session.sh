@@ -18,7 +18,8 @@
 #   mem-2b     qwen3-vl-2b vlpack packed in bins of 3,632 tokens: the real tokens per step of the
 #              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
 #   prof-8b    qwen3-vl-8b vlpack packed (AC, no optimizer) under torch.profiler
-#   prof-35b   qwen3.5-35b-a3b cut to $LAYERS layers, vlpack packed, under torch.profiler
+#   prof-35b   qwen3.5-35b-a3b cut to $LAYERS layers, vlpack packed, under torch.profiler (its first
+#              step takes about 350 s on a fresh machine, fla's autotuning: MODE_S=555)
 #   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit),
 #              activation checkpointing in every mode (without it every mode runs out of memory)
 #   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers (stock modes without fla)
@@ -33,7 +34,8 @@
 #   recipe-8b  qwen3-vl-8b recipe under torchrun on 2 GPUs (FSDP2, AdamW), 12 steps
 #   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
 #              mode: the forward traceback of the backward node that faults (debug-8b.log)
-#   gputests   the GPU test suite (tests/gpu; more pytest arguments in $GPUTEST_ARGS), gputests.log
+#   gputests   the GPU test suite (tests/gpu; $GPUTEST_K: a -k expression, e.g. "fla or host_syncs";
+#              more pytest arguments in $GPUTEST_ARGS), gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
@@ -172,7 +174,8 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac9b.json"
              tar czf "$TGZ" -C "$R" .
            done ;;
-    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_ARGS:-} 2>&1 |
+    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu \
+                ${GPUTEST_K:+-k "$GPUTEST_K"} ${GPUTEST_ARGS:-} 2>&1 |
                 grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
     recipe-1) vtrain 1 ${RECIPE:-qwen3-vl-2b} 600 recipe-1 data.num_workers=6 train.max_steps=12 \
                 ${RECIPE_ARGS:-} | tee "$R/recipe-1.log" | tail -8 ;;
