@@ -368,8 +368,8 @@ def main(argv=None) -> int:
                    help="torch.compile each decoder layer and vision block whole "
                         "(model.compile_scope=layers)")
     p.add_argument("--trace-vision-attention", action="store_true",
-                   help="with --compile-layers: trace the vision attention module too (it ran "
-                        "slower on the H200; for diagnosing why)")
+                   help="with --compile-layers: trace the vision attention module too, its "
+                        "kernel call the only graph break (docs/benchmarks/levers.md)")
     p.add_argument("--bf16-params", action="store_true",
                    help="bf16 compute weights, fp32 masters: FSDP2 on one rank, no autocast "
                         "(train.fsdp=always)")

@@ -34,7 +34,10 @@ from vlpack.model.seams import classes_of
 # fp32 with a cast on each side) are compiled as regions. Inside a compiled layer these stay
 # eager (`StockClasses.eager`): routed-expert blocks (data-dependent token dispatch),
 # Gated-DeltaNet (fla kernels and per-segment state resets keyed on host boundaries) and the
-# vision attention (slower traced on the 2B shape: docs/benchmarks/levers.md).
+# vision attention module, unless `trace_vision_attention`: then only its kernel call
+# (`vision.attend_row`) breaks the graph, and the projections, rotary and casts are traced.
+# That variant has not been timed on a GPU since its kernel call became the break
+# (docs/benchmarks/levers.md).
 
 _log = logging.getLogger(__name__)
 

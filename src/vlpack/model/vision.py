@@ -77,23 +77,29 @@ class VisionTower(nn.Module):
         if bounds is not None and bounds.vision is not None:
             kwargs.update(bounds.vision.tables)
             bounds.paths["vision.tables"] = "host"
+        else:  # no row tables (e.g. an unpacked sample): the blocks run the stock attention
+            kwargs.pop(BOUNDS_KWARG, None)
         for k in TEXT_VARLEN_KWARGS:  # the text boundaries, which the model call hands on too
             kwargs.pop(k, None)
         return super().forward(hidden_states, grid_thw, **kwargs)
 
 
 class VisionAttention(nn.Module):
-    """Mixin for a vision attention class: one varlen call over all images of the row."""
+    """Mixin for a vision attention class: one varlen call over all images of the row.
+
+    The projections, rotary and casts may be traced inside a compiled vision block
+    (`compile_layers(..., trace_vision_attention=True)`); the kernel call (`attend_row`) never
+    is. The forward touches the row's Boundaries only by handing them to that call, so a traced
+    block holds no guard on them and serves every row."""
 
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None,
                 **kwargs):
-        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        bounds = kwargs.pop(BOUNDS_KWARG, None)  # only with the row's tables (VisionTower)
         for k in TEXT_VARLEN_KWARGS:
             kwargs.pop(k, None)
-        if bounds is None or bounds.vision is None:
+        if bounds is None:
             return super().forward(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
                                    max_seqlen=max_seqlen, **kwargs)
-        segs = bounds.vision.segments(cu_seqlens)
         P = hidden_states.shape[0]
         q_PHD, k_PHD, v_PHD = (
             self.qkv(hidden_states).reshape(P, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0))
@@ -104,11 +110,19 @@ class VisionAttention(nn.Module):
             self._vlpack_stock.__module__].apply_rotary_pos_emb_vision
         q_PHD, k_PHD = rotary(q_PHD, k_PHD, cos, sin)
         q, k, v = attention.autocast_qkv(q_PHD, k_PHD, v_PHD)  # as the interface casts them
-        out = attention.attend(self.config._attn_implementation, q, k, v, segs, causal=False,
-                     scale=self.scaling, paths=bounds.paths, stream="vision")
+        out = attend_row(self.config._attn_implementation, q, k, v, bounds, cu_seqlens,
+                         self.scaling)
         return self.proj(out.reshape(P, -1).contiguous())
 
 
+@torch.compiler.disable
+def attend_row(name: str, q_PHD, k_PHD, v_PHD, bounds, cu_seqlens, scale: float):
+    """Bidirectional attention within each image of the row, with the segments whose device
+    tensor the tower handed this block (`cu_seqlens`: full or windowed). Never traced: the
+    segments are host ints that change with every row."""
+    segs = bounds.vision.segments(cu_seqlens)
+    return attention.attend(name, q_PHD, k_PHD, v_PHD, segs, causal=False, scale=scale,
+                            paths=bounds.paths, stream="vision")
 
 
 class ImageFeatures(nn.Module):
