@@ -15,6 +15,8 @@
 #   levers-2b  qwen3-vl-2b vlpack packed: plain, --compile, --bf16-params, both (one run each);
 #              $LEVER_SETS: other sets, ';' between them (e.g. "--compile;--compile --bf16-params")
 #   levers-8b  qwen3-vl-8b (AC, no optimizer) and levers-35b (cut): vlpack packed plain, --compile
+#              (levers-35b takes $LEVER_SETS too; its second process on the same machine reuses fla's
+#              autotuning, which fla caches on disk, and inductor's cache)
 #   mem-2b     qwen3-vl-2b vlpack packed in bins of 3,632 tokens: the real tokens per step of the
 #              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
 #   prof-8b    qwen3-vl-8b vlpack packed (AC, no optimizer) under torch.profiler
@@ -141,7 +143,8 @@ for part in "$@"; do
                  levers "${sets[@]}" -- --model qwen3-vl-2b
                else levers "" --compile --bf16-params "--compile --bf16-params" -- --model qwen3-vl-2b; fi ;;
     levers-8b) levers "" --compile -- --model qwen3-vl-8b --no-optimizer --activation-checkpointing ;;
-    levers-35b) levers "" --compile -- --model qwen3.5-35b-a3b --layers "$LAYERS" ;;
+    levers-35b) sets=("" --compile); [[ -n ${LEVER_SETS:-} ]] && IFS=';' read -ra sets <<< "$LEVER_SETS"
+                levers "${sets[@]}" -- --model qwen3.5-35b-a3b --layers "$LAYERS" ;;
     mem-2b) tp mem.log --model qwen3-vl-2b --modes vlpack_packed --seq-len 3632 ${LEVERS:-} \
               --out "$R/throughput_mem.json" ;;
     prof-8b) tp bench.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer \
