@@ -2,10 +2,11 @@
 forward + backward calls at a layer's shape, each timed. The first calls of a process autotune
 fla's Triton kernels, most of them keyed on head counts and dims, not tokens: a self-test at the
 layer's head count (`--self-test-heads`, default `--heads`) tunes those for the layer's calls.
-Figures: docs/benchmarks/profiles.md.
+fla keeps Triton's autotuning results on disk (`FLA_CACHE_RESULTS`, default on): give each
+process of a comparison a fresh `TRITON_CACHE_DIR`. Figures: docs/benchmarks/profiles.md.
 
-    python bench/fla_startup.py --heads 32 --self-test-heads 32   # one process per setting
-    python bench/fla_startup.py --heads 32 --self-test-heads 2
+    TRITON_CACHE_DIR=$(mktemp -d) python bench/fla_startup.py --heads 32 --self-test-heads 32
+    TRITON_CACHE_DIR=$(mktemp -d) python bench/fla_startup.py --heads 32 --self-test-heads 2
 
 Legend: T = tokens, H = heads, K/V = key/value head dims.
 """
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     res["decide_s"], res["decision"] = time.perf_counter() - t, d.describe()
     print(f"decide ({st_heads} heads): {res['decide_s']:.1f} s  {d.describe()}", flush=True)
+    if not fla_hopper.guard_applies():
+        print("fla's Hopper guard does not apply on this machine: no self-test ran", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     T = args.tokens
     cu = torch.tensor([0, 700, 1900, 2600, 4100, 5000, 6400, 7000, T], device=dev)

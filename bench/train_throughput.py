@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import faulthandler
 import gc
+import itertools
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.plan import plan_bins
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
+from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
@@ -142,50 +144,58 @@ def variant(mode: str, args) -> str:
             + "+expandable" * expandable)
 
 
-def hf_padded_loss(model, b):
+def hf_padded_loss(model, b, spec):
+    visuals = stock_visuals(spec, pixel_values=b.pixel_values, image_grid_thw=b.image_grid_thw,
+                            pixel_values_videos=b.pixel_values_videos,
+                            video_grid_thw=b.video_grid_thw,
+                            second_per_grid_ts=b.second_per_grid_ts)
     out = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                mm_token_type_ids=b.mm_token_type_ids, pixel_values=b.pixel_values,
-                image_grid_thw=b.image_grid_thw if b.pixel_values is not None else None,
-                pixel_values_videos=b.pixel_values_videos,
-                video_grid_thw=b.video_grid_thw if b.pixel_values_videos is not None else None,
-                use_cache=False)
+                mm_token_type_ids=b.mm_token_type_ids, use_cache=False, **visuals)
     return torch.nn.functional.cross_entropy(
         out.logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=IGNORE_INDEX,
         reduction="sum")
 
 
-def stock_visual_streams(b) -> dict:
-    """A packed row's one visual stream (`ThdBatch.pixel_values`, images and videos in row
-    order) as transformers takes it: images and videos apart, each item's kind read from the
-    token type of its first placeholder."""
+def visual_kinds(b, merge: int) -> tuple[int, ...]:
+    """The kind of each visual item of a packed row on the host (1 image, 2 video): the token
+    type of its first placeholder. `merge` patches make one token."""
     if b.pixel_values is None or not b.image_grids:
-        return {}
-    types = b.mm_token_type_ids.cpu()
+        return ()
+    types = b.mm_token_type_ids
+    assert types.device.type == "cpu", "read the kinds before the batch moves to the device"
     visual = types[types != 0].tolist()
-    merge = sum(t * h * w for t, h, w in b.image_grids) // len(visual)  # patches per token
+    patches = [t * h * w for t, h, w in b.image_grids]
+    assert sum(patches) == merge * len(visual), (sum(patches), merge, len(visual))
+    starts = [0, *itertools.accumulate(n // merge for n in patches)][:-1]
+    return tuple(visual[s] for s in starts)
+
+
+def stock_visual_streams(b, kinds: tuple[int, ...]) -> dict:
+    """A packed row's one visual stream (`ThdBatch.pixel_values`, images and videos in row
+    order) as transformers takes it, images and videos apart (`kinds`: `visual_kinds`), by
+    slicing the batch's tensors where they are (no host wait)."""
     streams: dict[int, tuple[list, list]] = {1: ([], []), 2: ([], [])}
-    patch = token = 0
-    for grid in b.image_grids:
-        n = grid[0] * grid[1] * grid[2]
-        pixels, grids = streams[visual[token]]
-        pixels.append(b.pixel_values[patch : patch + n])
-        grids.append(grid)
-        patch, token = patch + n, token + n // merge
+    patch = 0
+    for i, (kind, (t, h, w)) in enumerate(zip(kinds, b.image_grids, strict=True)):
+        pixels, grids = streams[kind]
+        pixels.append(b.pixel_values[patch : patch + t * h * w])
+        grids.append(b.image_grid_thw[i : i + 1])
+        patch += t * h * w
     out = {}
-    for kind, (pix, grid) in (("pixel_values", streams[1]), ("pixel_values_videos", streams[2])):
-        if pix:
-            out[kind] = torch.cat(pix)
-            key = "image_grid_thw" if kind == "pixel_values" else "video_grid_thw"
-            out[key] = torch.tensor(grid, dtype=b.image_grid_thw.dtype, device=b.image_grid_thw.device)
+    for kind, names in ((1, ("pixel_values", "image_grid_thw")),
+                        (2, ("pixel_values_videos", "video_grid_thw"))):
+        pixels, grids = streams[kind]
+        if pixels:
+            out[names[0]], out[names[1]] = torch.cat(pixels), torch.cat(grids)
     return out
 
 
-def hf_padding_free_loss(model, b):
+def hf_padding_free_loss(model, b, kinds: tuple[int, ...]):
     """Stock transformers packing: 4-row position ids, no attention mask, no cu kwargs."""
     model.model.rope_deltas = None
     out = model(input_ids=b.input_ids[None], position_ids=b.position_ids[:, None],
                 mm_token_type_ids=b.mm_token_type_ids[None], use_cache=False,
-                **stock_visual_streams(b))
+                **stock_visual_streams(b, kinds))
     return torch.nn.functional.cross_entropy(
         out.logits[0].float(), b.labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -243,6 +253,9 @@ def run_mode(mode: str, args, samples, device) -> dict:
     paths: dict = {}
 
     def step(b, measuring: bool) -> None:
+        if not mode.startswith("vlpack"):  # read on the host before the batch moves: no waits
+            n = int((b.labels != IGNORE_INDEX).sum())
+            kinds = visual_kinds(b, spec.merge_size**2) if mode == "hf_padding_free" else ()
         timer.start("data") if measuring else None
         b = b.to(device, non_blocking=True)
         timer.stop("data") if measuring else None
@@ -253,8 +266,8 @@ def run_mode(mode: str, args, samples, device) -> dict:
                 loss, n = out.loss_sum, out.num_label_tokens
                 paths.update(out.paths)
             else:
-                loss = (hf_padded_loss if mode == "hf_padded" else hf_padding_free_loss)(model, b)
-                n = int((b.labels != IGNORE_INDEX).sum())
+                loss = (hf_padded_loss(model, b, spec) if mode == "hf_padded" else
+                        hf_padding_free_loss(model, b, kinds))
         timer.stop("forward") if measuring else None
         timer.start("backward") if measuring else None
         (loss / n).backward()
