@@ -3,6 +3,7 @@ trace_vision_attention=True)`): one set of graphs for every row, the kernel call
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -22,15 +23,17 @@ def _break_names() -> set[str]:
     return names
 
 
-def test_traced_vision_attention_serves_every_row_without_recompiling():
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen2_5_vl"])  # 2.5: window blocks
+def test_traced_vision_attention_serves_every_row_without_recompiling(name):
     """Rows with other image counts, lengths and segment counts reuse the first row's graphs
     (a vision attention that let the tracer see the row's host boundaries recompiled every
     block for every row until dynamo's recompile limit sent every layer back to eager), the
-    only breaks are the two attention kernels, and loss and gradients equal the eager model's."""
+    only breaks are the two attention kernels, and loss and gradients equal the eager model's.
+    Qwen2.5-VL's blocks alternate between the full and the windowed segments."""
     torch._dynamo.reset()
     counters.clear()
-    eager, spec = build_model("tiny-qwen3_vl", device="cpu", seed=0)
-    fused, _ = build_model("tiny-qwen3_vl", device="cpu", seed=0)
+    eager, spec = build_model(name, device="cpu", seed=0)
+    fused, _ = build_model(name, device="cpu", seed=0)
     compile_layers(fused, trace_vision_attention=True)
     graphs = []
     for n in (4, 6, 7):

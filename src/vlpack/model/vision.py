@@ -12,7 +12,7 @@ Two subclasses, installed by class at build time (seams.py):
   device without blocking. The boundaries the blocks then receive are the ones vlpack built,
   with their host copies, in the forward's `Boundaries`.
 - `VisionAttention` overrides the vision attention's `forward`: with those boundaries it runs
-  one varlen call per block over all images of the row (`attention.attend`). Stock transformers
+  one varlen call per block over all images of the row (`attend_row`, never traced). Stock transformers
   instead calls attention once per image unless flash attention is requested. Its q/k/v and
   rotary steps are the stock ones (the same in every supported family and version).
 
@@ -120,6 +120,10 @@ def attend_row(name: str, q_PHD, k_PHD, v_PHD, bounds, cu_seqlens, scale: float)
     """Bidirectional attention within each image of the row, with the segments whose device
     tensor the tower handed this block (`cu_seqlens`: full or windowed). Never traced: the
     segments are host ints that change with every row."""
+    if bounds.vision is None:
+        raise ValueError("the vision attention got a packed forward's Boundaries without the "
+                         "row's vision tables: vision blocks are run through the tower "
+                         "(VisionTower.forward), which hands them over or drops the Boundaries")
     segs = bounds.vision.segments(cu_seqlens)
     return attention.attend(name, q_PHD, k_PHD, v_PHD, segs, causal=False, scale=scale,
                             paths=bounds.paths, stream="vision")
