@@ -21,7 +21,7 @@
 #              padded batches of 4, for the peak-memory comparison (throughput_mem.json)
 #   prof-8b    qwen3-vl-8b vlpack packed (AC, no optimizer) under torch.profiler
 #   prof-35b   qwen3.5-35b-a3b cut to $LAYERS layers, vlpack packed, under torch.profiler (its first
-#              step takes about 350 s on a fresh machine, fla's autotuning: MODE_S=555)
+#              step took about 350 s on a fresh machine with the 2-head fla self-test: MODE_S=555)
 #   bench-8b   the same on qwen3-vl-8b, forward + backward only (fp32 Adam states do not fit),
 #              activation checkpointing in every mode (without it every mode runs out of memory)
 #   bench-35b  the same on qwen3.5-35b-a3b cut to $LAYERS text layers (stock modes without fla)
