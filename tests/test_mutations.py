@@ -72,7 +72,7 @@ MUTATIONS = [
              check="tiny-qwen3_vl"),
     Mutation("images of a bin attend to each other", "model/vision.py",
              "segs = bounds.vision.segments(cu_seqlens)",
-             "segs = Segments.from_host((0, hidden_states.shape[0]), hidden_states.device)",
+             "segs = Segments.from_host((0, q_PHD.shape[0]), q_PHD.device)",
              check="tiny-qwen2_5_vl"),
     Mutation("vision tower frozen on the packed path only", "model/forward.py",
              "out = model.model(**inputs)",
