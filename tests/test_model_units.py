@@ -279,6 +279,26 @@ def test_fla_gets_one_boundary_tensor_pair_per_forward():
     assert gdn._fla_bounds(fla_fn, segs, bounds, "meta")["cu_seqlens"].device.type == "meta"
 
 
+def test_fla_chunk_indices_are_built_on_the_host():
+    """A packed row hands fla its chunk indices (fla's own copy of them to the device blocks):
+    one (segment, chunk) pair per started chunk, none for an empty segment; the same tensor for
+    every layer of the forward; none for boundaries that are not the row's."""
+    def fla_fn(x, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None):
+        return x
+
+    segs = Segments.from_host((0, 5, 12, 12, 13), torch.device("cpu"))
+    bounds = Boundaries(text=segs)
+    assert bounds.fla_chunks(torch.device("cpu"), 4).tolist() == [
+        [0, 0], [0, 1], [1, 0], [1, 1], [3, 0]]
+    assert bounds.fla_chunks(torch.device("cpu"), 64).tolist() == [[0, 0], [1, 0], [3, 0]]
+    first = gdn._fla_bounds(fla_fn, segs, bounds, "cpu")
+    assert first["chunk_indices"].tolist() == [[0, 0], [1, 0], [3, 0]]
+    assert gdn._fla_bounds(fla_fn, segs, bounds, "cpu")["chunk_indices"] is first["chunk_indices"]
+    assert first["chunk_indices"].dtype == torch.long
+    chunks = Segments.from_host((0, 70), torch.device("cpu"))  # a context-parallel chunk's own
+    assert "chunk_indices" not in gdn._fla_bounds(fla_fn, chunks, bounds, "cpu")
+
+
 def test_gdn_seam_leaves_transformers_untouched():
     """Building a packed Qwen3.5 changes the classes of its own GDN modules only: the modeling
     module's functions stay transformers' own, and a stock GDN module built afterwards keeps

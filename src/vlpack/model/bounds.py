@@ -131,6 +131,20 @@ class Boundaries:
             self._memo[key] = (to_device(host, torch.device(device)), host)
         return self._memo[key]
 
+    def fla_chunks(self, device: torch.device, chunk: int) -> torch.Tensor:
+        """fla's chunk indices of the row (`row`), built on the host and moved without a wait:
+        one (segment, chunk within the segment) pair per `chunk`-token chunk, int64 [chunks, 2],
+        the layout of fla's `prepare_chunk_indices`. fla builds the same pairs on the host
+        from `cu_seqlens_cpu` but then copies them with a blocking copy, which waits for
+        everything queued before it (the whole vision tower) once per forward."""
+        key = f"fla_chunks:{device}:{chunk}"
+        if key not in self._memo:
+            pairs = [(s, i) for s, (a, b) in enumerate(itertools.pairwise(self.row.host))
+                     for i in range(-(-(b - a) // chunk))]
+            host = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+            self._memo[key] = to_device(host, torch.device(device))
+        return self._memo[key]
+
 
 def max_segment(bounds: tuple[int, ...]) -> int:
     return max(b - a for a, b in itertools.pairwise(bounds))

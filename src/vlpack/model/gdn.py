@@ -55,24 +55,33 @@ def _fla() -> tuple[Callable, Callable] | None:
 
 
 def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device) -> dict:
-    """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes it,
-    `cu_seqlens_cpu`, the host copy, so fla derives its chunk indices without reading the device
-    tensor back. Within one forward every GDN layer gets the same two tensors
-    (`Boundaries.fla_cu`)."""
+    """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes
+    them, `cu_seqlens_cpu` (the host copy, so fla never reads the device tensor back) and, for
+    a packed row, `chunk_indices` (`Boundaries.fla_chunks`: fla's own copy of them to the
+    device is a blocking one). Within one forward every GDN layer gets the same tensors
+    (`Boundaries.fla_cu`): fla caches by argument identity."""
     if bounds is not None and bounds.row is segs:
         cu_dev, cu_cpu = bounds.fla_cu(torch.device(device))
     else:
         cu_cpu = torch.tensor(segs.host, dtype=torch.long)
         cu_dev = cu_cpu.to(device)
+    params = _fla_params(fn)
     kw = {"cu_seqlens": cu_dev}
-    if _takes_cu_seqlens_cpu(fn):
+    if "cu_seqlens_cpu" in params:
         kw["cu_seqlens_cpu"] = cu_cpu
+    if "chunk_indices" in params and bounds is not None and bounds.row is segs:
+        kw["chunk_indices"] = bounds.fla_chunks(torch.device(device), FLA_CHUNK)
     return kw
 
 
+FLA_CHUNK = 64
+"""The chunk size of fla 0.6's `causal_conv1d` and `chunk_gated_delta_rule` (both default to
+64, and vlpack passes none): the unit of the chunk indices vlpack hands them."""
+
+
 @functools.cache
-def _takes_cu_seqlens_cpu(fn: Callable) -> bool:
-    return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+def _fla_params(fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 @functools.cache
