@@ -36,8 +36,7 @@ from vlpack.model.seams import classes_of
 # Gated-DeltaNet (fla kernels and per-segment state resets keyed on host boundaries) and the
 # vision attention module, unless `trace_vision_attention`: then only its kernel call
 # (`vision.attend_row`) breaks the graph, and the projections, rotary and casts are traced.
-# That variant has not been timed on a GPU since its kernel call became the break
-# (docs/benchmarks/levers.md).
+# That variant is off by default: it is slower on the 35B cut (docs/benchmarks/levers.md).
 
 _log = logging.getLogger(__name__)
 
