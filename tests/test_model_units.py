@@ -291,12 +291,14 @@ def test_fla_chunk_indices_are_built_on_the_host():
     assert bounds.fla_chunks(torch.device("cpu"), 4).tolist() == [
         [0, 0], [0, 1], [1, 0], [1, 1], [3, 0]]
     assert bounds.fla_chunks(torch.device("cpu"), 64).tolist() == [[0, 0], [1, 0], [3, 0]]
-    first = gdn._fla_bounds(fla_fn, segs, bounds, "cpu")
+    first = gdn._fla_bounds(fla_fn, segs, bounds, "cpu", 64)
     assert first["chunk_indices"].tolist() == [[0, 0], [1, 0], [3, 0]]
-    assert gdn._fla_bounds(fla_fn, segs, bounds, "cpu")["chunk_indices"] is first["chunk_indices"]
+    assert gdn._fla_bounds(fla_fn, segs, bounds, "cpu", 64)["chunk_indices"] is first["chunk_indices"]
     assert first["chunk_indices"].dtype == torch.long
+    # fla's chunk size unknown (fla absent, or its conv and delta rule disagree): fla builds them
+    assert "chunk_indices" not in gdn._fla_bounds(fla_fn, segs, bounds, "cpu", None)
     chunks = Segments.from_host((0, 70), torch.device("cpu"))  # a context-parallel chunk's own
-    assert "chunk_indices" not in gdn._fla_bounds(fla_fn, chunks, bounds, "cpu")
+    assert "chunk_indices" not in gdn._fla_bounds(fla_fn, chunks, bounds, "cpu", 64)
 
 
 def test_gdn_seam_leaves_transformers_untouched():

@@ -248,14 +248,15 @@ def test_fla_conv_equals_segment_reference():
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
 def test_fla_chunk_indices_equal_fla_own():
     """The chunk indices vlpack hands fla are the ones fla would build itself, at the chunk
-    size its conv and delta rule use."""
+    size its conv and delta rule use (64 in fla 0.6)."""
     from fla.ops.utils.index import prepare_chunk_indices
 
+    chunk = gdn._fla_chunk()
+    assert chunk == 64, chunk
     host = (0, 1, 1, 64, 129, 829, 8192)
     cu = torch.tensor(host, device="cuda")
     ours = Boundaries(text=Segments.from_host(host, torch.device("cuda")))
-    assert torch.equal(ours.fla_chunks(torch.device("cuda"), gdn.FLA_CHUNK),
-                       prepare_chunk_indices(cu, gdn.FLA_CHUNK))
+    assert torch.equal(ours.fla_chunks(torch.device("cuda"), chunk), prepare_chunk_indices(cu, chunk))
 
 
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")

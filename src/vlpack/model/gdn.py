@@ -54,12 +54,14 @@ def _fla() -> tuple[Callable, Callable] | None:
     return conv, gdr
 
 
-def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device) -> dict:
+def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device,
+                chunk: int | None = None) -> dict:
     """The boundary kwargs of an fla call: `cu_seqlens` on the device and, where fla takes
     them, `cu_seqlens_cpu` (the host copy, so fla never reads the device tensor back) and, for
-    a packed row, `chunk_indices` (`Boundaries.fla_chunks`: fla's own copy of them to the
-    device is a blocking one). Within one forward every GDN layer gets the same tensors
-    (`Boundaries.fla_cu`): fla caches by argument identity."""
+    a packed row whose kernel's chunk size `chunk` is known, `chunk_indices`
+    (`Boundaries.fla_chunks`: fla's own copy of them to the device is a blocking one).
+    Within one forward every GDN layer gets the same tensors (`Boundaries.fla_cu`): fla caches
+    by argument identity."""
     if bounds is not None and bounds.row is segs:
         cu_dev, cu_cpu = bounds.fla_cu(torch.device(device))
     else:
@@ -69,14 +71,25 @@ def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device)
     kw = {"cu_seqlens": cu_dev}
     if "cu_seqlens_cpu" in params:
         kw["cu_seqlens_cpu"] = cu_cpu
-    if "chunk_indices" in params and bounds is not None and bounds.row is segs:
-        kw["chunk_indices"] = bounds.fla_chunks(torch.device(device), FLA_CHUNK)
+    if chunk and "chunk_indices" in params and bounds is not None and bounds.row is segs:
+        kw["chunk_indices"] = bounds.fla_chunks(torch.device(device), chunk)
     return kw
 
 
-FLA_CHUNK = 64
-"""The chunk size of fla 0.6's `causal_conv1d` and `chunk_gated_delta_rule` (both default to
-64, and vlpack passes none): the unit of the chunk indices vlpack hands them."""
+@functools.cache
+def _fla_chunk() -> int | None:
+    """The chunk size fla's causal conv and delta rule cut a row into (the `chunk_size`
+    default of their autograd Functions, which vlpack's calls leave as it is), or None when
+    fla is absent or the two disagree: then fla builds its chunk indices itself."""
+    try:
+        conv = importlib.import_module("fla.modules.causal_conv1d.ops").CausalConv1dFunction
+        gdr = importlib.import_module("fla.ops.gated_delta_rule.chunk").ChunkGatedDeltaRuleFunction
+    except Exception:
+        return None
+    sizes = {getattr(inspect.signature(f.forward).parameters.get("chunk_size"), "default", None)
+             for f in (conv, gdr)}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) else None
 
 
 @functools.cache
@@ -125,7 +138,8 @@ def segment_conv1d(x_BCT, weight_CW, bias_C, activation: str | None, segs: Segme
         paths["gdn.conv"] = "fla causal_conv1d (cu_seqlens)"
         conv = _fla()[0]
         y_BTC, _ = conv(x_BCT.transpose(1, 2).contiguous(), weight=weight_CW, bias=bias_C,
-                        activation=activation, **_fla_bounds(conv, segs, bounds, x_BCT.device))
+                        activation=activation,
+                        **_fla_bounds(conv, segs, bounds, x_BCT.device, _fla_chunk()))
         return y_BTC.transpose(1, 2).to(x_BCT.dtype)
     paths["gdn.conv"] = "per-segment torch conv1d"
     bounds_S1 = segs.host
@@ -193,7 +207,7 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     if gdr is not None:
         bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
         out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
-                     **_fla_bounds(gdr, segs, bounds, query.device))
+                     **_fla_bounds(gdr, segs, bounds, query.device, _fla_chunk()))
         return out
     bounds.paths["gdn.delta_rule"] = "per-segment torch chunk_gated_delta_rule"
     outs = [
