@@ -62,7 +62,8 @@ def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device,
     (`Boundaries.fla_chunks`: fla's own copy of them to the device is a blocking one).
     Within one forward every GDN layer gets the same tensors (`Boundaries.fla_cu`): fla caches
     by argument identity."""
-    if bounds is not None and bounds.row is segs:
+    row = bounds is not None and bounds.row is segs
+    if row:
         cu_dev, cu_cpu = bounds.fla_cu(torch.device(device))
     else:
         cu_cpu = torch.tensor(segs.host, dtype=torch.long)
@@ -71,7 +72,7 @@ def _fla_bounds(fn: Callable, segs: Segments, bounds: Boundaries | None, device,
     kw = {"cu_seqlens": cu_dev}
     if "cu_seqlens_cpu" in params:
         kw["cu_seqlens_cpu"] = cu_cpu
-    if chunk and "chunk_indices" in params and bounds is not None and bounds.row is segs:
+    if row and chunk and "chunk_indices" in params:
         kw["chunk_indices"] = bounds.fla_chunks(torch.device(device), chunk)
     return kw
 
