@@ -62,7 +62,7 @@ def dirty(tmp_path_factory) -> tuple[Path, Path, dict]:
     extra = [
         "{not json",  # bad_json (left out by prepare)
         rec("missing", [{"type": "image", "image": "nope.jpg"}]),  # missing_image (prepare)
-        rec("corrupt", [{"type": "image", "image": "corrupt.jpg"}]),  # corrupt_image at encode
+        rec("corrupt", [{"type": "image", "image": "corrupt.jpg"}]),  # corrupt_image (prepare)
         rec("thin", [{"type": "image", "image": "thin.png"}]),  # bad_image_size
         rec("long_answer", ask, "word " * 3000),  # truncated (or overlong with skip)
         rec("long_prompt", "word " * 3000),  # overlong_prompt when truncated
@@ -153,18 +153,18 @@ def test_same_bins_as_the_jsonl_loader(clean, encoder, algo, max_patches) -> Non
 
 def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
     src, out, report = dirty
-    assert report["skipped"] == {"bad_json": 1, "missing_image": 1}
-    kept = report["samples"]  # N good + corrupt, thin, long_answer, long_prompt
+    assert report["skipped"] == {"bad_json": 1, "corrupt_image": 1, "missing_image": 1}
+    kept = report["samples"]  # N good + thin, long_answer, long_prompt
     loader = EnergonLoader(out, encoder, packing="bfd", packing_buffer_size=kept, shuffle=False,
                            **COMMON)  # fmt: skip
     got = epoch_rows(loader, N + 1)
     acc = loader.accounting
-    assert acc["skipped"] == {"bad_image_size": 1, "corrupt_image": 1, "overlong_prompt": 1}
+    assert acc["skipped"] == {"bad_image_size": 1, "overlong_prompt": 1}
     assert (acc["samples"], acc["packed"], acc["truncated"]) == (kept, N, 1)
     keys = Counter(k for r in got for k in r.sample_keys)
     assert len(keys) == N + 1 and set(keys.values()) == {1} and "long_answer" in keys
-    # The JSONL path counts the same samples under the same reasons (it also sees the two that
-    # prepare left out).
+    # The JSONL path counts the same samples under the same reasons (it also sees the three
+    # that prepare left out).
     jsonl = PackedLoader(open_dataset("jsonl", str(src)), encoder, packing="bfd", buffer_size=64,
                          epochs=1, shuffle=False, **COMMON)  # fmt: skip
     list(jsonl)

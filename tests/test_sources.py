@@ -15,7 +15,8 @@ BASE = Path("/data/set")
 
 
 def _parse(obj, key="k"):
-    return parse_record(obj, base_dir=BASE, key=key)
+    # media_root "/": these tests are about record shapes; tests/test_media.py tests the root
+    return parse_record(obj, base_dir=BASE, key=key, media_root="/")
 
 
 def _reason(obj) -> str:

@@ -30,13 +30,19 @@ def _add_energon_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("data", help="DATA.jsonl (image paths relative to it)")
     p.add_argument("out", help="new or empty folder for the Energon dataset")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard")
+    _add_media_root(p)
     p.set_defaults(func=_run_energon_prepare)
 
 
 def _run_energon_prepare(args: argparse.Namespace) -> int:
     from vlpack.data.energon.prepare import prepare_energon
 
-    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False)
+    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False,
+                        media_root=args.media_root)
+    for p in r["problems"][:20]:
+        print(f"left out: {p['reason']}: {p['message']}")
+    if len(r["problems"]) > 20:
+        print(f"... and {len(r['problems']) - 20} more (all in {args.out}/vlpack-prepare.json)")
     left_out = f"; left out: {r['skipped']}" if r["skipped"] else ""
     print(f"wrote {r['samples']} samples in {r['shards']} shards to {args.out} and prepared them "
           f"for Energon{left_out}; train with data.source=energon data.path={args.out}")
@@ -57,6 +63,13 @@ def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=None,
                    help="largest source image opened, width × height (default: Pillow's "
                         "decompression-bomb limit); as data.max_image_pixels")
+    _add_media_root(p)
+
+
+def _add_media_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--media-root", default=None,
+                   help="folder every image/video path must resolve inside (default: the "
+                        "JSONL file's folder); as data.media_root")
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:

@@ -76,6 +76,9 @@ class DataConfig:
     max_image_pixels: int | None = None
     """Largest source image (width × height) opened (None: Pillow's decompression-bomb limit,
     about 179 M pixels); raise it only for files you trust."""
+    media_root: str | None = None
+    """Folder every image and video path must resolve inside (`..` and symlinks followed);
+    None: the JSONL file's folder. A path that escapes is a skipped sample (docs/data.md)."""
     video: VideoSettings = field(default_factory=VideoSettings)
     """How videos are sampled and sized (`data.video.fps=1`, `data.video.max_pixels=N`, ...;
     see docs/data.md)."""
@@ -115,6 +118,12 @@ class DataConfig:
         _positive("data.packing_buffer_size", self.packing_buffer_size)
         _positive("data.shuffle_buffer_size", self.shuffle_buffer_size)
         self._check_energon()
+        if self.media_root is not None and self.source != "jsonl":
+            raise ValueError(
+                f"data.media_root bounds the media paths of a JSONL file, but data.source="
+                f"{self.source} reads none (energon-prepare applies it when writing shards): "
+                "drop data.media_root or set data.source=jsonl"
+            )
         _positive("data.num_workers", self.num_workers, allow_zero=True)
         _positive("data.eval_samples", self.eval_samples, allow_zero=True)
         if self.seq_len % self.pad_to_multiple_of:

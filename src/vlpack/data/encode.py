@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vlpack.data import template as chat
 from vlpack.data import video as vid
+from vlpack.data.media import image_size, open_image
 from vlpack.data.tokenizer import (
     FamilySpec,
     family_spec,
@@ -56,10 +56,6 @@ from vlpack.data.types import (
     VideoRef,
 )
 from vlpack.families import family as family_of
-
-if TYPE_CHECKING:
-    from PIL import Image as PILImage
-
 
 _ATOMIC_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
@@ -183,7 +179,7 @@ class Encoder:
 
     def encode(self, conv: Conversation) -> EncodedSample:
         """Tokens, labels, token types, pixel values and grids of `conv`."""
-        images = [_open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
+        images = [open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
         for ref, image in zip(conv.images, images, strict=True):
             self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
         items = self._items(conv, [image.size for image in images])
@@ -212,7 +208,7 @@ class Encoder:
     def skeleton(self, conv: Conversation) -> EncodedSample:
         """`encode(conv)` without pixels: grids come from the image headers and the videos'
         metadata."""
-        sizes = [_image_size(conv.key, r, self.max_image_pixels) for r in conv.images]
+        sizes = [image_size(conv.key, r, self.max_image_pixels) for r in conv.images]
         return self._assemble(conv, self._items(conv, sizes))
 
     def _items(self, conv: Conversation, image_sizes: list[tuple[int, int]]) -> list[_Item]:
@@ -495,74 +491,3 @@ def _split_reasoning(content: str) -> tuple[str, str]:
         return "", content
     reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
     return reasoning.strip(), content.split("</think>")[-1].lstrip("\n")
-
-
-def _image_limit(max_image_pixels: int | None) -> None:
-    """Make Pillow refuse exactly the images above `max_image_pixels` (it errors above twice its
-    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning)."""
-    if max_image_pixels is None:
-        return
-    import warnings
-
-    from PIL import Image
-
-    Image.MAX_IMAGE_PIXELS = max_image_pixels // 2
-    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-
-
-def _open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> PILImage.Image:
-    """Open and decode an image, turning I/O and format errors into BadSampleError."""
-    from PIL import Image
-
-    _image_limit(max_image_pixels)
-    try:
-        image = Image.open(ref.path)
-        image.load()  # decode now so a truncated or corrupt file fails here
-        return image
-    except FileNotFoundError:
-        raise _missing(key, ref) from None
-    except Image.DecompressionBombError as e:
-        raise _too_large(key, ref, e) from None
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, ... on bad data
-        raise _corrupt(key, ref, e) from None
-
-
-def _image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> tuple[int, int]:
-    """(width, height) from the image header, without decoding pixels."""
-    from PIL import Image
-
-    _image_limit(max_image_pixels)
-    try:
-        with Image.open(ref.path) as image:
-            return image.size
-    except FileNotFoundError:
-        raise _missing(key, ref) from None
-    except Image.DecompressionBombError as e:
-        raise _too_large(key, ref, e) from None
-    except Exception as e:
-        raise _corrupt(key, ref, e) from None
-
-
-def _missing(key: str, ref: ImageRef) -> BadSampleError:
-    return BadSampleError(
-        "missing_image",
-        f"{key}: image {ref.path} not found: fix the path (relative paths are resolved against "
-        "the JSONL file's folder) or drop the sample",
-    )
-
-
-def _too_large(key: str, ref: ImageRef, e: Exception) -> BadSampleError:
-    return BadSampleError(
-        "image_too_large",
-        f"{key}: image {ref.path} is larger than the decompression-bomb limit ({e}); downscale "
-        "it, or if you trust the file raise the limit: data.max_image_pixels=N (`vlpack pack` "
-        "and `vlpack data validate`: --max-image-pixels N)",
-    )
-
-
-def _corrupt(key: str, ref: ImageRef, e: Exception) -> BadSampleError:
-    return BadSampleError(
-        "corrupt_image",
-        f"{key}: image {ref.path} cannot be read ({type(e).__name__}: {e}): re-export it as "
-        "PNG/JPEG or drop the sample",
-    )

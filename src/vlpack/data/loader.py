@@ -26,8 +26,10 @@ from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 Item = Conversation | BadSampleError
 
 
-def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256) -> list[Item]:
-    """All records of a dataset, good ones as Conversation, bad ones as their error."""
+def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
+                 media_root: str | None = None) -> list[Item]:
+    """All records of a dataset, good ones as Conversation, bad ones as their error (media
+    paths must resolve inside `media_root`, None: the JSONL file's folder)."""
     from vlpack.data.sources import iter_jsonl
 
     if source == "synthetic":
@@ -36,7 +38,7 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256)
         path = str(default_dataset(n=synthetic_samples))
     elif source != "jsonl":
         raise ValueError(f"data.source={source!r} is not readable here; use jsonl or synthetic")
-    items = list(iter_jsonl(path))
+    items = list(iter_jsonl(path, media_root))
     if not items:
         raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
                          "conversation (see docs/data.md)")
@@ -259,7 +261,8 @@ def build_loaders(
             spatial_merge_size=spatial_merge_size, max_consecutive_bad=d.max_consecutive_bad,
             max_bad_fraction=d.max_bad_fraction,
         ), None
-    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples)
+    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
+                         media_root=d.media_root)
     if d.eval_samples >= len(items):
         raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
                          f"(the dataset has {len(items)}): lower data.eval_samples")

@@ -95,7 +95,8 @@ def format_report(r: dict) -> str:
 def pack_command(args: argparse.Namespace) -> int:
     from vlpack.data.encode import Encoder
 
-    items = open_dataset("jsonl" if args.data else "synthetic", args.data)
+    items = open_dataset("jsonl" if args.data else "synthetic", args.data,
+                         media_root=args.media_root)
     if args.seq_len % args.pad_to_multiple_of:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
                          f"{args.pad_to_multiple_of}")

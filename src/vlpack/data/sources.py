@@ -25,8 +25,10 @@ file; `fps`, optional, overrides the rate its header gives) or `{"type": "video"
 ShareGPT records each `<video>` placeholder consumes the next entry of `video`/`videos` (a file
 path or a list of frame paths). Images and videos mix freely in user turns.
 
-Paths are relative to the JSONL file's folder unless absolute. Files are not opened here: a
-missing or corrupt one is reported when the sample is encoded or measured.
+Paths are relative to the JSONL file's folder unless absolute, and must resolve inside the media
+root (`data.media_root`, by default the JSONL file's folder; `vlpack.data.media` gives the policy
+and its reason): one that escapes is refused here, by name. Files are not opened here: a missing
+or corrupt one is reported when the sample is encoded or measured.
 
 The key of a sample is its `id` field, else `<file name>:<line>` (1-based).
 """
@@ -37,11 +39,12 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from vlpack.data.media import media_path
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message, VideoRef
 
 log = logging.getLogger(__name__)
@@ -54,9 +57,12 @@ RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|
 """Strings that would turn into vision tokens if they appeared in text."""
 
 
-def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
+def iter_jsonl(
+    path: str | Path, media_root: str | Path | None = None
+) -> Iterator[Conversation | BadSampleError]:
     """Stream the records of a JSONL file: a `Conversation` per good record, the
-    `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`."""
+    `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`.
+    Media paths must resolve inside `media_root` (None: the file's folder)."""
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]
@@ -84,7 +90,7 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
             has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
             key = str(obj["id"]) if has_id else where
             try:
-                yield parse_record(obj, base_dir=base_dir, key=key)
+                yield parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
             except BadSampleError as e:
                 if key != where:  # name the line too, so the record can be found
                     e.args = (f"{e} [{path}:{lineno}]",)
@@ -92,11 +98,11 @@ def iter_jsonl(path: str | Path) -> Iterator[Conversation | BadSampleError]:
 
 
 def iter_conversations(
-    path: str | Path, skipped: Counter[str] | None = None
+    path: str | Path, skipped: Counter[str] | None = None, media_root: str | Path | None = None
 ) -> Iterator[Conversation]:
     """The good conversations of a JSONL file; bad records are logged and counted by reason
     into `skipped` when given."""
-    for item in iter_jsonl(path):
+    for item in iter_jsonl(path, media_root):
         if isinstance(item, BadSampleError):
             log.warning("skipping sample: %s", item)
             if skipped is not None:
@@ -105,19 +111,22 @@ def iter_conversations(
         yield item
 
 
-def read_jsonl(path: str | Path) -> list[Conversation]:
+def read_jsonl(path: str | Path, media_root: str | Path | None = None) -> list[Conversation]:
     """All conversations of a JSONL file; raises the first `BadSampleError`."""
     out = []
-    for item in iter_jsonl(path):
+    for item in iter_jsonl(path, media_root):
         if isinstance(item, BadSampleError):
             raise item
         out.append(item)
     return out
 
 
-def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
+def parse_record(
+    obj: Any, *, base_dir: str | Path, key: str, media_root: str | Path | None = None
+) -> Conversation:
     """Turn one decoded JSON record into a `Conversation`; raises `BadSampleError` whose
-    message names `key`, the problem and the fix."""
+    message names `key`, the problem and the fix. Media paths are joined to `base_dir` and must
+    resolve inside `media_root` (None: `base_dir`)."""
     if not isinstance(obj, dict):
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
     images = _record_images(obj, key)
@@ -128,8 +137,13 @@ def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
     else:
         _bad(key, "bad_schema", 'a record needs a "messages" or a "conversations" list')
     base = Path(base_dir)
-    videos = [_video_ref(v, None, base, key) for v in _record_videos(obj, key)]
-    queues = {IMAGE_PLACEHOLDER: [ImageRef(path=base / p) for p in images],
+    root = Path(base_dir if media_root is None else media_root).resolve()
+
+    def join(p: str, what: str = "image") -> Path:
+        return media_path(p, base, root, key, what)
+
+    videos = [_video_ref(v, None, join, key) for v in _record_videos(obj, key)]
+    queues = {IMAGE_PLACEHOLDER: [ImageRef(path=join(p)) for p in images],
               VIDEO_PLACEHOLDER: videos}
     for placeholder, items, what, field in (
             (IMAGE_PLACEHOLDER, images, "image", '"image"/"images"'),
@@ -147,9 +161,9 @@ def parse_record(obj: Any, *, base_dir: str | Path, key: str) -> Conversation:
             if isinstance(part, str):
                 content.extend(_split_placeholders(part, queues))
             elif isinstance(part, _RawVideo):
-                content.append(_video_ref(part.video, part.fps, base, key))
+                content.append(_video_ref(part.video, part.fps, join, key))
             else:
-                content.append(ImageRef(path=base / part))
+                content.append(ImageRef(path=join(str(part))))
         messages.append(Message(role=role, content=tuple(content)))
     conv = Conversation(key=key, messages=tuple(messages))
     _validate(conv)
@@ -198,8 +212,8 @@ def _record_videos(obj: dict, key: str) -> list:
     return videos
 
 
-def _video_ref(video: Any, fps: Any, base: Path, key: str) -> VideoRef:
-    """A VideoRef from a path or a frame list (joined to `base`) and an optional fps."""
+def _video_ref(video: Any, fps: Any, join: Callable[[str, str], Path], key: str) -> VideoRef:
+    """A VideoRef from a path or a frame list (each joined by `join`) and an optional fps."""
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float)
                             or not fps > 0):
         _bad(key, "bad_schema", f"video fps must be a positive number, got {fps!r}")
@@ -207,9 +221,9 @@ def _video_ref(video: Any, fps: Any, base: Path, key: str) -> VideoRef:
     if isinstance(video, str) and video:
         if "://" in video:
             _bad(key, "bad_schema", f"video {video!r} is a URL: download it and give a path")
-        return VideoRef(path=base / video, fps=fps)
+        return VideoRef(path=join(video, "video"), fps=fps)
     if isinstance(video, list) and video and all(isinstance(p, str) and p for p in video):
-        return VideoRef(frames=tuple(base / p for p in video), fps=fps)
+        return VideoRef(frames=tuple(join(p, "video frame") for p in video), fps=fps)
     _bad(key, "bad_schema", f"a video must be a file path or a non-empty list of frame paths, "
          f"got {video!r:.80}")
 

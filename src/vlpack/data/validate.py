@@ -50,9 +50,10 @@ def _judge_chunk(chunk: list, seq_len: int | None) -> list[tuple[str, str] | Non
 
 
 def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = None,
-             workers: int = 1, progress: bool = False) -> dict[str, Any]:
+             workers: int = 1, progress: bool = False,
+             media_root: str | None = None) -> dict[str, Any]:
     """Encode every record of `path`; the counts and every bad sample, in file order."""
-    items = list(iter_jsonl(path))
+    items = list(iter_jsonl(path, media_root))
     chunks = [items[i : i + 64] for i in range(0, len(items), 64)]
     bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not progress)
     verdicts: list[tuple[str, str] | None] = []
@@ -87,7 +88,7 @@ def validate_command(args: argparse.Namespace) -> int:
                       chat_template=load_template(args.chat_template, args.tokenizer))  # fmt: skip
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
     r = validate(args.data, encoder_kw, seq_len=args.seq_len, workers=workers,
-                 progress=not args.json)
+                 progress=not args.json, media_root=args.media_root)
     if args.json:
         print(json.dumps(r))
     else:

@@ -4,9 +4,15 @@ Each sample of a shard holds the record as `KEY.json` (image and video paths rew
 sample's own members) and its files: images as `KEY.img0.jpg`, `KEY.img1.png`, ..., video files
 as `KEY.vid0.mp4`, the frames of a frame-list video as `KEY.vid1f000.jpg`, `KEY.vid1f001.jpg`,
 ... (bytes copied verbatim, never re-encoded). The record keeps its vlpack key in `id` (the
-JSONL path's `file:line` when the record had none), so both paths name samples alike. Records
-that cannot be parsed or whose files are missing are left out and counted by reason; contents
-are checked when samples are encoded, as on the JSONL path.
+JSONL path's `file:line` when the record had none), so both paths name samples alike.
+
+Nothing is packaged that the dataset merely names: media paths must resolve inside the media
+root (`media_root`, by default the JSONL file's folder; `vlpack.data.media`), and every file's
+bytes must decode as what it claims before they are written: an image or frame must decode in
+full with Pillow (its member is named by the decoded format, `.jpg` for JPEG, `.png` for PNG,
+...), a video file must open with PyAV and decode its first frame. Records that cannot be
+parsed, whose paths escape the root, or whose files are missing or do not decode are left out
+and counted by reason.
 
 Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
 `dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
@@ -33,42 +39,50 @@ REPORT_NAME = "vlpack-prepare.json"
 
 
 def prepare_energon(
-    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, progress: bool = False
+    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, progress: bool = False,
+    media_root: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write shards of `data` (a JSONL file) into `out_dir` and run `energon prepare` on them;
-    returns the report (also saved as `out_dir/vlpack-prepare.json`)."""
+    returns the report (also saved as `out_dir/vlpack-prepare.json`). Media paths must resolve
+    inside `media_root` (None: the JSONL file's folder)."""
     data, out = Path(data), Path(out_dir)
     if shard_size < 1:
         raise ValueError(f"--shard-size must be ≥ 1 sample, got {shard_size}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: give a new or empty folder for the Energon dataset")
     out.mkdir(parents=True, exist_ok=True)
-    shards, n, skipped = _write_shards(data, out, shard_size)
+    shards, n, problems = _write_shards(data, out, shard_size, media_root)
+    skipped = Counter(p["reason"] for p in problems)
     if not n:
-        raise ValueError(f"{data}: no usable sample (left out: {dict(skipped)}); fix the records")
+        first = "".join(f"\n  {p['reason']}: {p['message']}" for p in problems[:5])
+        raise ValueError(f"{data}: no usable sample (left out: {dict(skipped)}); fix the "
+                         f"records{first}")
     _energon_prepare(out, workers=min(shards, os.cpu_count() or 1), progress=progress)
     report = {"data": str(data.absolute()), "samples": n, "shards": shards,
-              "shard_size": shard_size, "skipped": dict(sorted(skipped.items()))}  # fmt: skip
+              "shard_size": shard_size, "skipped": dict(sorted(skipped.items())),
+              "problems": problems}  # fmt: skip
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def _write_shards(data: Path, out: Path, shard_size: int) -> tuple[int, int, Counter]:
-    """Shards `shard-000000.tar`, ... of `shard_size` samples; returns (shards, samples, skipped)."""
-    skipped: Counter = Counter()
+def _write_shards(data: Path, out: Path, shard_size: int,
+                  media_root: str | Path | None) -> tuple[int, int, list[dict[str, str]]]:
+    """Shards `shard-000000.tar`, ... of `shard_size` samples; returns (shards, samples, the
+    left-out records as {"reason", "message"} in file order)."""
+    problems: list[dict[str, str]] = []
     n = 0
     tar: tarfile.TarFile | None = None
     with data.open("rb") as f:
         raw_lines = (line for line in f if line.strip())  # iter_jsonl skips the same blank lines
         try:
-            for raw, item in zip(raw_lines, iter_jsonl(data), strict=True):
+            for raw, item in zip(raw_lines, iter_jsonl(data, media_root), strict=True):
                 if isinstance(item, BadSampleError):
-                    skipped[item.reason] += 1
+                    problems.append({"reason": item.reason, "message": str(item)})
                     continue
                 try:
                     members = _sample_members(json.loads(raw), item, data.parent.absolute())
                 except BadSampleError as e:
-                    skipped[e.reason] += 1
+                    problems.append({"reason": e.reason, "message": str(e)})
                     continue
                 if n % shard_size == 0:
                     if tar is not None:
@@ -81,40 +95,86 @@ def _write_shards(data: Path, out: Path, shard_size: int) -> tuple[int, int, Cou
         finally:
             if tar is not None:
                 tar.close()
-    return -(-n // shard_size), n, skipped
+    return -(-n // shard_size), n, problems
 
 
 def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, bytes]:
     """{"json": record, "img0.jpg": bytes, "vid0.mp4": bytes, ...} for one sample (one member
     per distinct file)."""
+    from PIL import Image
+
     names: dict[Path, str] = {}
     files: dict[str, bytes] = {}
 
-    def add(path: Path, name: str, reason: str, what: str) -> None:
+    def add(path: Path, name: str, kind: str, what: str) -> None:
         if path in names:
             return
-        name += path.suffix.lower() or ".bin"
+        missing, corrupt = ("missing_image", "corrupt_image") if kind == "image" else \
+            ("missing_video", "corrupt_video")
         try:
-            files[name] = path.read_bytes()
+            payload = path.read_bytes()
         except FileNotFoundError:
-            raise BadSampleError(reason, f"{conv.key}: {what} {path} not found") from None
-        names[path] = name
+            raise BadSampleError(missing, f"{conv.key}: {what} {path} not found") from None
+        except OSError as e:
+            raise BadSampleError(missing, f"{conv.key}: {what} {path} cannot be read "
+                                 f"({type(e).__name__}: {e})") from None
+        try:
+            suffix = _decoded_video_suffix(payload, path) if kind == "video" else \
+                _decoded_image_suffix(payload)
+        except ImportError:
+            raise BadSampleError("video_decoder_missing", f"{conv.key}: video {path}: checking "
+                                 "that it decodes before packaging it needs PyAV: pip install "
+                                 "'vlpack[video]'") from None
+        except Image.DecompressionBombError as e:
+            raise BadSampleError("image_too_large", f"{conv.key}: {what} {path} is larger than "
+                                 f"Pillow's decompression-bomb limit ({e}): downscale it") from None
+        except Exception as e:  # Pillow and PyAV raise many types on bad bytes
+            raise BadSampleError(
+                corrupt, f"{conv.key}: {what} {path} does not decode as "
+                f"{'a video' if kind == 'video' else 'an image'} ({type(e).__name__}: {e}); "
+                "only media that decode are packaged: fix or drop the file") from None
+        files[name + suffix] = payload
+        names[path] = name + suffix
 
     n_image = n_video = 0
     for ref in conv.visuals:
         if isinstance(ref, ImageRef):
             if ref.path not in names:
-                add(ref.path, f"img{n_image}", "missing_image", "image")
+                add(ref.path, f"img{n_image}", "image", "image")
                 n_image += 1
             continue
         for j, frame in enumerate(ref.frames):
-            add(frame, f"vid{n_video}f{j:03d}", "missing_video", "video frame")
+            add(frame, f"vid{n_video}f{j:03d}", "frame", "video frame")
         if ref.path is not None:
-            add(ref.path, f"vid{n_video}", "missing_video", "video")
+            add(ref.path, f"vid{n_video}", "video", "video")
         n_video += 1
     record = _rewrite_paths(obj, lambda p: names[base / p])
     record["id"] = conv.key
     return {"json": json.dumps(record, ensure_ascii=False).encode(), **files}
+
+
+_SUFFIX = {"JPEG": ".jpg", "MPO": ".jpg", "TIFF": ".tif"}
+"""Member suffix of a Pillow format whose name is not its usual suffix (else `.format`)."""
+
+
+def _decoded_image_suffix(payload: bytes) -> str:
+    """Decode `payload` in full as an image (Pillow's decompression-bomb limit applies);
+    the member suffix of its format."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(payload)) as image:
+        image.load()
+        return _SUFFIX.get(image.format, f".{image.format.lower()}")
+
+
+def _decoded_video_suffix(payload: bytes, path: Path) -> str:
+    """Open `payload` with PyAV and decode its first video frame; the file's own suffix
+    (ImportError without PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(payload)) as container:
+        next(container.decode(video=0))
+    return path.suffix.lower() or ".video"
 
 
 def _rewrite_paths(obj: dict, rename: Callable[[str], str]) -> dict:

@@ -1,0 +1,122 @@
+"""The media-path policy and the decode check: a dataset cannot pull files from outside its media
+root into a shard or a run, and `energon-prepare` packages only media that decode."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlpack.cli import main
+from vlpack.config import load_config
+from vlpack.data.energon.prepare import prepare_energon
+from vlpack.data.loader import open_dataset
+from vlpack.data.media import OUTSIDE_ROOT
+from vlpack.data.sources import iter_jsonl
+from vlpack.data.types import BadSampleError
+
+
+def _rec(i: str, image: str) -> str:
+    return json.dumps({"id": i, "messages": [
+        {"role": "user", "content": [{"type": "image", "image": image},
+                                     {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "12.50"}]})  # fmt: skip
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """root/ (the media root) holding data/set.jsonl, data/ok.png, shared.png, a symlink out
+    of root and one within it, and a text file named .jpg; outside/secret.png beside root."""
+    root, data = tmp_path / "root", tmp_path / "root" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(data / "ok.png")
+    Image.new("RGB", (64, 48), (10, 200, 10)).save(root / "shared.png")
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(tmp_path / "outside" / "secret.png")
+    os.symlink(tmp_path / "outside" / "secret.png", data / "escape.png")
+    os.symlink(data / "ok.png", data / "inside.png")
+    (data / "fake.jpg").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    lines = [_rec("ok", "ok.png"), _rec("passwd", "/etc/passwd"),
+             _rec("dotdot", "../../outside/secret.png"), _rec("up_in_root", "../shared.png"),
+             _rec("symlink", "escape.png"), _rec("link_in", "inside.png"),
+             _rec("fake", "fake.jpg")]  # fmt: skip
+    (data / "set.jsonl").write_text("\n".join(lines) + "\n")
+    return data / "set.jsonl"
+
+
+def _verdicts(path: Path, media_root=None) -> dict[str, str]:
+    """{key: "ok" or the reason} of every record as the JSONL path reads it."""
+    out = {}
+    for i, item in enumerate(iter_jsonl(path, media_root)):
+        key = item.key if not isinstance(item, BadSampleError) else str(item).split(":")[0]
+        out[key or str(i)] = item.reason if isinstance(item, BadSampleError) else "ok"
+    return out
+
+
+def test_default_root_is_the_jsonl_folder(tree: Path) -> None:
+    assert _verdicts(tree) == {
+        "ok": "ok", "passwd": OUTSIDE_ROOT, "dotdot": OUTSIDE_ROOT, "up_in_root": OUTSIDE_ROOT,
+        "symlink": OUTSIDE_ROOT, "link_in": "ok", "fake": "ok"}  # fmt: skip
+    (err,) = [e for e in iter_jsonl(tree) if isinstance(e, BadSampleError)
+              and str(e).startswith("passwd")]
+    assert "'/etc/passwd'" in str(err) and "data.media_root" in str(err)
+
+
+def test_media_root_widens_and_bounds(tree: Path) -> None:
+    """Under root/, `../shared.png` is in and `../../outside/...` is still out; a symlink is
+    judged by where it points."""
+    v = _verdicts(tree, tree.parent.parent)
+    assert v["up_in_root"] == "ok" and v["link_in"] == "ok"
+    assert v["dotdot"] == v["symlink"] == v["passwd"] == OUTSIDE_ROOT
+
+
+def test_training_reads_with_the_same_policy(tree: Path) -> None:
+    cfg = load_config(None, ["data.source=jsonl", f"data.path={tree}",
+                             f"data.media_root={tree.parent.parent}"])
+    assert cfg.data.media_root == str(tree.parent.parent)
+    items = open_dataset("jsonl", str(tree), media_root=cfg.data.media_root)
+    bad = {str(e).split(":")[0] for e in items if isinstance(e, BadSampleError)}
+    assert bad == {"passwd", "dotdot", "symlink"}
+    with pytest.raises(ValueError, match="data.media_root bounds"):
+        load_config(None, ["data.source=synthetic", "data.media_root=/tmp"])
+
+
+def _members(out: Path) -> dict[str, bytes]:
+    got = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            got |= {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    return got
+
+
+def test_energon_prepare_packages_nothing_that_escapes_or_lies(tree: Path, capsys) -> None:
+    out = tree.parent.parent.parent / "ds"
+    assert main(["data", "energon-prepare", str(tree), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"left out: {OUTSIDE_ROOT}: passwd: image '/etc/passwd'" in printed  # refused by name
+    assert "fake: image" in printed and "does not decode as an image" in printed
+    report = json.loads((out / "vlpack-prepare.json").read_text())
+    assert report["samples"] == 2  # ok, link_in
+    assert report["skipped"] == {OUTSIDE_ROOT: 4, "corrupt_image": 1}
+    members = _members(out)
+    assert sorted(n for n in members if not n.endswith(".json")) == [
+        "000000000.img0.png", "000000001.img0.png"]
+    assert not any(b"root:" in b for b in members.values())
+    # With every path allowed, /etc/passwd still does not enter a shard: it does not decode.
+    lax = prepare_energon(tree, tree.parent.parent.parent / "lax", media_root="/")
+    reasons = {p["message"].split(":")[0]: p["reason"] for p in lax["problems"]}
+    assert reasons == {"passwd": "corrupt_image", "fake": "corrupt_image"}
+    assert lax["samples"] == 5
+    assert not any(b"root:" in b for b in _members(tree.parent.parent.parent / "lax").values())
+
+
+def test_member_is_named_by_the_decoded_format(tmp_path: Path) -> None:
+    """A PNG named .jpg decodes, and its member says .png: a shard never claims a wrong type."""
+    Image.new("RGB", (64, 48)).save(tmp_path / "really_png.jpg", format="PNG")
+    (tmp_path / "d.jsonl").write_text(_rec("a", "really_png.jpg") + "\n")
+    prepare_energon(tmp_path / "d.jsonl", tmp_path / "ds")
+    assert "000000000.img0.png" in _members(tmp_path / "ds")
