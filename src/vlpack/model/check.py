@@ -46,11 +46,12 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
+from vlpack.model.check_data import CheckUnsupportedError, load_samples
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
 from vlpack.model.seams import classes_of
-from vlpack.model.synthetic import default_mix
+from vlpack.model.synthetic import special_ids, text_id_range
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,6 @@ LABEL_SHIFT_TOL = 1e-5
 """Relative difference allowed between the reference's token-mean loss and transformers'."""
 GROUPS = ("vision", "merger", "llm", "experts", "router")
 EXIT_PASSED, EXIT_FAILED, EXIT_COULD_NOT_RUN = 0, 1, 2
-
-
-class CheckUnsupportedError(ValueError):
-    """The check cannot run as asked (exit status 2); the message says what to do instead."""
 
 
 def param_groups(model: nn.Module) -> dict[str, str]:
@@ -258,12 +255,10 @@ def pad_unit(cp: int) -> int:
 def _perturbed(spec: ModelSpec, s: EncodedSample, rng: np.random.Generator) -> EncodedSample:
     """`s` with every plain text token replaced by another id and noise added to its pixels;
     same length, same images and token types, so the row's layout does not move."""
-    special = {spec.image_token_id, spec.video_token_id, spec.vision_start_token_id,
-               spec.vision_end_token_id, spec.pad_token_id}
     ids = s.input_ids.copy()
-    text = (s.mm_token_type_ids == TOKEN_TYPE_TEXT) & ~np.isin(ids, list(special))
-    high = min(spec.vocab_size, min(special))
-    ids[text] = (ids[text] + rng.integers(1, high, size=int(text.sum()))) % high
+    text = (s.mm_token_type_ids == TOKEN_TYPE_TEXT) & ~np.isin(ids, list(special_ids(spec)))
+    lo, hi = text_id_range(spec)
+    ids[text] = lo + (ids[text] - lo + rng.integers(1, hi - lo, size=int(text.sum()))) % (hi - lo)
     labels = np.where(s.labels != IGNORE_INDEX, ids, IGNORE_INDEX)
     pixels = None if s.pixel_values is None else \
         s.pixel_values + rng.standard_normal(s.pixel_values.shape).astype(s.pixel_values.dtype)
@@ -321,42 +316,6 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
     repeat = max(float((a - b).abs().max()) for a, b in zip(again, base, strict=True))
     return dict(max_diff=worst, per_sample=per, routing_flips=flips if spec.is_moe else None,
                 repeat_diff=repeat, paths=paths)
-
-
-def load_samples(args, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
-    n = int(args.samples)
-    if n < 2:
-        raise CheckUnsupportedError("--samples must be >= 2: the check packs several samples into one "
-                               "row and proves they stay apart")
-    if not args.data:
-        return default_mix(spec, n, seed=args.seed), "synthetic (multi-image, text-only, padded)"
-    from vlpack.data.encode import Encoder
-    from vlpack.data.sources import read_jsonl
-    from vlpack.data.video import VideoSettings
-
-    path = args.data
-    if path == "synth":
-        from vlpack.data.synth import default_dataset
-
-        path = default_dataset(max(n, 16), seed=args.seed)
-    convs = read_jsonl(Path(path))[:n]
-    if len(convs) < 2:
-        raise CheckUnsupportedError(f"{path} holds {len(convs)} usable conversation(s); the check "
-                               "needs at least 2")
-    from vlpack.data.template import load_template
-    from vlpack.data.tokenizer import has_tokenizer
-
-    # a checkpoint folder's own tokenizer and chat template, as `vlpack train` uses them
-    folder = Path(getattr(args, "model", "") or "")
-    own = has_tokenizer(folder)
-    factor2 = (spec.patch_size * spec.merge_size) ** 2  # small images and clips: a CPU check
-    enc = Encoder(spec.family, max_pixels=64 * factor2,
-                  video=VideoSettings(max_frames=8, min_pixels=4 * factor2,
-                                      max_pixels=128 * factor2),
-                  tokens_per_second=spec.tokens_per_second,
-                  tokenizer_path=str(folder) if own else None,
-                  chat_template=load_template("auto", folder) if own else None)
-    return [enc.encode(c) for c in convs], str(path)
 
 
 def _free_bytes(dev: torch.device) -> int | None:

@@ -5,10 +5,15 @@ Each sample is chat-shaped text with 0-2 images and videos: <|vision_start|> + i
 inside an outer start/end, one such span per temporal patch after a stand-in for its timestamp
 text, as their processor expands it), random pixel
 patches of the model's patch width, and labels on the "assistant" tail. Independent of the data
-encoder so the model side can be proven on its own.
+encoder so the model side can be proven on its own. Text ids come from `text_id_range`: inside
+the model's vocabulary and away from its special ids, whatever its size (the released 151,936 or
+248,320, or the 99 of transformers' own test configs).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from itertools import pairwise
 
 import numpy as np
 
@@ -21,6 +26,50 @@ from vlpack.data.types import (
 )
 from vlpack.families import family
 from vlpack.model.build import ModelSpec
+
+TEXT_DRAW_WIDTH = 150_000
+"""Widest range plain text ids are drawn from: inside the BPE ranks of every released vocabulary."""
+
+
+def special_ids(spec: ModelSpec) -> set[int]:
+    """The ids the model treats apart: image, video, vision start/end, pad and eos."""
+    return {spec.image_token_id, spec.video_token_id, spec.vision_start_token_id,
+            spec.vision_end_token_id, spec.pad_token_id, spec.eos_token_id}
+
+
+def text_id_range(spec: ModelSpec) -> tuple[int, int]:
+    """[lo, hi): the widest run of ids inside the vocabulary that holds none of the model's
+    special ids. [0, 151643) for the released Qwen2/2.5/3-VL vocabulary, [7, 99) for
+    transformers' test configs (vocab 99, special ids 0-6)."""
+    edges = [-1, *sorted(i for i in special_ids(spec) if 0 <= i < spec.vocab_size),
+             spec.vocab_size]
+    lo, hi = max(((a + 1, b) for a, b in pairwise(edges)), key=lambda r: r[1] - r[0])
+    if hi - lo < 2:
+        raise ValueError(f"{spec.name}: vocabulary of {spec.vocab_size} ids leaves no range of "
+                         "plain text ids between its special ids")
+    return lo, hi
+
+
+def _text_ids(spec: ModelSpec, rng: np.random.Generator, n: int) -> list[int]:
+    lo, hi = text_id_range(spec)
+    return rng.integers(lo, min(hi, lo + TEXT_DRAW_WIDTH), size=n).tolist()
+
+
+def fit_ids(sample: EncodedSample, spec: ModelSpec, vision_ids: dict[str, int]) -> EncodedSample:
+    """`sample`, encoded by a tokenizer whose ids are not the model's, with ids the model can
+    read: the tokenizer's `vision_ids` (image_token_id, video_token_id, vision_start_token_id,
+    vision_end_token_id) become the model's, every other id is folded into `text_id_range`.
+    Unchanged when every id already fits (the same ids and all inside the vocabulary)."""
+    ids = sample.input_ids
+    same = all(getattr(spec, k) == v for k, v in vision_ids.items())
+    if same and (len(ids) == 0 or int(ids.max()) < spec.vocab_size):
+        return sample
+    lo, hi = text_id_range(spec)
+    out = lo + ids % (hi - lo)
+    for k, v in vision_ids.items():
+        out[ids == v] = getattr(spec, k)
+    labels = np.where(sample.labels != IGNORE_INDEX, out, IGNORE_INDEX)
+    return replace(sample, input_ids=out, labels=labels)
 
 
 def synthetic_sample(
@@ -44,7 +93,7 @@ def synthetic_sample(
         if pieces > 1 else np.array([], dtype=int)
     spans = np.diff(np.concatenate(([0], cut, [text_len])))
     for i, n in enumerate(spans):
-        ids += rng.integers(0, 150000, size=int(n)).tolist()
+        ids += _text_ids(spec, rng, int(n))
         types += [TOKEN_TYPE_TEXT] * int(n)
         if i < len(grids):
             t, h, w = grids[i]
@@ -56,7 +105,7 @@ def synthetic_sample(
                 types.append(TOKEN_TYPE_TEXT)
             for n_pad in spans:
                 if timed:  # the timestamp text before each temporal patch
-                    ids += rng.integers(0, 150000, size=3).tolist()
+                    ids += _text_ids(spec, rng, 3)
                     types += [TOKEN_TYPE_TEXT] * 3
                 pad, kind = ((spec.video_token_id, TOKEN_TYPE_VIDEO) if video else
                              (spec.image_token_id, TOKEN_TYPE_IMAGE))
