@@ -81,7 +81,7 @@ def test_training_reads_with_the_same_policy(tree: Path) -> None:
     items = open_dataset("jsonl", str(tree), media_root=cfg.data.media_root)
     bad = {str(e).split(":")[0] for e in items if isinstance(e, BadSampleError)}
     assert bad == {"passwd", "dotdot", "symlink"}
-    with pytest.raises(ValueError, match="data.media_root bounds"):
+    with pytest.raises(ValueError, match=r"data\.media_root bounds"):
         load_config(None, ["data.source=synthetic", "data.media_root=/tmp"])
 
 

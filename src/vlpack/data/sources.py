@@ -87,6 +87,9 @@ def iter_jsonl(
                     "JSON object",
                 )
                 continue
+            if (bad := _surrogate(obj)) is not None:
+                yield BadSampleError("bad_json", f"{path}:{lineno}: {bad}")
+                continue
             has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
             key = str(obj["id"]) if has_id else where
             try:
@@ -127,6 +130,8 @@ def parse_record(
     """Turn one decoded JSON record into a `Conversation`; raises `BadSampleError` whose
     message names `key`, the problem and the fix. Media paths are joined to `base_dir` and must
     resolve inside `media_root` (None: `base_dir`)."""
+    if (bad := _surrogate(obj)) is not None:  # records that did not come through iter_jsonl
+        _bad(key.encode("utf-8", "backslashreplace").decode(), "bad_json", bad)
     if not isinstance(obj, dict):
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
     images = _record_images(obj, key)
@@ -168,6 +173,29 @@ def parse_record(
     conv = Conversation(key=key, messages=tuple(messages))
     _validate(conv)
     return conv
+
+
+def _surrogate(obj: Any) -> str | None:
+    """Why `obj` (decoded JSON) is not Unicode text, or None: a string (or key) holding a lone
+    surrogate, which JSON's `\\ud800` escapes allow but no tokenizer or file system takes."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                code = ord(x[e.start])
+                return (f"text holds a lone surrogate (\\u{code:04x}, half of a UTF-16 pair), "
+                        f"which is not Unicode text: near {x[max(e.start - 20, 0):e.start]!r}; "
+                        "write the character itself or its full pair of escapes, or drop the "
+                        "line")
+    return None
 
 
 @dataclass(frozen=True)
