@@ -114,3 +114,33 @@ def test_check_data_on_a_small_vocabulary(tmp_path, capsys):
     assert main(["check", "--model", str(folder), "--data", str(data), "--samples", "2",
                  "--json"]) == 0
     assert _report(capsys)["passed"]
+
+
+def test_check_config_only_folder_names_init_random(tmp_path, capsys):
+    """A folder with config.json alone: refused with a message that names the check's own
+    `--init random` (not a training key); with it, random weights of its shape pass."""
+    folder = hf_test_folder(tmp_path / "cfg", "qwen3_vl", weights=False)
+    assert main(["check", "--model", str(folder), "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no weights" in err and "--init random" in err and "model.init" not in err
+    assert main(["check", "--model", str(folder), "--samples", "2", "--init", "random",
+                 "--json"]) == 0
+    r = _report(capsys)
+    assert r["passed"] and r["init"] == "random"
+
+
+def test_init_random_reads_no_weights(tmp_path):
+    """`random_init` on a folder that holds weights builds random ones of its config (seeded),
+    not the saved ones."""
+    import torch
+
+    from vlpack.model.build import build_model
+
+    folder = hf_test_folder(tmp_path / "w", "qwen3_vl")
+    saved, _ = build_model(str(folder), device="cpu", dtype="float32")
+    rand, _ = build_model(str(folder), device="cpu", dtype="float32", random_init=True, seed=1)
+    again, _ = build_model(str(folder), device="cpu", dtype="float32", random_init=True, seed=1)
+    name = "model.language_model.layers.0.mlp.gate_proj.weight"
+    p = {n: dict(m.named_parameters())[name] for n, m in
+         (("saved", saved), ("rand", rand), ("again", again))}
+    assert not torch.equal(p["saved"], p["rand"]) and torch.equal(p["rand"], p["again"])

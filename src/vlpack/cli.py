@@ -120,6 +120,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="DATA.jsonl (default: synthetic)")
+    p.add_argument("--init", choices=["auto", "random"], default="auto",
+                   help="auto: the folder's weights (presets are random); random: random "
+                        "weights of the folder's config.json, seeded by --seed")
     p.add_argument("--cp", type=int, default=1,
                    help="split the packed row over N context-parallel ranks (run under "
                         "`torchrun --standalone --nproc-per-node N -m vlpack check ...`)")

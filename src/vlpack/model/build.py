@@ -1,7 +1,8 @@
 """Build a Qwen-VL model by preset name or from a local HF folder, ready for packed rows.
 
 `build_model` never downloads: a preset builds random weights from its config; a folder is read
-with `local_files_only=True` (config.json + *.safetensors; config only → random weights, warned).
+with `local_files_only=True` (config.json + *.safetensors; with `random_init`, random weights of
+its config.json, warned, and no weight file is read).
 The returned model has vlpack's attention registered and selected and its family's seams
 installed by class (seams.py): the vision tower and attention (host tables, one varlen call per
 block), the deepstack merge and the Gated-DeltaNet kernels read the forward's Boundaries.
@@ -131,9 +132,10 @@ def build_model(
 
     backend: "auto" | "varlen" (vlpack_varlen) | "flex" (vlpack_flex) | "sdpa" (stock).
     dtype: default float32 on CPU, bfloat16 on CUDA. Random weights are seeded with `seed`.
-    A folder without *.safetensors is an error unless `random_init` (then its config.json
-    builds random weights, with a warning). On the meta device nothing is read or initialised:
-    shapes only, for `vlpack.train.parallel.load_full_state`.
+    A folder without *.safetensors is an error unless `random_init`; with it the folder's
+    config.json builds random weights (with a warning) and its weight files are not read. On
+    the meta device nothing is read or initialised: shapes only, for
+    `vlpack.train.parallel.load_full_state`.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):
@@ -172,11 +174,11 @@ def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device,
     model_type = json.loads(cfg_file.read_text()).get("model_type")
     cls = _model_class(model_type)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    has_weights = any(path.glob("*.safetensors"))
+    has_weights = folder_has_weights(path)
     if has_weights and device.type == "meta":  # shapes only: the weights arrive later
         with torch.device(device):
             return cls._from_config(config, attn_implementation=attn, dtype=dtype), config
-    if has_weights:
+    if has_weights and not random_init:
         model = cls.from_pretrained(path, attn_implementation=attn, dtype=dtype,
                                     local_files_only=True)
         return model, config
@@ -186,11 +188,15 @@ def _from_dir(path: Path, attn: str, dtype: torch.dtype, device: torch.device,
             "with its shards): copy the checkpoint's weight files into it, or train random weights "
             "from its config with model.init=random"
         )
-    warnings.warn(f"{path} holds no *.safetensors: building RANDOM weights from its config.json",
-                  stacklevel=3)
+    warnings.warn(f"{path}: building RANDOM weights from its config.json", stacklevel=3)
     with torch.device(device):
         model = cls._from_config(config, attn_implementation=attn, dtype=dtype)
     return model, config
+
+
+def folder_has_weights(path: Path) -> bool:
+    """Whether a checkpoint folder holds weight files (*.safetensors)."""
+    return any(Path(path).glob("*.safetensors"))
 
 
 def meta_model(name_or_dir: str) -> nn.Module:

@@ -45,8 +45,8 @@ from torch import nn
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
-from vlpack.model.build import ModelSpec, build_model, set_attn_implementation
-from vlpack.model.check_data import CheckUnsupportedError, load_samples
+from vlpack.model.build import ModelSpec, meta_model, set_attn_implementation
+from vlpack.model.check_data import CheckUnsupportedError, checked_model, load_samples
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
@@ -329,12 +329,12 @@ def _free_bytes(dev: torch.device) -> int | None:
         return None
 
 
-def _check_memory(model_name: str, dev: torch.device) -> None:
+def _check_memory(model_name: str, dev: torch.device, init: str = "auto") -> None:
     """Refuse up front (instead of being killed) when the check cannot fit: it holds fp32
     weights, their gradients and one gradient copy per run (packed and unpacked)."""
-    if Path(model_name).is_dir():  # a checkpoint folder: its size is checked by loading it
+    if Path(model_name).is_dir() and init != "random":  # its size is checked by loading it
         return
-    meta, _ = build_model(model_name, device="meta", dtype="float32")
+    meta = meta_model(model_name)
     need = 4 * 4 * sum(p.numel() for p in meta.parameters())
     free = _free_bytes(dev)
     if free is not None and need > 0.9 * free:
@@ -418,9 +418,11 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
-          device: str | None = None, context: ContextGroup | None = None) -> dict:
+          device: str | None = None, context: ContextGroup | None = None,
+          init: str = "auto") -> dict:
     """Run the check; returns the report dict (`passed`, and `failures` naming each item that
     does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
+    `init`: "auto" (a folder's weights) or "random" (random weights of its config, `seed`).
 
     With a `context` group of several processes the packed side is split across them by
     context parallelism; every rank builds the same model and reference, and the packed
@@ -431,10 +433,8 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         device = f"cuda:{torch.cuda.current_device()}"
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve(backend, dtype, dev)
-    _check_memory(model_name, dev)
-    # Built in fp32: the contract runs in fp32, and a bf16 check casts the same weights after.
-    model, spec = build_model(model_name, backend=backend, dtype=torch.float32, device=dev,
-                              seed=seed)
+    _check_memory(model_name, dev, init)
+    model, spec = checked_model(model_name, init=init, backend=backend, device=dev, seed=seed)
     model.train()
     batch_samples, source = load_samples(
         argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name), spec)
@@ -443,6 +443,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
+                        init=init,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
                         tolerances=tol, isolation_bound=ISOLATION[dtype])
@@ -522,7 +523,8 @@ def format_report(r: dict) -> str:
         f"vlpack check: {r['model']} ({r['family']}) on {r['device']}"
         + (f" × {r['cp']} context-parallel ranks" if r.get("cp", 1) > 1 else "")
         + f", {r['dtype']}, "
-        f"backend {r['backend']} -> {r['attn_implementation']}",
+        f"backend {r['backend']} -> {r['attn_implementation']}"
+        + (", random weights (--init random)" if r.get("init") == "random" else ""),
         f"data: {r['data']}, {r['samples']} samples packed into one row ({r['videos']} videos): "
         + ", ".join(r["sample_keys"]),
         "paths: " + ", ".join(f"{k}={v}" for k, v in sorted(r["paths"].items())),
@@ -568,7 +570,8 @@ def check_command(args: argparse.Namespace, context: ContextGroup | None = None)
     context-parallel group of `--cp N` (made by the CLI)."""
     try:
         r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
-                  seed=args.seed, data=args.data, context=context)
+                  seed=args.seed, data=args.data, context=context,
+                  init=getattr(args, "init", "auto"))
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise

@@ -6,13 +6,41 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from vlpack.data.types import EncodedSample
-from vlpack.model.build import ModelSpec
+from vlpack.model.build import ModelSpec, build_model, folder_has_weights
 from vlpack.model.synthetic import default_mix, fit_ids
 
 
 class CheckUnsupportedError(ValueError):
     """The check cannot run as asked (exit status 2); the message says what to do instead."""
+
+
+INITS = ("auto", "random")
+"""`--init`: auto (a folder's weights; presets have random ones), random (random weights of the
+folder's config.json, seeded by `--seed`; no weight file is read)."""
+
+
+def checked_model(model_name: str, *, init: str = "auto", backend: str = "auto",
+                  device: torch.device | str | None = None,
+                  seed: int = 0) -> tuple[nn.Module, ModelSpec]:
+    """The model the check runs on, in float32 (the contract's dtype; a bf16 check casts the
+    same weights after). A folder with config.json and no weights is refused unless
+    `init="random"`, with a message that names `--init random`."""
+    if init not in INITS:
+        raise CheckUnsupportedError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
+    path = Path(model_name)
+    if (init == "auto" and path.is_dir() and (path / "config.json").is_file()
+            and not folder_has_weights(path)):
+        raise CheckUnsupportedError(
+            f"{path} has config.json but no weights (*.safetensors, or "
+            "model.safetensors.index.json with its shards): copy the checkpoint's weight files "
+            "into it, or check random weights of its shape with `vlpack check --model "
+            f"{path} --init random`")
+    return build_model(model_name, backend=backend, dtype=torch.float32, device=device,
+                       seed=seed, random_init=init == "random")
 
 
 def load_samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
