@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vlpack.cli import main
 
@@ -70,22 +71,31 @@ def test_check_crash_is_could_not_run_not_failed(monkeypatch, capsys):
     assert "could not run: kernel exploded (RuntimeError" in capsys.readouterr().err
 
 
-def test_check_fails_with_named_group(monkeypatch, capsys):
-    """A parameter group with a gradient on one side only fails the check by name (exit 1)."""
+def test_check_fails_on_one_parameter_by_name(monkeypatch, capsys):
+    """Gradients are compared per parameter: Qwen3.5's `dt_bias` (a few 1e-5 of the whole
+    gradient's norm) with its packed gradient zeroed, and an `A_log` whose gradient is None,
+    each fail the check by name (exit 1, not 2), and the group summaries are reported."""
     from vlpack.model import check as check_mod
 
     orig_packed = check_mod.run_packed
+    zeroed = "model.language_model.layers.0.linear_attn.dt_bias"
+    dropped = "model.language_model.layers.2.linear_attn.A_log"
 
-    def packed_without_vision(*a, **k):
+    def packed_with_broken_gradients(*a, **k):
         run = orig_packed(*a, **k)
-        run.grads.pop("vision", None)
+        if run.grads:
+            run.grads[zeroed] = torch.zeros_like(run.grads[zeroed])
+            del run.grads[dropped]
         return run
 
-    monkeypatch.setattr(check_mod, "run_packed", packed_without_vision)
-    assert main(["check", "--model", "tiny-qwen3_vl", "--samples", "2", "--json"]) == 1
+    monkeypatch.setattr(check_mod, "run_packed", packed_with_broken_gradients)
+    assert main(["check", "--model", "tiny-qwen3_5", "--samples", "2", "--json"]) == 1
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert r["failures"] == ["float32 packed vs unpacked: the vision parameters get a gradient "
-                             "on the reference side only"]
+    assert r["failures"] == [
+        f"float32 packed vs unpacked: parameter {n} gets a gradient on the reference side only "
+        "(the other's is None, absent or zero)" for n in sorted((zeroed, dropped))]
+    assert set(r["grad_rel_diff"]) == {"vision", "merger", "llm"}
+    assert r["grad_worst"]["llm"]["rel_diff"] <= 1e-4
 
 
 def test_check_bf16_moe_counts_routing_flips(capsys):

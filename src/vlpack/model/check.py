@@ -64,6 +64,15 @@ ISOLATION = {"float32": 1e-6, "bfloat16": 1e-5}
 rounding of either dtype, so a leak of any size fails."""
 LABEL_SHIFT_TOL = 1e-5
 """Relative difference allowed between the reference's token-mean loss and transformers'."""
+GRAD_FLOOR = {"float32": 5.0, "bfloat16": 5.0}
+"""Absolute floor of a parameter's gradient error: the error is taken relative to the larger of
+the parameter's own reference norm and this multiple of its even share of the whole reference
+gradient's norm (‖g‖·√(n_p/n)), so a parameter whose true gradient is near zero cannot fail on
+rounding alone. fp32: the largest rounding error measured on the six tiny presets is 5e-5 of
+a parameter's even share (Qwen3.5's first `A_log`, whose own gradient is far smaller), so the
+floor times the 1e-4 tolerance (5e-4) is 10× that noise."""
+MAX_NAMED = 6
+"""Failing parameters named one by one per item; the rest are counted."""
 GROUPS = ("vision", "merger", "llm", "experts", "router")
 EXIT_PASSED, EXIT_FAILED, EXIT_COULD_NOT_RUN = 0, 1, 2
 
@@ -93,8 +102,10 @@ def param_groups(model: nn.Module) -> dict[str, str]:
 
 @dataclass
 class Run:
-    """Per-sample logits/losses, per-group gradients and MoE aux of one side of the check.
-    `hf_losses`: transformers' own token-mean loss per sample (reference side only)."""
+    """Per-sample logits/losses, every parameter's gradient (flattened, float32, by name; a
+    parameter without one is absent) and MoE aux of one side of the check. `groups`: each
+    parameter's group (`param_groups`). `hf_losses`: transformers' own token-mean loss per
+    sample (reference side only)."""
 
     logits: list[torch.Tensor]
     losses: list[float]
@@ -105,6 +116,7 @@ class Run:
     hf_losses: list[float | None] | None = None
     label_counts: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] | None = None  # packed side: per sample [L, H] final hidden states
+    groups: dict[str, str] = field(default_factory=dict)
 
 
 def _topk(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -127,17 +139,15 @@ def stable_tokens(*runs: Run) -> list[torch.Tensor] | None:
 
 
 def _grads(model: nn.Module, context: ContextGroup | None = None) -> dict[str, torch.Tensor]:
-    """Gradients flattened per group (summed over the ranks of a context-parallel `context`);
-    a group whose parameters have no gradient, or only zeros, is absent."""
-    groups = param_groups(model)
-    flat: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
+    """Every parameter's gradient, flattened in float32 on the host (summed over the ranks of
+    a context-parallel `context`); a parameter without a gradient is absent. Clears them."""
+    out = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad if context is None else context.all_reduce(p.grad)
-            flat[groups[name]].append(g.detach().float().reshape(-1).cpu())
+            out[name] = g.detach().float().reshape(-1).cpu()
     model.zero_grad(set_to_none=True)
-    out = {g: torch.cat(v) for g, v in flat.items() if v}
-    return {g: v for g, v in out.items() if bool(v.ne(0).any())}
+    return out
 
 
 def _pack(spec: ModelSpec, samples: list[EncodedSample], pad_to: int, total_len: int | None):
@@ -185,7 +195,7 @@ def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int
     aux = None if aux is None else float(aux.detach())
     grads = _grads(model, context) if backward else {}
     return Run(logits, losses, grads, aux, out.paths, topk if spec.is_moe else None,
-               hidden=hidden)
+               hidden=hidden, groups=param_groups(model))
 
 
 def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Tensor]]) -> float:
@@ -220,22 +230,59 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
     finally:
         set_attn_implementation(model, saved)
     return Run(logits, losses, _grads(model), aux, topk=topk if spec.is_moe else None,
-               hf_losses=hf, label_counts=counts)
+               hf_losses=hf, label_counts=counts, groups=param_groups(model))
 
 
-def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None) -> dict:
-    """Differences of run `a` against reference `b` (logits on the `keep` tokens only); the
-    gradient groups present on one side only are listed under `groups_missing`."""
+def _nonzero(g: torch.Tensor | None) -> bool:
+    return g is not None and bool(g.ne(0).any())
+
+
+def compare_grads(a: Run, b: Run, floor: float) -> dict:
+    """Every parameter's gradient in run `a` against reference `b`:
+      params: name → ‖a − b‖ / max(‖b‖, floor·‖b_all‖·√(n_p/n_all)) for the parameters with a
+              non-zero gradient on both sides (`GRAD_FLOOR` says why the floor);
+      missing: name → the side whose gradient is the only non-zero one (the other has None,
+               none at all, or zeros);
+      grad: per group, the summary ‖a_g − b_g‖ / ‖b_g‖ over its parameters in `params`;
+      worst: per group, its parameter with the largest error in `params`."""
+    ref = {n: g for n, g in b.grads.items() if _nonzero(g)}
+    n_all = sum(g.numel() for g in ref.values()) or 1
+    total = math.sqrt(sum(float(g.double().square().sum()) for g in ref.values()))
+    params, missing = {}, {}
+    for name in sorted(set(a.grads) | set(b.grads)):
+        x, y = a.grads.get(name), b.grads.get(name)
+        if _nonzero(x) != _nonzero(y):
+            missing[name] = "reference" if _nonzero(y) else "packed"
+        elif _nonzero(y):
+            scale = max(float(y.norm()), floor * total * math.sqrt(y.numel() / n_all), 1e-30)
+            params[name] = float((x - y).norm()) / scale
+    groups = b.groups or a.groups
+    grad, worst = {}, {}
+    for g in GROUPS:
+        names = [n for n in params if groups.get(n, "llm") == g]
+        if not names:
+            continue
+        num = math.sqrt(sum(float((a.grads[n] - b.grads[n]).double().square().sum())
+                            for n in names))
+        den = math.sqrt(sum(float(b.grads[n].double().square().sum()) for n in names))
+        grad[g] = num / max(den, 1e-30)
+        top = max(names, key=params.__getitem__)
+        worst[g] = dict(name=top, rel_diff=params[top])
+    return dict(params=params, missing=missing, grad=grad, worst=worst)
+
+
+def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None,
+            floor: float = GRAD_FLOOR["float32"]) -> dict:
+    """Differences of run `a` against reference `b` (logits on the `keep` tokens only) and
+    every parameter's gradient (`compare_grads`, with the absolute `floor`)."""
     keep = keep or [torch.ones(len(x), dtype=torch.bool) for x in b.logits]
     logit = [float((x[m] - y[m]).abs().max()) if m.any() else 0.0
              for x, y, m in zip(a.logits, b.logits, keep, strict=True)]
     lossd = [abs(x - y) / max(1.0, abs(y)) for x, y in zip(a.losses, b.losses, strict=True)]
-    grad = {g: float((a.grads[g] - b.grads[g]).norm() / (b.grads[g].norm() + 1e-30))
-            for g in b.grads if g in a.grads}
-    missing = {g: ("reference" if g in b.grads else "packed")
-               for g in set(a.grads) ^ set(b.grads)}
+    g = compare_grads(a, b, floor)
     aux = None if a.aux is None or b.aux is None else abs(a.aux - b.aux)
-    return dict(logits=logit, loss=lossd, grad=grad, aux=aux, groups_missing=missing)
+    return dict(logits=logit, loss=lossd, grad=g["grad"], grad_params=g["params"],
+                grad_worst=g["worst"], params_missing=g["missing"], aux=aux)
 
 
 def _other_bin(samples: list[EncodedSample], cp: int = 1) -> tuple[list[EncodedSample], int, int]:
@@ -364,16 +411,32 @@ def _contract_failures(label: str, d: dict, tol: dict) -> list[str]:
         out.append(f"{label}: max |dlogits| {max(d['logits']):.2e} > {tol['logits']:.0e}")
     if max(d["loss"]) > tol["loss"]:
         out.append(f"{label}: per-sample loss diff {max(d['loss']):.2e} > {tol['loss']:.0e}")
-    out += [f"{label}: {g} gradient rel. error {v:.2e} > {tol['grad']:.0e}"
-            for g, v in d["grad"].items() if v > tol["grad"]]
+    out += _named(f"{label}: gradient rel. error", {
+        n: f"{v:.2e} > {tol['grad']:.0e}" for n, v in d["grad_params"].items() if v > tol["grad"]})
     if d["aux"] is not None and d["aux"] > tol["aux"]:
         out.append(f"{label}: MoE aux loss diff {d['aux']:.2e} > {tol['aux']:.0e}")
     return out + _group_failures(label, d)
 
 
+def _named(head: str, items: dict[str, str]) -> list[str]:
+    """One failure line per parameter (the worst `MAX_NAMED` by their text's order), then a
+    count of the rest."""
+    names = list(items)[:MAX_NAMED]
+    out = [f"{head} of {n}: {items[n]}" for n in names]
+    if len(items) > len(names):
+        out.append(f"{head}: {len(items) - len(names)} more parameters")
+    return out
+
+
 def _group_failures(label: str, d: dict) -> list[str]:
-    return [f"{label}: the {g} parameters get a gradient on the {side} side only"
-            for g, side in sorted(d["groups_missing"].items())]
+    """A parameter with a (non-zero) gradient on one side only, by name."""
+    missing = d["params_missing"]
+    lines = [f"{label}: parameter {n} gets a gradient on the {side} side only (the other's "
+             "is None, absent or zero)" for n, side in list(missing.items())[:MAX_NAMED]]
+    if len(missing) > MAX_NAMED:
+        lines.append(f"{label}: {len(missing) - MAX_NAMED} more parameters get a gradient on "
+                     "one side only")
+    return lines
 
 
 def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
@@ -384,10 +447,10 @@ def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
         if max(dp[key]) > bound:
             out.append(f"bf16 rule: {name} vs fp32 {max(dp[key]):.2e} > {bound:.2e} "
                        f"(2x plain bf16 {max(d0[key]):.2e} + {tol[key]:.0e})")
-    for g, v in dp["grad"].items():
-        bound = 2 * d0["grad"].get(g, 0.0) + tol["grad"]
-        if v > bound:
-            out.append(f"bf16 rule: {g} gradient rel. error vs fp32 {v:.2e} > {bound:.2e}")
+    bounds = {n: 2 * d0["grad_params"].get(n, 0.0) + tol["grad"] for n in dp["grad_params"]}
+    out += _named("bf16 rule: gradient rel. error vs fp32", {
+        n: f"{v:.2e} > {bounds[n]:.2e} (2x plain bf16 {d0['grad_params'].get(n, 0.0):.2e} + "
+           f"{tol['grad']:.0e})" for n, v in dp["grad_params"].items() if v > bounds[n]})
     if dp["aux"] is not None and dp["aux"] > 2 * d0["aux"] + tol["aux"]:
         out.append(f"bf16 rule: MoE aux diff vs fp32 {dp['aux']:.2e} > "
                    f"{2 * d0['aux'] + tol['aux']:.2e}")
@@ -462,8 +525,8 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     rev = replace(rev, logits=rev.logits[::-1], losses=rev.losses[::-1],
                   topk=None if rev.topk is None else rev.topk[::-1])
     d2 = compare(rev, ref, stable_tokens(rev, ref))
-    for d_ in (d1, d2):
-        d_["grad"], d_["groups_missing"] = {}, {}
+    for d_ in (d1, d2):  # forward only: no gradients to compare
+        d_.update(grad={}, grad_params={}, grad_worst={}, params_missing={})
     failures += _contract_failures("float32 first bin, forward only", d1, tol32)
     failures += _contract_failures("float32 second bin (reversed, re-padded)", d2, tol32)
     packed = run_packed(model, spec, batch_samples, pad_to, context=context)
@@ -481,8 +544,9 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         packed = run_packed(model, spec, batch_samples, pad_to, context=context)
         plain = run_unpacked(model, spec, batch_samples)
         keep = stable_tokens(packed, plain, ref)
-        d = compare(packed, plain, keep)
-        dp, d0 = compare(packed, ref, keep), compare(plain, ref, keep)
+        f16 = GRAD_FLOOR["bfloat16"]
+        d = compare(packed, plain, keep, f16)
+        dp, d0 = compare(packed, ref, keep, f16), compare(plain, ref, keep, f16)
         failures += _rule_failures(dp, d0, tol) + _group_failures("bfloat16 packed vs unpacked", d)
         iso16 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
         failures += _isolation_failures("bfloat16 isolation", iso16, ISOLATION["bfloat16"])
@@ -499,14 +563,20 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         moe_aux_diff=d["aux"],
         moe_routing_flips=None if keep is None else int(sum((~m).sum() for m in keep)),
         moe_aux_packed=packed.aux,
-        groups_not_exercised=[g for g in GROUPS if g in set(param_groups(model).values())
-                              and g not in packed.grads and g not in ref.grads],
+        grad_worst=d["grad_worst"],
+        groups_not_exercised=_not_exercised(param_groups(model), packed, ref),
         paths=packed.paths,
         paths_no_grad=(iso16 if dtype == "bfloat16" else iso32)["paths"],
         failures=failures,
         passed=not failures,
     )
     return report
+
+
+def _not_exercised(groups: dict[str, str], *runs: Run) -> list[str]:
+    """The groups none of whose parameters gets a non-zero gradient in any of `runs`."""
+    hit = {groups[n] for r in runs for n, g in r.grads.items() if _nonzero(g)}
+    return [g for g in GROUPS if g in set(groups.values()) and g not in hit]
 
 
 def _summary(d: dict) -> dict:
@@ -537,7 +607,9 @@ def format_report(r: dict) -> str:
         lines.append(f"{s['key']:<24} {s['tokens']:>6} {s['images']:>6} "
                      f"{_fmt(s['max_logit_diff']):>12} {_fmt(s['loss_diff']):>11}")
     grads = ", ".join(f"{g}={_fmt(v)}" for g, v in r["grad_rel_diff"].items())
-    lines.append(f"grad rel err: {grads}")
+    lines.append(f"grad rel err per group: {grads}")
+    lines += [f"  worst {g} parameter: {w['name']} {_fmt(w['rel_diff'])}"
+              for g, w in r["grad_worst"].items()]
     if r["groups_not_exercised"]:
         lines.append("not exercised by these samples (no gradient on either side): "
                      + ", ".join(r["groups_not_exercised"]))
