@@ -61,6 +61,11 @@ _ATOMIC_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_en
                   "<|image_pad|>", "<|video_pad|>")
 """The special tokens the encoder splices in by id (never through the BPE)."""
 
+GROUNDING_TOKENS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+                    "<|quad_start|>", "<|quad_end|>")
+"""Special tokens that Qwen-VL grounding data writes inside text by design (a referred object and
+its box); allowed in data text. Every other special token of the tokenizer is refused there."""
+
 
 @dataclass(slots=True)
 class _Rendered:
@@ -158,6 +163,10 @@ class Encoder:
         if chat_template is not None:
             chat.probe(self.tokenizer, chat_template)  # a template unfit for every sample fails here
         self._tk = self.tokenizer.backend_tokenizer
+        control = sorted(t.content for t in self.tokenizer.added_tokens_decoder.values()
+                         if t.special and t.content not in GROUNDING_TOKENS)
+        self._control = re.compile("|".join(map(re.escape, control))) if control else None
+        """The tokenizer's special tokens other than grounding markup: refused in data text."""
         self._ids = {t: self._special_id(t) for t in _ATOMIC_TOKENS}
         self.image_pad_id = self._ids["<|image_pad|>"]
         self.video_pad_id = self._ids["<|video_pad|>"]
@@ -299,11 +308,12 @@ class Encoder:
         return cut, kept
 
     def _render(self, conv: Conversation, items: list[_Item]) -> _Rendered:
-        for m in conv.messages:
+        for i, m in enumerate(conv.messages):
             if m.role != "user" and any(not isinstance(c, str) for c in m.content):
                 raise BadSampleError(
                     "bad_schema", f"{conv.key}: images and videos are only supported in user turns"
                 )
+            self._refuse_control_tokens(conv.key, i, m)
         if self.chat_template is not None:
             return self._render_template(conv, items)
         spec, ids = self.spec, self._ids
@@ -343,6 +353,21 @@ class Encoder:
         r.flush()
         assert n_item == len(items), (conv.key, n_item, len(items))
         return r
+
+    def _refuse_control_tokens(self, key: str, turn: int, m: Message) -> None:
+        """BadSampleError when text of `m` holds a special token of the tokenizer (grounding
+        markup aside): the tokenizer would read it as that token, so text could forge a turn
+        boundary, an end of text or a media slot."""
+        for c in m.content:
+            if self._control is not None and isinstance(c, str) \
+                    and (hit := self._control.search(c)):
+                raise BadSampleError(
+                    "special_token_in_text",
+                    f"{key}: the {m.role} text of turn {turn} holds {hit.group()!r}, a special "
+                    f"token of the {self.family} tokenizer: it would become that token, not text "
+                    "(a forged turn boundary, end of text or media slot); remove it or break it "
+                    "up (e.g. '< |im_end| >'), and give images and videos as items",
+                )
 
     def _video_spans(self, r: _Rendered, index: int, item: _Item) -> None:
         """A video's pads: one span (qwen2 families), or a timed span per temporal patch
