@@ -98,6 +98,30 @@ def test_check_fails_on_one_parameter_by_name(monkeypatch, capsys):
     assert r["grad_worst"]["llm"]["rel_diff"] <= 1e-4
 
 
+def test_check_compares_the_packed_paths_loss_value(monkeypatch, capsys):
+    """The loss VALUE of the packed path (its chunked loss, per sample and the row's total) is
+    compared with transformers' own `labels=` loss: a chunked loss that returns log-sum-exp
+    instead of cross-entropy, with correct gradients, fails the check."""
+    from vlpack.model import loss as loss_mod
+
+    orig = loss_mod._chunked_rows
+
+    def lse_not_ce(hidden_TH, weight_VH, h_NH, y_N, r_N, chunk_size):
+        out = orig(hidden_TH, weight_VH, h_NH, y_N, r_N, chunk_size)
+        target = (h_NH @ weight_VH.T).float().gather(1, y_N[:, None]).sum()
+        return out + target.detach()  # the sum of log-sum-exps; the gradient unchanged
+
+    assert main(["check", "--model", "tiny-qwen2_vl", "--samples", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["loss_total_diff"] <= 1e-5 and r["loss_value"]["packed"] > 0
+    monkeypatch.setattr(loss_mod, "_chunked_rows", lse_not_ce)
+    assert main(["check", "--model", "tiny-qwen2_vl", "--samples", "2", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert any("float32 packed vs unpacked: sample 0 loss" in f for f in r["failures"])
+    assert any("the row's loss" in f for f in r["failures"])
+    assert not any("gradient" in f for f in r["failures"]), r["failures"]
+
+
 def test_check_bf16_moe_counts_routing_flips(capsys):
     """bf16 near-ties flip a few tokens' expert choice; they are counted, not compared."""
     assert main(["check", "--model", "tiny-qwen3_5_moe", "--samples", "4", "--dtype", "bfloat16",

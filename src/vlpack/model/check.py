@@ -117,6 +117,8 @@ class Run:
     label_counts: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] | None = None  # packed side: per sample [L, H] final hidden states
     groups: dict[str, str] = field(default_factory=dict)
+    loss_total: float | None = None  # the packed path's own summed loss of the row
+    own_shift: list[float] | None = None  # reference: CE of its logits with vlpack's label shift
 
 
 def _topk(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -183,19 +185,23 @@ def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int
                                                               logits=True, cap=cap)
     if backward:
         out.loss_sum.backward()
+    total = out.loss_sum.detach()
+    total = float(total if context is None or context.size == 1 else context.all_reduce(total))
     logits, losses, topk, hidden = [], [], [], []
     for i in range(len(samples)):
         seg = batch.segment(i)
         lg = logits_TV[seg].detach().float()
         logits.append(lg.cpu())
         hidden.append(hidden_TH[seg].detach().float().cpu())
-        losses.append(float(loss.plain_ce_sum(lg, batch.labels[seg])))
+        with torch.no_grad():  # the path's own loss function, on this sample's rows
+            losses.append(float(loss.linear_ce_sum(hidden_TH[seg].detach(), model.lm_head,
+                                                   batch.labels[seg])[0]))
         if spec.is_moe:
             topk.append(_topk([r[seg] for r in routers], spec.num_experts_per_tok))
     aux = None if aux is None else float(aux.detach())
     grads = _grads(model, context) if backward else {}
     return Run(logits, losses, grads, aux, out.paths, topk if spec.is_moe else None,
-               hidden=hidden, groups=param_groups(model))
+               hidden=hidden, groups=param_groups(model), loss_total=total)
 
 
 def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Tensor]]) -> float:
@@ -214,15 +220,19 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
     saved = model.config._attn_implementation
     set_attn_implementation(model, "sdpa")
     try:
-        logits, losses, routers, topk, hf, counts = [], [], [], [], [], []
+        logits, losses, routers, topk, hf, counts, own = [], [], [], [], [], [], []
         for s in samples:
             with RouterCapture(model) as cap:
                 out = unpacked_forward(model, s, spec=spec, hf_labels=True, gdn_torch=True)
-            out.loss_sum.backward()
+            # transformers' own loss: its token mean times the targets its shift leaves
+            n_hf = int((s.labels[1:] != IGNORE_INDEX).sum())
+            ref_sum = out.loss_sum if out.hf_loss is None else out.hf_loss.float() * n_hf
+            ref_sum.backward()
             logits.append(out.logits.detach().float().cpu())
-            losses.append(float(out.loss_sum.detach()))
+            losses.append(float(ref_sum.detach()))
+            own.append(float(out.loss_sum.detach()))
             counts.append(out.num_label_tokens)
-            hf.append(None if out.hf_loss is None else float(out.hf_loss))
+            hf.append(None if out.hf_loss is None else float(out.hf_loss.detach()))
             routers.append([r.detach() for r in cap.logits])
             if spec.is_moe:
                 topk.append(_topk(cap.logits, spec.num_experts_per_tok))
@@ -230,7 +240,8 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
     finally:
         set_attn_implementation(model, saved)
     return Run(logits, losses, _grads(model), aux, topk=topk if spec.is_moe else None,
-               hf_losses=hf, label_counts=counts, groups=param_groups(model))
+               hf_losses=hf, label_counts=counts, groups=param_groups(model),
+               loss_total=sum(losses), own_shift=own)
 
 
 def _nonzero(g: torch.Tensor | None) -> bool:
@@ -279,9 +290,12 @@ def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None,
     logit = [float((x[m] - y[m]).abs().max()) if m.any() else 0.0
              for x, y, m in zip(a.logits, b.logits, keep, strict=True)]
     lossd = [abs(x - y) / max(1.0, abs(y)) for x, y in zip(a.losses, b.losses, strict=True)]
+    ta, tb = (sum(r.losses) if r.loss_total is None else r.loss_total for r in (a, b))
     g = compare_grads(a, b, floor)
     aux = None if a.aux is None or b.aux is None else abs(a.aux - b.aux)
-    return dict(logits=logit, loss=lossd, grad=g["grad"], grad_params=g["params"],
+    return dict(logits=logit, loss=lossd, loss_total=abs(ta - tb) / max(1.0, abs(tb)),
+                loss_value=dict(packed=ta, reference=tb),
+                grad=g["grad"], grad_params=g["params"],
                 grad_worst=g["worst"], params_missing=g["missing"], aux=aux)
 
 
@@ -409,8 +423,11 @@ def _contract_failures(label: str, d: dict, tol: dict) -> list[str]:
     out = []
     if max(d["logits"]) > tol["logits"]:
         out.append(f"{label}: max |dlogits| {max(d['logits']):.2e} > {tol['logits']:.0e}")
-    if max(d["loss"]) > tol["loss"]:
-        out.append(f"{label}: per-sample loss diff {max(d['loss']):.2e} > {tol['loss']:.0e}")
+    out += [f"{label}: sample {i} loss {d['loss'][i]:.2e} from the reference's (relative) > "
+            f"{tol['loss']:.0e}" for i in range(len(d["loss"])) if d["loss"][i] > tol["loss"]]
+    if d["loss_total"] > tol["loss"]:
+        out.append(f"{label}: the row's loss {d['loss_value']['packed']:.6g} vs the reference's "
+                   f"{d['loss_value']['reference']:.6g}: {d['loss_total']:.2e} > {tol['loss']:.0e}")
     out += _named(f"{label}: gradient rel. error", {
         n: f"{v:.2e} > {tol['grad']:.0e}" for n, v in d["grad_params"].items() if v > tol["grad"]})
     if d["aux"] is not None and d["aux"] > tol["aux"]:
@@ -447,6 +464,10 @@ def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
         if max(dp[key]) > bound:
             out.append(f"bf16 rule: {name} vs fp32 {max(dp[key]):.2e} > {bound:.2e} "
                        f"(2x plain bf16 {max(d0[key]):.2e} + {tol[key]:.0e})")
+    bound = 2 * d0["loss_total"] + tol["loss"]
+    if dp["loss_total"] > bound:
+        out.append(f"bf16 rule: the row's loss vs fp32 {dp['loss_total']:.2e} > {bound:.2e} "
+                   f"(2x plain bf16 {d0['loss_total']:.2e} + {tol['loss']:.0e})")
     bounds = {n: 2 * d0["grad_params"].get(n, 0.0) + tol["grad"] for n in dp["grad_params"]}
     out += _named("bf16 rule: gradient rel. error vs fp32", {
         n: f"{v:.2e} > {bounds[n]:.2e} (2x plain bf16 {d0['grad_params'].get(n, 0.0):.2e} + "
@@ -460,7 +481,7 @@ def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
 def _label_failures(ref: Run) -> list[str]:
     """The reference's loss (vlpack's label shift) against transformers' own `labels=` loss."""
     out = []
-    for i, (ours, n, hf) in enumerate(zip(ref.losses, ref.label_counts, ref.hf_losses,
+    for i, (ours, n, hf) in enumerate(zip(ref.own_shift, ref.label_counts, ref.hf_losses,
                                           strict=True)):
         if hf is None or n == 0:
             continue
@@ -559,6 +580,8 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
         grad_rel_diff=d["grad"],
         max_logit_diff=max(d["logits"]),
         max_loss_diff=max(d["loss"]),
+        loss_total_diff=d["loss_total"],
+        loss_value=d["loss_value"],
         max_grad_rel_diff=max(d["grad"].values()) if d["grad"] else 0.0,
         moe_aux_diff=d["aux"],
         moe_routing_flips=None if keep is None else int(sum((~m).sum() for m in keep)),
@@ -581,6 +604,7 @@ def _not_exercised(groups: dict[str, str], *runs: Run) -> list[str]:
 
 def _summary(d: dict) -> dict:
     return dict(max_logit_diff=max(d["logits"]), max_loss_diff=max(d["loss"]),
+                loss_total_diff=d["loss_total"],
                 grad_rel_diff=d["grad"], moe_aux_diff=d["aux"])
 
 
@@ -619,8 +643,11 @@ def format_report(r: dict) -> str:
                      f"choice flipped by rounding (left out of the logit diff): "
                      f"{r['moe_routing_flips']}")
     c, b = r["contract_float32"], r["second_bin"]
-    lines.append(f"float32 contract: logits {_fmt(c['max_logit_diff'])}, loss "
-                 f"{_fmt(c['max_loss_diff'])}; second bin logits {_fmt(b['max_logit_diff'])}")
+    lines.append(f"float32 contract: logits {_fmt(c['max_logit_diff'])}, loss per sample "
+                 f"{_fmt(c['max_loss_diff'])}, the row's loss {_fmt(c['loss_total_diff'])} "
+                 f"(packed {r['loss_value']['packed']:.6g}, reference "
+                 f"{r['loss_value']['reference']:.6g}); second bin logits "
+                 f"{_fmt(b['max_logit_diff'])}")
     for key in ("isolation_float32", "isolation_bfloat16"):
         if key in r:
             lines.append(f"{key.replace('_', ' ')}: other samples moved by at most "

@@ -240,7 +240,8 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
 
     Positions come from the model's own get_rope_index; logits are returned ([L, V]). With
     `hf_labels` the call is the model's own `model(..., labels=...)` with the sample's unshifted
-    labels, and `hf_loss` is the token-mean loss transformers computes (its own shift). With
+    labels, and `hf_loss` is the token-mean loss transformers computes (its own shift; it keeps
+    its graph, so a caller can take gradients of transformers' loss). With
     `gdn_torch` the Gated-DeltaNet layers run transformers' torch kernels even where fla is
     importable (no boundaries are given: the sample is one sequence).
     """
@@ -278,5 +279,5 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
         aux_loss=None if stats is None else stats.aux_loss,
         logits=logits_LV,
         router_stats=stats,
-        hf_loss=None if hf_loss is None or not torch.isfinite(hf_loss) else hf_loss.detach(),
+        hf_loss=None if hf_loss is None or not torch.isfinite(hf_loss) else hf_loss,
     )
