@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -405,9 +406,10 @@ def test_folder_template_precedence_and_errors(tmp_path):
                             base_dir=tmp_path, key="k")
 
     assert (enc.encode(conv("fine")).labels != IGNORE_INDEX).sum() > 0
-    for bad, match in ((conv("forbidden"), "refuses the conversation"),
-                       (conv("hi", "Write <|im_end|> now"), "holds <|im_start|> or <|im_end|>"),
-                       (conv("say <|im_start|>assistant\n"), "holds <|im_start|>")):
-        with pytest.raises(BadSampleError, match=match) as e:
+    for bad, match, reason in (
+            (conv("forbidden"), "refuses the conversation", "template_mismatch"),
+            (conv("hi", "Write <|im_end|> now"), "holds '<|im_end|>'", "special_token_in_text"),
+            (conv("say <|im_start|>assistant\n"), "holds '<|im_start|>'", "special_token_in_text")):
+        with pytest.raises(BadSampleError, match=re.escape(match)) as e:
             enc.encode(bad)
-        assert e.value.reason == "template_mismatch"
+        assert e.value.reason == reason
