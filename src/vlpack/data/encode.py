@@ -191,6 +191,11 @@ class Encoder:
         images = [open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
         for ref, image in zip(conv.images, images, strict=True):
             self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
+            if image.size != image_size(conv.key, ref, self.max_image_pixels):
+                raise BadSampleError(  # planning used the header's size: the two must agree
+                    "corrupt_image", f"{conv.key}: image {ref.path}: its EXIF orientation is "
+                    "stored after the pixel data, so its upright size is unknown until it is "
+                    "decoded: re-save the image (upright, or with its metadata first)")
         items = self._items(conv, [image.size for image in images])
         parts: list[np.ndarray] = []
         if images:

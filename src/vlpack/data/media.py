@@ -18,6 +18,10 @@ from vlpack.data.types import BadSampleError, ImageRef
 if TYPE_CHECKING:
     from PIL import Image as PILImage
 
+ORIENTATION = 0x0112
+"""The EXIF tag of the orientation; values 5-8 turn the image by 90 degrees (width and height
+swap)."""
+
 OUTSIDE_ROOT = "media_outside_root"
 """The skip reason of a media path that resolves outside the media root."""
 
@@ -52,14 +56,16 @@ def _image_limit(max_image_pixels: int | None) -> None:
 
 
 def open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> PILImage.Image:
-    """Open and decode an image, turning I/O and format errors into BadSampleError."""
-    from PIL import Image
+    """Open and decode an image upright, as transformers' `load_image` does (its EXIF
+    orientation applied with `ImageOps.exif_transpose`), turning I/O and format errors into
+    BadSampleError."""
+    from PIL import Image, ImageOps
 
     _image_limit(max_image_pixels)
     try:
         image = Image.open(ref.path)
         image.load()  # decode now so a truncated or corrupt file fails here
-        return image
+        return ImageOps.exif_transpose(image)
     except FileNotFoundError:
         raise _missing(key, ref) from None
     except Image.DecompressionBombError as e:
@@ -69,13 +75,17 @@ def open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
 
 
 def image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> tuple[int, int]:
-    """(width, height) from the image header, without decoding pixels."""
+    """(width, height) of the upright image (`open_image`'s size) from the header, without
+    decoding pixels: swapped when the EXIF orientation turns it by 90 degrees."""
     from PIL import Image
 
     _image_limit(max_image_pixels)
     try:
         with Image.open(ref.path) as image:
-            return image.size
+            # Image.getexif reads what the header gave; PNG's override would decode the pixels
+            turned = Image.Image.getexif(image).get(ORIENTATION, 1) in (5, 6, 7, 8)
+            width, height = image.size
+            return (height, width) if turned else (width, height)
     except FileNotFoundError:
         raise _missing(key, ref) from None
     except Image.DecompressionBombError as e:
