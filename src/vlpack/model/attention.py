@@ -5,6 +5,12 @@ Boundaries come ONLY from the batch: the text model's attention calls receive th
 forwards the model call's kwargs to every attention call; the vision attention (vision.py) calls
 `attend` with the tower's per-image segments. Positions are never used to infer boundaries.
 
+A stock call (no Boundaries, no cu_seq_lens: a padded batch, `generate` with its cache) runs
+transformers' own SDPA function with the mask transformers would build for it
+(`stock_attention`). transformers builds no mask for a registered name without a mask function
+and passes `attention_mask=None`, so the base model's forward hands the call's 2-D mask to the
+attention calls as `vlpack_padding` (`StockMask`, installed by class, seams.py).
+
 Registered names (none contains "flash", which would trigger transformers' flash-attn path):
   vlpack_varlen  — GPU: torch.nn.attention.varlen.varlen_attn, else flash-attn's
                    flash_attn_varlen_func; CPU (and fp32): per-segment SDPA reference.
@@ -34,6 +40,8 @@ FLEX = "vlpack_flex"
 NAMES = (VARLEN, FLEX)
 BACKENDS = ("auto", "sdpa", "varlen", "flex")
 TEXT_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+PADDING_KWARG = "vlpack_padding"
+"""The keyword that carries a stock call's 2-D attention mask [B, M] to the attention calls."""
 
 
 def resolve_backend(backend: str, device: torch.device | str | None) -> str:
@@ -304,6 +312,11 @@ def varlen_attention_forward(
     split = bounds.context if bounds is not None else None
     if split is not None and _is_causal(module, kwargs):
         return _context_attention(name, query, key, value, split, scale, bounds.paths), None
+    packed = (bounds is not None and bounds.text is not None) or \
+        kwargs.get("cu_seq_lens_q") is not None
+    padding = kwargs.get(PADDING_KWARG)
+    if not packed and _is_causal(module, kwargs) and (padding is not None or key.shape[2] != T):
+        return stock_attention(module, query, key, value, padding, scale), None
     causal, segs = _segments(module, T, kwargs)
     if B != 1 and (len(segs.host) > 2 or attention_mask is not None):
         raise ValueError("vlpack attention runs packed rows (batch 1, no 2-D mask); use "
@@ -316,6 +329,43 @@ def varlen_attention_forward(
         outs.append(attend(name, q, k, v, segs, causal=causal, scale=scale, paths=paths,
                            stream=stream))
     return torch.stack(outs, dim=0), None
+
+
+def stock_attention(module: nn.Module, query, key, value, padding_BM: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """A stock call's causal attention, as transformers runs it under `sdpa`: query [B, H, Q, D]
+    against key/value [B, K, S, D] (S > Q with a cache) → [B, Q, H, D]. `padding_BM` is the
+    call's 2-D mask over the tokens seen so far (M ≥ Q; M < S with a static cache, whose slots
+    past M are empty): query i sits at position M − Q + i and sees the unpadded keys up to it.
+    Without a mask, the keys are the past S − Q tokens and the query's own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    Q, S = query.shape[2], key.shape[2]
+    seen = S if padding_BM is None else padding_BM.shape[-1]
+    if not Q <= seen <= S:
+        raise ValueError(f"the attention mask covers {seen} tokens but the call has {Q} queries "
+                         f"and {S} keys: pass a 2-D attention_mask over the cached and new tokens")
+    dev = query.device
+    mask = (torch.arange(S, device=dev)[None, :]
+            <= torch.arange(Q, device=dev)[:, None] + (seen - Q))[None, None]
+    if padding_BM is not None:
+        keep_BS = F.pad(padding_BM.to(dev, torch.bool), (0, S - seen), value=False)
+        mask = mask & keep_BS[:, None, None, :]
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale,
+                                    is_causal=True)
+    return out
+
+
+class StockMask(nn.Module):
+    """Mixin for a base model class: a stock call's 2-D attention mask handed to the text
+    attention (`PADDING_KWARG`), which transformers never passes to a registered function that
+    has no mask function. A packed forward (with Boundaries) is left as it is."""
+
+    def forward(self, *args, **kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if kwargs.get(BOUNDS_KWARG) is None and isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            kwargs[PADDING_KWARG] = mask
+        return super().forward(*args, **kwargs)
 
 
 def _context_attention(name, query, key, value, split, scale, paths):

@@ -6,7 +6,8 @@ text model also its merge), made once per stock class and given to the model's i
 exactly that class (`module.__class__ = subclass`): the weights, config and every other method
 stay the stock ones, and the subclass is a class of this module, so a model pickles and deep-
 copies as usual. The text attention needs no subclass: it is registered with transformers'
-AttentionInterface (attention.py).
+AttentionInterface (attention.py). The base model's subclass also overrides `forward`, to hand a
+stock call's 2-D attention mask to that attention (`attention.StockMask`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from vlpack.families import family
+from vlpack.model.attention import StockMask
 from vlpack.model.deepstack import DeepstackTextModel
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.vision import ImageFeatures, VisionAttention, VisionTower
+
+
+class BaseModel(StockMask, ImageFeatures):
+    """Mixin for a base model class: its image features (vision.py) and a stock call's mask."""
 
 
 @functools.cache
@@ -46,7 +52,7 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
     mod = importlib.import_module(seams.modeling_module)
     pairs = {"vision_attention": (seams.vision_attention, VisionAttention),
              "vision_tower": (seams.vision_tower, VisionTower),
-             "image_features": (seams.model_class, ImageFeatures)}
+             "image_features": (seams.model_class, BaseModel)}
     if seams.deepstack_text_model is not None:
         pairs["deepstack"] = (seams.deepstack_text_model, DeepstackTextModel)
     if seams.gated_deltanet is not None:
