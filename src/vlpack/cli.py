@@ -125,7 +125,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                         "weights of the folder's config.json, seeded by --seed")
     p.add_argument("--cp", type=int, default=1,
                    help="split the packed row over N context-parallel ranks (run under "
-                        "`torchrun --standalone --nproc-per-node N -m vlpack check ...`)")
+                        "`torchrun --standalone --nproc-per-node N -m vlpack check ...`; "
+                        "k·N processes: k data-parallel replicas, each checking its own row)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_check)
 
@@ -141,16 +142,17 @@ def _run_check(args: argparse.Namespace) -> int:
         if args.cp < 1:
             raise ValueError(f"--cp must be >= 1, got {args.cp}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != args.cp:
+        if world % args.cp:
             raise ValueError(f"context parallelism over {args.cp} ranks needs {args.cp} "
-                             f"processes, found WORLD_SIZE={world}: run under `torchrun "
+                             f"processes (or a multiple: data-parallel replicas of {args.cp} "
+                             f"ranks each), found WORLD_SIZE={world}: run under `torchrun "
                              f"--standalone --nproc-per-node {args.cp} -m vlpack check ...`")
         context = context_group(init_distributed(), args.cp)
     except ValueError as e:
         print(f"vlpack check could not run: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     try:
-        return check_command(args, context)
+        return check_command(args, context, replicas=world // args.cp)
     finally:
         shutdown()
 

@@ -47,6 +47,7 @@ from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, meta_model, set_attn_implementation
 from vlpack.model.check_data import CheckUnsupportedError, checked_model, load_samples
+from vlpack.model.check_parallel import format_replicas, merge_replicas
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
@@ -503,14 +504,16 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
           device: str | None = None, context: ContextGroup | None = None,
-          init: str = "auto") -> dict:
+          init: str = "auto", replica: int = 0) -> dict:
     """Run the check; returns the report dict (`passed`, and `failures` naming each item that
     does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
     `init`: "auto" (a folder's weights) or "random" (random weights of its config, `seed`).
 
     With a `context` group of several processes the packed side is split across them by
     context parallelism; every rank builds the same model and reference, and the packed
-    row's logits and gradients are gathered before the comparison."""
+    row's logits and gradients are gathered before the comparison. `replica`: this group's
+    index among data-parallel replicas, each of which packs the samples in its own order
+    (`check_data.load_samples`)."""
     cp = 1 if context is None else context.size
     context = context if cp > 1 else None
     if device is None and context is not None and torch.cuda.is_available():
@@ -521,13 +524,14 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     model, spec = checked_model(model_name, init=init, backend=backend, device=dev, seed=seed)
     model.train()
     batch_samples, source = load_samples(
-        argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name), spec)
+        argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name,
+                           replica=replica), spec)
     pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
-                        init=init,
+                        init=init, replica=replica,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
                         tolerances=tol, isolation_bound=ISOLATION[dtype])
@@ -657,6 +661,7 @@ def format_report(r: dict) -> str:
         lines.append(f"bf16 rule: packed vs fp32 logits {_fmt(p['max_logit_diff'])} "
                      f"(plain bf16 {_fmt(q['max_logit_diff'])}), loss {_fmt(p['max_loss_diff'])} "
                      f"(plain {_fmt(q['max_loss_diff'])})")
+    lines += format_replicas(r)
     if r["passed"]:
         lines.append("PASSED")
     else:
@@ -664,13 +669,16 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def check_command(args: argparse.Namespace, context: ContextGroup | None = None) -> int:
+def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
+                  replicas: int = 1) -> int:
     """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run. `context`: the
-    context-parallel group of `--cp N` (made by the CLI)."""
+    context-parallel group of `--cp N` (made by the CLI); `replicas`: how many data-parallel
+    replicas of it the world holds, each checking its own row (`check_parallel`)."""
+    replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
     try:
         r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
                   seed=args.seed, data=args.data, context=context,
-                  init=getattr(args, "init", "auto"))
+                  init=getattr(args, "init", "auto"), replica=replica)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise
@@ -679,6 +687,8 @@ def check_command(args: argparse.Namespace, context: ContextGroup | None = None)
         print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
         logger.debug("check failed to run", exc_info=True)
         return EXIT_COULD_NOT_RUN
+    if replicas > 1:
+        r = merge_replicas(r)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
         print(json.dumps(r, default=float) if args.json else format_report(r))
     return EXIT_PASSED if r["passed"] else EXIT_FAILED

@@ -46,7 +46,15 @@ def checked_model(model_name: str, *, init: str = "auto", backend: str = "auto",
 def load_samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
     """The check's samples and a description of their source (`args.samples`, `args.seed`,
     `args.data`: a JSONL file, "synth" or None for the synthetic mix; `args.model`: a folder
-    whose tokenizer and chat template encode the data, as `vlpack train` uses them)."""
+    whose tokenizer and chat template encode the data, as `vlpack train` uses them;
+    `args.replica`: a data-parallel replica's index, whose row holds the samples rotated by it,
+    so that no two replicas pack the same row)."""
+    samples, source = _samples(args, spec)
+    k = int(getattr(args, "replica", 0) or 0) % len(samples)
+    return samples[k:] + samples[:k], source
+
+
+def _samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
     n = int(args.samples)
     if n < 2:
         raise CheckUnsupportedError("--samples must be >= 2: the check packs several samples "
