@@ -176,3 +176,17 @@ def test_not_utf8_and_bom(tmp_path):
     first, second = iter_jsonl(path)
     assert isinstance(first, Conversation)
     assert isinstance(second, BadSampleError) and second.reason == "bad_json"
+
+
+@pytest.mark.parametrize(("roles", "why"), [
+    (("assistant", "user", "assistant"), "starts with an assistant turn"),
+    (("system", "assistant", "user", "assistant"), "starts with an assistant turn"),
+    (("user", "assistant", "user"), "ends with a user turn"),
+    (("system", "user", "assistant", "user"), "ends with a user turn")])
+def test_a_conversation_runs_from_a_user_turn_to_an_answer(roles, why) -> None:
+    obj = {"messages": [{"role": r, "content": f"{r} {i}"} for i, r in enumerate(roles)]}
+    with pytest.raises(BadSampleError, match=why) as info:
+        _parse(obj)
+    assert info.value.reason == "bad_schema"
+    ok = {"messages": [{"role": r, "content": r} for r in ("system", "user", "user", "assistant")]}
+    assert [m.role for m in _parse(ok).messages] == ["system", "user", "user", "assistant"]

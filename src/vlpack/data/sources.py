@@ -340,6 +340,16 @@ def _validate(conv: Conversation) -> None:
         _bad(key, "no_assistant_turn", "no assistant turn: nothing to learn from; add an answer")
     if "user" not in roles:
         _bad(key, "bad_schema", "no user turn: add the question the assistant answers")
+    turns = [r for r in roles if r != "system"]
+    if turns[0] == "assistant":
+        _bad(key, "bad_schema",
+             "the conversation starts with an assistant turn, an answer to no question: start "
+             "with the user's turn (after an optional system message) or drop the answer")
+    if turns[-1] == "user":
+        _bad(key, "bad_schema",
+             "the conversation ends with a user turn that nothing answers (training supervises "
+             "only answers, so it would be input with no target): add the answer or drop the "
+             "turn")
     for i, m in enumerate(conv.messages):
         if m.role == "assistant" and not "".join(m.content).strip():  # type: ignore[arg-type]
             _bad(key, "empty_assistant_turn",
