@@ -51,6 +51,17 @@ def test_special_ids(family):
     assert len(tok) == spec.special_start + len(spec.added_tokens)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
+def test_special_token_roles_as_released(family):
+    """As the released tokenizer_config.json files set them: eos `<|im_end|>`, pad
+    `<|endoftext|>`, no bos and no unk (a byte-level BPE has no unknown token)."""
+    tok = load_tokenizer(family)
+    assert (tok.eos_token, tok.pad_token, tok.bos_token, tok.unk_token) == (
+        "<|im_end|>", "<|endoftext|>", None, None)
+    assert tok.unk_token_id is None
+    assert tok.convert_tokens_to_ids("<|no_such_token|>") is None
+
+
 def test_qwen2_vl_has_no_think_token():
     # Qwen2-VL's vocabulary ends at <|video_pad|>: "<think>" is plain text there.
     assert len(load_tokenizer("qwen2_vl").encode("<think>", add_special_tokens=False)) > 1

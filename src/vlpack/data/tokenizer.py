@@ -218,7 +218,9 @@ def _build_builtin(
         from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer as cls
     else:
         cls = Qwen2Tokenizer
-    tok = cls(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    # The released tokenizer_config.json files: eos <|im_end|>, pad <|endoftext|>, no bos, no unk
+    tok = cls(vocab=vocab, merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+              bos_token=None, unk_token=None)
     tok.add_tokens(
         [AddedToken(t, special=t not in _NOT_SPECIAL, normalized=False) for t in added_tokens]
     )
