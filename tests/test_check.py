@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -120,6 +121,44 @@ def test_check_compares_the_packed_paths_loss_value(monkeypatch, capsys):
     assert any("float32 packed vs unpacked: sample 0 loss" in f for f in r["failures"])
     assert any("the row's loss" in f for f in r["failures"])
     assert not any("gradient" in f for f in r["failures"]), r["failures"]
+
+
+def test_check_reference_is_stock_code_with_fla_importable(monkeypatch, capsys):
+    """fla "importable" (simulated on CPU: vlpack's probe finds it, and transformers' kernel
+    wrappers would call it): the reference still runs transformers' own Gated-DeltaNet (its
+    torch kernels), so vlpack's layer dropping `dt_bias` from the gate fails the check; the
+    reference never enters vlpack's layer."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as stock_mod
+
+    from vlpack.model import gdn
+
+    def fla_kernel(*a, **k):
+        raise AssertionError("an fla kernel ran on the CPU")
+
+    for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"):
+        # a kernel wrapper that calls "fla", over transformers' torch function
+        wrapper = functools.wraps(getattr(stock_mod, name))(lambda *a, **k: fla_kernel())
+        monkeypatch.setattr(stock_mod, name, wrapper)
+    monkeypatch.setattr(gdn, "_fla", lambda: (fla_kernel, fla_kernel))
+    entered = []
+    orig = gdn.GatedDeltaNet._packed
+
+    def without_dt_bias(self, *a, **k):
+        entered.append(bool(k.get("torch_only")))
+        saved = self.dt_bias.detach().clone()
+        with torch.no_grad():
+            self.dt_bias.zero_()  # softplus(a + 0): the gate without dt_bias
+        try:
+            return orig(self, *a, **k)
+        finally:
+            with torch.no_grad():
+                self.dt_bias.copy_(saved)
+
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_packed", without_dt_bias)
+    assert main(["check", "--model", "tiny-qwen3_5", "--samples", "2", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert any("max |dlogits|" in f for f in r["failures"]), r["failures"]
+    assert entered and not any(entered)  # vlpack's layer ran on the packed side only
 
 
 def test_check_bf16_moe_counts_routing_flips(capsys):

@@ -45,12 +45,13 @@ from torch import nn
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
-from vlpack.model.build import ModelSpec, meta_model, set_attn_implementation
+from vlpack.model.build import ModelSpec, meta_model
 from vlpack.model.check_data import CheckUnsupportedError, checked_model, load_samples
 from vlpack.model.check_parallel import format_replicas, merge_replicas
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
+from vlpack.model.reference import stock_reference
 from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import special_ids, text_id_range
 
@@ -216,15 +217,15 @@ def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Te
 
 
 def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
-    """The reference: stock transformers (SDPA attention, transformers' torch GDN kernels) on
-    each sample alone, gradients summed; with transformers' own `labels=` loss per sample."""
-    saved = model.config._attn_implementation
-    set_attn_implementation(model, "sdpa")
-    try:
+    """The reference: stock transformers code only (`reference.stock_reference`: the stock
+    classes of every seam, SDPA attention, transformers' experts and its torch GDN kernels even
+    where fla is importable) on each sample alone, gradients summed; the loss and its gradient
+    are transformers' own `labels=` loss per sample."""
+    with stock_reference(model):
         logits, losses, routers, topk, hf, counts, own = [], [], [], [], [], [], []
         for s in samples:
             with RouterCapture(model) as cap:
-                out = unpacked_forward(model, s, spec=spec, hf_labels=True, gdn_torch=True)
+                out = unpacked_forward(model, s, spec=spec, hf_labels=True)
             # transformers' own loss: its token mean times the targets its shift leaves
             n_hf = int((s.labels[1:] != IGNORE_INDEX).sum())
             ref_sum = out.loss_sum if out.hf_loss is None else out.hf_loss.float() * n_hf
@@ -238,8 +239,6 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
             if spec.is_moe:
                 topk.append(_topk(cap.logits, spec.num_experts_per_tok))
         aux = _hf_aux(model, spec, routers) if spec.is_moe else None
-    finally:
-        set_attn_implementation(model, saved)
     return Run(logits, losses, _grads(model), aux, topk=topk if spec.is_moe else None,
                hf_losses=hf, label_counts=counts, groups=param_groups(model),
                loss_total=sum(losses), own_shift=own)
