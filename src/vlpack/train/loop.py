@@ -49,6 +49,7 @@ from vlpack.train.parallel import (
 from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.plot import plot_runs
 from vlpack.train.profile import StepProfiler
+from vlpack.train.runlock import claim_output_dir
 from vlpack.train.step import StepResult, optimizer_step
 
 log = logging.getLogger("vlpack.train")
@@ -81,6 +82,7 @@ class Trainer:
         self.context = context_group(self.info, self.cp)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
+        claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
         self._check_memory()
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
