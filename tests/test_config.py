@@ -57,6 +57,14 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         load_config(p)
 
 
+@pytest.mark.parametrize("text", ["- train:\n    max_steps: 3\n", "just words\n", "42\n"])
+def test_yaml_top_level_not_a_mapping_names_the_file(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "listed.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=r"listed\.yaml: the top level must be a mapping"):
+        load_config(p, ["train.max_steps=2"])
+
+
 def test_shipped_recipes_exist() -> None:
     names = {p.stem for p in CONFIGS}
     for base in ("tiny", "qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-9b",

@@ -536,6 +536,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{p}: the top level must be a mapping of sections (model:, data:, "
+                             f"train:, ...), not a {type(data).__name__}: {str(data)[:80]}")
     try:
         return config_from_dict(apply_overrides(data, overrides or []))
     except ValueError as e:
