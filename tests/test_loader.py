@@ -100,7 +100,7 @@ def test_every_sample_is_accounted_for(policy: str, algo: str) -> None:
 
 def test_overlong_error_names_sample_and_options() -> None:
     items = [make_sample("a", np.random.default_rng(0), text=(300,), grids=())]
-    with pytest.raises(ValueError, match=r"sample #0 is overlong.*data\.overlong=truncate\|skip"):
+    with pytest.raises(ValueError, match=r"sample #1 is overlong.*data\.overlong=truncate\|skip"):
         list(BinStream(sizes=[items[0].size], seq_len=128, epochs=1))
     # The loader names the sample as every other message does: its id, else file:line.
     with pytest.raises(ValueError, match=r"^a is overlong \(300 tokens > seq_len 128\)"):

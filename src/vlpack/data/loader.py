@@ -45,6 +45,20 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
     return items
 
 
+def located(e: BadSampleError, conv: Conversation) -> BadSampleError:
+    """`e` with the `file:line` of `conv` added when its key is an id (so it can be found)."""
+    if conv.where is not None and conv.where not in str(e):
+        e.args = (f"{e} [{conv.where}]",)
+    return e
+
+
+def describe(item, i: int) -> str:
+    """How messages name item `i`: a Conversation's id and/or file:line, an encoded sample's
+    key, else its 1-based position."""
+    name = getattr(item, "name", None) or getattr(item, "key", None)
+    return name if name is not None else f"sample #{i + 1}"
+
+
 def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> list[SizeOrError]:
     """Exact size of every sample from image headers; bad samples become their error."""
     out: list[SizeOrError] = []
@@ -55,7 +69,7 @@ def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> li
         try:
             out.append(encoder.measure(item))
         except BadSampleError as e:
-            out.append(e)
+            out.append(located(e, item))
     return out
 
 
@@ -179,8 +193,7 @@ class PackedLoader:
         return self.encoder.truncated_size(self.items[i], max_tokens)
 
     def _describe(self, i: int) -> str:
-        key = getattr(self.items[i], "key", None)  # a Conversation's id or file:line
-        return key if key is not None else f"sample #{i}"
+        return describe(self.items[i], i)
 
     def _works(self, skip: int) -> Iterator[BinWork]:
         self.stream = BinStream(sizes=self.sizes, describe=self._describe, **self.stream_kw)

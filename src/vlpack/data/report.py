@@ -1,8 +1,9 @@
 """`vlpack pack`: plan a whole dataset and report how well it packs.
 
 Every input sample is counted exactly once: packed, truncated (and packed), or skipped with a
-reason. Nothing is encoded: sizes come from image headers and video metadata, so this runs fast
-on large datasets.
+reason, and every skipped one is listed by name (its id and `file:line`). Nothing is encoded:
+sizes come from image headers and video metadata, so this runs fast on large datasets;
+`vlpack data validate` decodes every sample and finds the bad bodies this cannot see.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import time
 
 import numpy as np
 
-from vlpack.data.loader import measure_all, open_dataset
+from vlpack.data.loader import describe, measure_all, open_dataset
 from vlpack.data.stream import BinStream
+
+MAX_LISTED = 20
+"""Skipped samples the table lists (the JSON report lists all)."""
 
 
 def pack_report(
@@ -30,8 +34,11 @@ def pack_report(
         pad_to_multiple_of=pad_to_multiple_of, overlong=overlong,
         truncate_fn=lambda i, cap: encoder.truncated_size(items[i], cap),
         seed=seed, shuffle=False, epochs=1,
+        describe=lambda i: describe(items[i], i),
     )
     bins = list(stream)
+    skips = sorted([s for b in bins for s in b.skips] + list(stream.unattached_skips),
+                   key=lambda s: s.index)
     t2 = time.perf_counter()
     acc = stream.account.as_dict()
     assert acc["samples"] == len(items)
@@ -69,6 +76,7 @@ def pack_report(
             "max": int(video.max()) if bins else 0,
         },
         "seconds": {"measure": round(t1 - t0, 3), "plan": round(t2 - t1, 3)},
+        "problems": [{"reason": s.reason, "message": s.message} for s in skips],
     }
 
 
@@ -89,7 +97,14 @@ def format_report(r: dict) -> str:
         ("time", f"measure {r['seconds']['measure']:.2f}s, plan {r['seconds']['plan']:.3f}s"),
     ]
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {val}" for k, val in rows)
+    lines = [f"{k:<{w}}  {val}" for k, val in rows]
+    problems = r.get("problems", [])
+    lines += [f"skipped: {p['reason']}: {p['message']}" for p in problems[:MAX_LISTED]]
+    if len(problems) > MAX_LISTED:
+        lines.append(f"... and {len(problems) - MAX_LISTED} more (--json lists them all)")
+    lines.append("images were judged from their headers only: `vlpack data validate DATA.jsonl` "
+                 "decodes every sample and lists every bad one")
+    return "\n".join(lines)
 
 
 def pack_command(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ The key of a sample is its `id` field, else `<file name>:<line>` (1-based).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -93,7 +94,8 @@ def iter_jsonl(
             has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
             key = str(obj["id"]) if has_id else where
             try:
-                yield parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
+                conv = parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
+                yield conv if key == where else dataclasses.replace(conv, where=where)
             except BadSampleError as e:
                 if key != where:  # name the line too, so the record can be found
                     e.args = (f"{e} [{path}:{lineno}]",)

@@ -124,7 +124,7 @@ class BinStream:
     """Fail when more than this share of the samples seen was skipped (checked from MIN_SEEN
     samples on, or once every sample was seen when there are fewer)."""
     describe: Callable[[int], str] | None = None
-    """Name of sample i in messages (its id or file:line); default `sample #i` (0-based)."""
+    """Name of sample i in messages (its id or file:line); default `sample #i+1` (1-based)."""
     account: Accounting = field(default_factory=Accounting)
     _admission: Admission = field(init=False, repr=False)
     _limits: BadLimits = field(init=False, repr=False)
@@ -141,7 +141,7 @@ class BinStream:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
 
     def _name(self, i: int) -> str:
-        return self.describe(i) if self.describe is not None else f"sample #{i}"
+        return self.describe(i) if self.describe is not None else f"sample #{i + 1}"
 
     def _skip(self, i: int, reason: str, message: str) -> None:
         """Count a skipped sample; fail when the dataset looks broken rather than noisy."""
@@ -220,6 +220,12 @@ class BinStream:
             ):
                 raise ValueError("every sample of the dataset was skipped: nothing to train on")
         yield from emit(planner.flush())
+
+
+    @property
+    def unattached_skips(self) -> tuple[Skip, ...]:
+        """Skips after the last emitted bin (a finite stream's tail rides on no bin)."""
+        return tuple(self._pending)
 
 
 def rank_bins(

@@ -70,6 +70,13 @@ class Conversation:
 
     key: str
     messages: tuple[Message, ...]
+    where: str | None = field(default=None, compare=False)
+    """`file:line` the record was read from, when the key is its `id` (None otherwise)."""
+
+    @property
+    def name(self) -> str:
+        """How messages name the sample: its key, and its `file:line` when the key is an id."""
+        return self.key if self.where is None else f"{self.key} ({self.where})"
 
     @property
     def images(self) -> list[ImageRef]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vlpack.data.sources import iter_jsonl
+from vlpack.data.loader import located, open_dataset
 from vlpack.data.types import BadSampleError, Conversation
 
 _ENCODER = None  # the worker process's encoder (set by _init_worker)
@@ -38,9 +38,9 @@ def _judge(item: Conversation | BadSampleError, seq_len: int | None) -> tuple[st
     try:
         sample = _ENCODER.encode(item)
     except BadSampleError as e:
-        return e.reason, str(e)
+        return e.reason, str(located(e, item))
     if seq_len is not None and len(sample) > seq_len:
-        return "overlong", (f"{item.key}: {len(sample)} tokens > --seq-len {seq_len} (training "
+        return "overlong", (f"{item.name}: {len(sample)} tokens > --seq-len {seq_len} (training "
                             "applies data.overlong to it)")
     return None
 
@@ -53,7 +53,7 @@ def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = Non
              workers: int = 1, progress: bool = False,
              media_root: str | None = None) -> dict[str, Any]:
     """Encode every record of `path`; the counts and every bad sample, in file order."""
-    items = list(iter_jsonl(path, media_root))
+    items = open_dataset("jsonl", path, media_root=media_root)  # refuses an empty file
     chunks = [items[i : i + 64] for i in range(0, len(items), 64)]
     bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not progress)
     verdicts: list[tuple[str, str] | None] = []
