@@ -85,3 +85,50 @@ def test_failed_write_leaves_nothing_partial(tmp_path: Path, monkeypatch) -> Non
                        r"pos.* GB is free there .*a full disk shows as this"):
         ckpt.save_checkpoint(tmp_path, 2, model, opt, {}, CPU, run_id="r")
     assert _steps(tmp_path) == ["step_00000001"] and ckpt.latest_checkpoint(tmp_path) == good
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_disk_with_room_for_two_rotates_first(tmp_path: Path, monkeypatch) -> None:
+    """A disk with room for two checkpoints (and the headroom of a third's estimate, not the
+    third): the third save deletes the oldest first, never the resume point."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.save_checkpoint(tmp_path, 1, model, opt, {}, CPU, run_id="r")
+    size, need = _du(tmp_path / "checkpoints"), 64 * 65 * 4
+    capacity = size * 3 // 2 + int(need * ckpt.HEADROOM)  # two fit, three do not
+    usage = ckpt.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage._replace(
+        free=capacity - _du(tmp_path / "checkpoints")))
+    ckpt.save_checkpoint(tmp_path, 2, model, opt, {}, CPU, run_id="r")
+    ckpt.save_checkpoint(tmp_path, 3, model, opt, {}, CPU, run_id="r")
+    assert _steps(tmp_path) == ["step_00000002", "step_00000003"]
+    # keep=1: the only checkpoint is the resume point, kept until the new one is written
+    with pytest.raises(ckpt.CheckpointSaveError, match=r"step_00000003 stays the resume point "
+                       r"\(the latest checkpoint is deleted only after the next one is written"):
+        capacity = size + size // 2
+        ckpt.save_checkpoint(tmp_path, 4, model, opt, {}, CPU, run_id="r", keep=1)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003"
+
+
+def test_write_failure_message_has_no_traceback(tmp_path: Path, monkeypatch) -> None:
+    """DCP wraps each rank's failure with its traceback; the message keeps one line of it."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def disk_full(state, checkpoint_id):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise CheckpointException("save failed", {0: _wrap_exception(e)}) from None
+
+    monkeypatch.setattr(ckpt.dcp, "save", disk_full)
+    with pytest.raises(ckpt.CheckpointSaveError) as info:
+        ckpt.save_checkpoint(tmp_path, 1, model, opt, {}, CPU, run_id="r")
+    msg = str(info.value)
+    assert "(OSError: [Errno 28] No space left on device)" in msg
+    assert "Traceback" not in msg and "File \"" not in msg and "\n" not in msg

@@ -4,7 +4,9 @@ Layout: `output_dir/checkpoints/step_00000020/` holds the DCP shards of model + 
 `trainer_rank{r}.pt` per rank (scheduler, RNG, data-loader position, counters) and a COMPLETE
 marker (step, world size, run id). A save goes to `step_…​.tmp/` and is renamed only after every
 rank finished, so a kill during a save leaves the previous checkpoint as the latest usable one.
-Rotation deletes only checkpoints of the same run id: a run never deletes another run's.
+Rotation deletes only checkpoints of the same run id: a run never deletes another run's. It runs
+after the new checkpoint is written, or before it when the disk is too full for it: then the
+checkpoints rotation would delete anyway go first, never the latest (the resume point).
 """
 
 from __future__ import annotations
@@ -45,6 +47,35 @@ def _resume_point(output_dir: str | Path) -> str:
     """'; DIR stays the resume point' for a failed save's message ('' without a checkpoint)."""
     previous = latest_checkpoint(output_dir)
     return f"; {previous} stays the resume point" if previous else ""
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failed write: the exception's type and first line, without the
+    tracebacks torch's CheckpointException carries (each rank's first failure, once)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return "; ".join(sorted({_reason(exc) for exc, _ in e.failures.values()}))
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _own_checkpoints(root: Path, run_id: str | None) -> list[Path]:
+    """Complete checkpoints of run `run_id` under `root`, oldest first."""
+    return sorted(p for p in root.glob("step_*")
+                  if (p / MARKER).is_file() and marker(p).get("run_id") == run_id)
+
+
+def _rotate(root: Path, run_id: str | None, keep: int) -> list[Path]:
+    """Delete run `run_id`'s checkpoints but the newest `keep` (all kept for 0); never the
+    latest complete one of the folder. Returns the deleted folders."""
+    if not keep:
+        return []
+    latest = max((p for p in root.glob("step_*") if (p / MARKER).is_file()),
+                 key=lambda p: p.name, default=None)
+    own = _own_checkpoints(root, run_id)
+    gone = [p for p in own[:max(len(own) - keep, 0)] if p != latest]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def _tensor_bytes(tree) -> int:
@@ -113,13 +144,22 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], info)[0]
     free = float(shutil.disk_usage(tmp).free)
+    rotated = 0
+    if all_reduce([float(need * HEADROOM > free)], info, "max")[0] and keep > 1:
+        # rotate first: the checkpoints the rotation after this save would delete, never the
+        # resume point (with keep=1 that is the only one, kept until the new one is written)
+        rotated = len(_rotate(root, run_id, keep - 1)) if info.is_main else 0
+        barrier(info)
+        free = float(shutil.disk_usage(tmp).free)
     if all_reduce([float(need * HEADROOM > free)], info, "max")[0]:
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
+        first = (f" after deleting {rotated} older checkpoint(s) of this run" if rotated else "")
         raise CheckpointSaveError(
             f"disk full: saving step {step} to {root} needs about {need / 1e9:.2f} GB but "
-            f"{free / 1e9:.2f} GB is free: free space there or set train.output_dir to a "
-            f"larger disk{_resume_point(output_dir)}"
+            f"{free / 1e9:.2f} GB is free{first}: free space there or set train.output_dir to a "
+            f"larger disk{_resume_point(output_dir)} (the latest checkpoint is deleted only "
+            "after the next one is written, so the disk holds two at a save)"
         )
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -127,7 +167,7 @@ def save_checkpoint(
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP's wraps a full disk
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
-            f"writing step {step} to {tmp} failed ({type(e).__name__}: {str(e).strip()[:300]}); "
+            f"writing step {step} to {tmp} failed ({_reason(e)}); "
             f"{shutil.disk_usage(root).free / 1e9:.2f} GB is free there and the checkpoint needs "
             f"about {need / 1e9:.2f} GB (a full disk shows as this)"
             f"{_resume_point(output_dir)}. The partial folder "
@@ -139,10 +179,7 @@ def save_checkpoint(
                                                "run_id": run_id}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        old = sorted(p for p in root.glob("step_*")
-                     if (p / MARKER).is_file() and marker(p).get("run_id") == run_id)
-        for p in old[:-keep] if keep else []:
-            shutil.rmtree(p, ignore_errors=True)
+        _rotate(root, run_id, keep)
     barrier(info)
     return final
 
