@@ -13,8 +13,9 @@ from PIL import Image
 
 from vlpack.cli import main
 from vlpack.config import load_config
+from vlpack.data.encode import Encoder
 from vlpack.data.energon.prepare import prepare_energon
-from vlpack.data.loader import open_dataset
+from vlpack.data.loader import build_loaders, open_dataset
 from vlpack.data.media import OUTSIDE_ROOT
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError
@@ -78,9 +79,12 @@ def test_training_reads_with_the_same_policy(tree: Path) -> None:
     cfg = load_config(None, ["data.source=jsonl", f"data.path={tree}",
                              f"data.media_root={tree.parent.parent}"])
     assert cfg.data.media_root == str(tree.parent.parent)
-    items = open_dataset("jsonl", str(tree), media_root=cfg.data.media_root)
-    bad = {str(e).split(":")[0] for e in items if isinstance(e, BadSampleError)}
-    assert bad == {"passwd", "dotdot", "symlink"}
+    train, _ = build_loaders(cfg.data, Encoder("qwen3_vl"), seed=0, pad_token_id=0,
+                             spatial_merge_size=2)  # what the trainer calls
+    bad = {str(e).split(":")[0] for e in train.items if isinstance(e, BadSampleError)}
+    assert bad == {"passwd", "dotdot", "symlink"}  # ../shared.png is inside data.media_root
+    items = open_dataset("jsonl", str(tree))  # the default root: the JSONL file's folder
+    assert sum(isinstance(e, BadSampleError) for e in items) == 4
     with pytest.raises(ValueError, match=r"data\.media_root bounds"):
         load_config(None, ["data.source=synthetic", "data.media_root=/tmp"])
 
