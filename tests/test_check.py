@@ -34,6 +34,7 @@ def test_check_bf16_rule_on_cpu(capsys):
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "rule" in r and r["passed"]
+    assert r["precision"] == "bfloat16 autocast on cpu over float32 weights"
 
 
 def test_check_unknown_model_is_a_user_error(capsys):

@@ -279,7 +279,7 @@ def compare_grads(a: Run, b: Run, floor: float) -> dict:
         grad[g] = num / max(den, 1e-30)
         top = max(names, key=params.__getitem__)
         worst[g] = dict(name=top, rel_diff=params[top])
-    return dict(params=params, missing=missing, grad=grad, worst=worst)
+    return dict(params=params, missing=missing, grad=grad, worst=worst, groups=groups)
 
 
 def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None,
@@ -296,7 +296,8 @@ def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None,
     return dict(logits=logit, loss=lossd, loss_total=abs(ta - tb) / max(1.0, abs(tb)),
                 loss_value=dict(packed=ta, reference=tb),
                 grad=g["grad"], grad_params=g["params"],
-                grad_worst=g["worst"], params_missing=g["missing"], aux=aux)
+                grad_worst=g["worst"], params_missing=g["missing"], aux=aux,
+                groups=g["groups"])
 
 
 def _other_bin(samples: list[EncodedSample], cp: int = 1) -> tuple[list[EncodedSample], int, int]:
@@ -468,10 +469,19 @@ def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
     if dp["loss_total"] > bound:
         out.append(f"bf16 rule: the row's loss vs fp32 {dp['loss_total']:.2e} > {bound:.2e} "
                    f"(2x plain bf16 {d0['loss_total']:.2e} + {tol['loss']:.0e})")
-    bounds = {n: 2 * d0["grad_params"].get(n, 0.0) + tol["grad"] for n in dp["grad_params"]}
+    # per parameter, against the larger of its own plain-bf16 error and the model's bf16 noise
+    # level (the largest plain-bf16 parameter error): two bf16 runs round independently. The
+    # routed experts and routers get twice that: under autocast the stock experts keep float32
+    # weights while vlpack's run in bf16, and a token whose expert choice a near-tie flips
+    # moves its whole contribution from one expert to another
+    level = max(d0["grad_params"].values(), default=0.0)
+    groups = dp.get("groups", {})
+    bounds = {n: (4 if groups.get(n) in ("experts", "router") else 2)
+              * max(d0["grad_params"].get(n, 0.0), level) + tol["grad"]
+              for n in dp["grad_params"]}
     out += _named("bf16 rule: gradient rel. error vs fp32", {
-        n: f"{v:.2e} > {bounds[n]:.2e} (2x plain bf16 {d0['grad_params'].get(n, 0.0):.2e} + "
-           f"{tol['grad']:.0e})" for n, v in dp["grad_params"].items() if v > bounds[n]})
+        n: f"{v:.2e} > {bounds[n]:.2e} (plain bf16 {d0['grad_params'].get(n, 0.0):.2e}, "
+           f"bf16 level {level:.2e})" for n, v in dp["grad_params"].items() if v > bounds[n]})
     if dp["aux"] is not None and dp["aux"] > 2 * d0["aux"] + tol["aux"]:
         out.append(f"bf16 rule: MoE aux diff vs fp32 {dp['aux']:.2e} > "
                    f"{2 * d0['aux'] + tol['aux']:.2e}")
@@ -533,8 +543,8 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
                         init=init, replica=replica,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
-                        tolerances=tol, isolation_bound=ISOLATION[dtype])
-    failures: list[str] = []
+                        tolerances=tol, isolation_bound=ISOLATION[dtype], **data_info)
+    failures: list[str] = list(data_info.get("encoding", {}).get("failures", []))
 
     # The contract, in fp32. Bin A (forward only), bin B (the samples reversed, other alignment,
     # extra tail padding), then A with gradients: each against the reference, so state kept
@@ -564,18 +574,21 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
                   hf_label_loss=[None if h is None else round(h, 6) for h in ref.hf_losses])
 
     if dtype == "bfloat16":
-        model.to(torch.bfloat16)
-        packed = run_packed(model, spec, batch_samples, pad_to, context=context)
-        plain = run_unpacked(model, spec, batch_samples)
+        # the recipes' precision path: bf16 autocast over the float32 master weights (on a CPU,
+        # CPU autocast), both sides; their errors against the fp32 reference make the 2x rule
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            packed = run_packed(model, spec, batch_samples, pad_to, context=context)
+            plain = run_unpacked(model, spec, batch_samples)
+            iso16 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
         keep = stable_tokens(packed, plain, ref)
         f16 = GRAD_FLOOR["bfloat16"]
         d = compare(packed, plain, keep, f16)
         dp, d0 = compare(packed, ref, keep, f16), compare(plain, ref, keep, f16)
         failures += _rule_failures(dp, d0, tol) + _group_failures("bfloat16 packed vs unpacked", d)
-        iso16 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
         failures += _isolation_failures("bfloat16 isolation", iso16, ISOLATION["bfloat16"])
         report.update(rule=dict(packed_vs_fp32=_summary(dp), plain_bf16_vs_fp32=_summary(d0)),
-                      isolation_bfloat16=iso16)
+                      isolation_bfloat16=iso16,
+                      precision=f"bfloat16 autocast on {dev.type} over float32 weights")
     report.update(
         per_sample=[dict(key=s.key, tokens=len(s), images=len(s.image_grid_thw),
                          max_logit_diff=d["logits"][i], loss_diff=d["loss"][i])
