@@ -65,6 +65,12 @@ class DataConfig:
     """Optional cap on ViT patches per bin."""
     pad_to_multiple_of: int = 8
     """Align every sample's segment to this many tokens (TP/CP/FP8 alignment)."""
+    mrope_after_video: Literal["qwen", "transformers"] = "qwen"
+    """Qwen2/2.5-VL: where text after a video of several temporal patches continues. `qwen`:
+    after the largest position the video used (the rule the released checkpoints were trained
+    with); `transformers`: at the video's start + max(h', w') (transformers >= 5.3).
+    Images and Qwen3/3.5 videos (one temporal patch per span) are the same under both
+    (docs/data.md)."""
     pad_to_seq_len: bool = False
     """Pad every packed row to exactly seq_len tokens (static shapes for torch.compile / CUDA
     graphs; the padding joins the last segment and is excluded from loss and statistics)."""
@@ -104,6 +110,7 @@ class DataConfig:
         _choice("data.source", self.source, ("jsonl", "synthetic", "energon"))
         _choice("data.packing", self.packing, PACKING_CHOICES)
         _choice("data.overlong", self.overlong, ("error", "truncate", "skip"))
+        _choice("data.mrope_after_video", self.mrope_after_video, ("qwen", "transformers"))
         if self.source in ("jsonl", "energon") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path=...")
         if self.source == "synthetic" and self.path:

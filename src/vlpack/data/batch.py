@@ -130,11 +130,15 @@ def build_thd_batch(
     pad_to_multiple_of: int = 1,
     total_len: int | None = None,
     spatial_merge_size: int = 2,
+    mrope_after_video: str = "transformers",
 ) -> ThdBatch:
     """Pack `samples` into one THD row; the only place THD metadata is made.
 
     Each sample is padded to a multiple of `pad_to_multiple_of`; with `total_len` the row is
     padded further to exactly that length (static shapes), the extra joining the last segment.
+    `mrope_after_video`: where text after a video of several temporal patches continues
+    (`vlpack.data.rope.mrope_positions`); "transformers", the installed model code's rule,
+    unless the training's data config says otherwise.
     """
     if not samples:
         raise ValueError("cannot build a batch from zero samples")
@@ -167,7 +171,7 @@ def build_thd_batch(
         types[seg] = s.mm_token_type_ids
         padding_mask[seg] = False
         mrope = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size,
-                                s.temporal_step)
+                                s.temporal_step, after_video=mrope_after_video)
         position_ids[0, start : start + p] = np.arange(p)
         position_ids[1:, seg] = mrope
         # Pads continue counting after the sample's last position: they only attend backwards

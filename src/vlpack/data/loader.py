@@ -84,8 +84,10 @@ class BinWork:
 class _BinBuilder(torch.utils.data.Dataset):
     """Map-style dataset indexed by BinWork: encodes the bin's samples and builds the batch."""
 
-    def __init__(self, items, encoder, *, pad_token_id, pad_to_multiple_of, total_len, merge):
+    def __init__(self, items, encoder, *, pad_token_id, pad_to_multiple_of, total_len, merge,
+                 mrope_after_video="qwen"):
         self.items, self.encoder = items, encoder
+        self.after_video = mrope_after_video
         self.pad_token_id, self.mult, self.total_len, self.merge = (
             pad_token_id, pad_to_multiple_of, total_len, merge
         )
@@ -113,6 +115,7 @@ class _BinBuilder(torch.utils.data.Dataset):
             batch = build_thd_batch(
                 samples, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.mult,
                 total_len=self.total_len, spatial_merge_size=self.merge,
+                mrope_after_video=self.after_video,
             )
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
@@ -164,6 +167,7 @@ class PackedLoader:
         pin_memory: bool = False,
         pad_token_id: int,
         spatial_merge_size: int = 2,
+        mrope_after_video: str = "qwen",
         progress: bool = False,
         report_skips: bool = True,
     ):
@@ -182,6 +186,7 @@ class PackedLoader:
         self.builder = _BinBuilder(
             items, encoder, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
             total_len=total_len if self.packed else None, merge=spatial_merge_size,
+            mrope_after_video=mrope_after_video,
         )
         self.consumed = 0
         self.tally = Tally()
@@ -272,6 +277,7 @@ def build_loaders(
             shuffle_buffer_size=d.shuffle_buffer_size, num_workers=d.num_workers,
             rank=rank, world_size=world_size, pad_token_id=pad_token_id,
             spatial_merge_size=spatial_merge_size, max_consecutive_bad=d.max_consecutive_bad,
+            mrope_after_video=d.mrope_after_video,
             max_bad_fraction=d.max_bad_fraction,
         ), None
     items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
@@ -288,6 +294,7 @@ def build_loaders(
         max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
         rank=rank, world_size=world_size, pad_token_id=pad_token_id,
         spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
+        mrope_after_video=d.mrope_after_video,
         total_len=d.seq_len if d.pad_to_seq_len else None, report_skips=report_skips,
     )
     train = PackedLoader(items[:n_train], encoder, sizes=sizes[:n_train], shuffle=d.shuffle,

@@ -2,12 +2,14 @@
 
 Qwen-VL text tokens take position p on all three axes (t, h, w); an image or video of merged
 grid (t, h', w') placed at p takes p + t·step, p + row, p + col (step 1, or Qwen2.5-VL's
-tokens_per_second × second_per_grid for a video); the text after it continues at
-p + max(h', w'). This equals transformers' `get_rope_index` (5.x) for images and videos in
-qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_5 (tested against it), but runs on one sample at a
-time, so positions restart at every sample boundary of a packed row. (transformers' advance
-past a video ignores its temporal extent, where Qwen's original code continued after the
-largest position; vlpack follows transformers, the model code it trains.)
+tokens_per_second × second_per_grid for a video). The text after it continues after the
+largest position the item used (`after_video="qwen"`, Qwen's original rule) or at
+p + max(h', w') (`"transformers"`, transformers >= 5.3); the two differ only after a video span
+of several temporal patches (Qwen2/2.5-VL; Qwen3/3.5 write one span per patch). With
+"transformers" this equals transformers' `get_rope_index` for images and videos in qwen2_vl,
+qwen2_5_vl, qwen3_vl and qwen3_5 (tested against it), but runs on one sample at a time, so
+positions restart at every sample boundary of a packed row. docs/data.md says which rule
+training follows and why.
 
 Legend: L = tokens of one sample, I = visual items (images, videos) of one sample.
 """
@@ -18,12 +20,16 @@ import numpy as np
 
 from vlpack.data.types import TOKEN_TYPE_TEXT, TOKEN_TYPE_VIDEO
 
+AFTER_VIDEO = ("qwen", "transformers")
+"""Where text after a visual span continues (`mrope_positions`)."""
+
 
 def mrope_positions(
     mm_token_type_ids_L: np.ndarray,
     image_grid_thw_I3: np.ndarray,
     spatial_merge_size: int = 2,
     temporal_step_I: np.ndarray | None = None,
+    after_video: str = "transformers",
 ) -> np.ndarray:
     """3-row MRoPE positions [3, L] (int64) of one sample.
 
@@ -33,7 +39,11 @@ def mrope_positions(
     as transformers splits a video grid into t grids of one patch. Temporal positions step by
     `temporal_step_I` of the item (1 when None; Qwen2.5-VL's tokens_per_second ×
     second_per_grid for a video), floored, in float32 as transformers computes them.
+    `after_video`: where the text after a visual span continues, "qwen" (after its largest
+    position) or "transformers" (its start + max(h', w')).
     """
+    if after_video not in AFTER_VIDEO:
+        raise ValueError(f"after_video={after_video!r}: use one of {', '.join(AFTER_VIDEO)}")
     types = np.asarray(mm_token_type_ids_L)
     L = types.shape[0]
     out = np.empty((3, L), dtype=np.int64)
@@ -77,7 +87,7 @@ def mrope_positions(
         out[0, s:e] = tt.reshape(-1) + pos
         out[1, s:e] = hh.reshape(-1) + pos
         out[2, s:e] = ww.reshape(-1) + pos
-        pos += max(h, w)
+        pos += max(h, w) if after_video == "transformers" else max(int(t_index[-1]) + 1, h, w)
     if item != len(image_grid_thw_I3) or frames_left:
         raise ValueError(
             f"sample has {len(image_grid_thw_I3)} visual grids but {item} visual spans"

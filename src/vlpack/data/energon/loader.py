@@ -85,6 +85,7 @@ class EnergonLoader:
         pad_token_id: int,
         spatial_merge_size: int = 2,
         max_consecutive_bad: int | None = None,
+        mrope_after_video: str = "qwen",
         max_bad_fraction: float | None = None,
     ):
         self.path = Path(path)
@@ -106,7 +107,7 @@ class EnergonLoader:
             encoder, seq_len=seq_len, algo=packing, max_patches=max_patches,
             pad_to_multiple_of=pad_to_multiple_of, total_len=total_len, overlong=overlong,
             seed=seed, pad_token_id=pad_token_id, spatial_merge_size=spatial_merge_size,
-            max_consecutive_bad=max_consecutive_bad,
+            max_consecutive_bad=max_consecutive_bad, mrope_after_video=mrope_after_video,
         )
         self.worker_config = energon_worker_config(
             num_workers, rank=rank, world_size=world_size, group=group, seed=seed

@@ -135,6 +135,7 @@ class QwenVLTaskEncoder(TaskEncoder):
         pad_token_id: int,
         spatial_merge_size: int = 2,
         max_consecutive_bad: int | None = None,
+        mrope_after_video: str = "qwen",
     ):
         check_algo(algo)
         self._admission = Admission(seq_len, max_patches, overlong)
@@ -146,6 +147,7 @@ class QwenVLTaskEncoder(TaskEncoder):
         self.max_patches, self.mult, self.total_len = max_patches, pad_to_multiple_of, total_len
         self.overlong, self.seed, self.pad_token_id = overlong, seed, pad_token_id
         self.merge, self.max_consecutive_bad = spatial_merge_size, max_consecutive_bad
+        self.after_video = mrope_after_video
 
     # ------------------------------------------------------------------ stage 2: encode
 
@@ -247,6 +249,7 @@ class QwenVLTaskEncoder(TaskEncoder):
         batch = build_thd_batch(
             good or [EncodedSample.filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
             pad_to_multiple_of=self.mult, total_len=self.total_len, spatial_merge_size=self.merge,
+            mrope_after_video=self.after_video,
         )
         setattr(batch, _ACCOUNT_ATTR, (status, not good))
         return batch
