@@ -203,3 +203,156 @@ def test_check_cp_with_data_parallel_replicas(tmp_path):
     assert all(f.startswith("replica 1: ") for f in planted["failures"]), planted["failures"]
     assert any("dlogits" in f for f in planted["failures"]), planted["failures"]
     print(planted["failures"])
+
+
+GOOD_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+    "{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c.type == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+
+
+def _processor_folder(path: Path, name: str) -> Path:
+    """A checkpoint folder transformers builds a processor from: a tiny preset's config and
+    weights, the offline tokenizer, the image processor's config and a chat template."""
+    from vlpack.data.tokenizer import load_image_processor, load_tokenizer
+    from vlpack.model.build import build_model
+
+    model, _ = build_model(f"tiny-{name}", device="cpu", dtype="float32")
+    model.save_pretrained(path)
+    load_tokenizer(name).save_pretrained(path)
+    load_image_processor(name).save_pretrained(path)
+    (path / "chat_template.jinja").write_text(GOOD_TEMPLATE)
+    return path
+
+
+def _rows(tmp_path: Path, rows: list) -> Path:
+    """A JSONL file of `rows` (dicts; a string is written as it is: a bad record)."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join((json.dumps(r) if isinstance(r, dict) else r) + "\n" for r in rows))
+    return data
+
+
+def _chat(q, a: str = "A receipt.") -> dict:
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def test_check_data_encoding_against_transformers(tmp_path, capsys, monkeypatch):
+    """`--data` with a folder transformers builds a processor from: each sample's ids, grids
+    and MRoPE positions equal what AutoProcessor + apply_chat_template make of it; an encoder
+    that swaps an image's grid rows and columns, or one text token, passes the packed-vs-unpacked
+    contract (both sides read the same encoding) but fails here, by sample and item. The
+    samples cover a text row and the image row past three text rows; the bad records around
+    them are skipped and named."""
+    from PIL import Image
+
+    from vlpack.data.encode import Encoder
+
+    folder = _processor_folder(tmp_path / "ckpt", "qwen3_vl")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
+        tmp_path / "a.png")
+    image = _chat([{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}])
+    data = _rows(tmp_path, [_chat("Total?", "12.50"), "not json", _chat("Date?"), _chat("Hi"),
+                            image, "{bad"])
+    args = ["check", "--model", str(folder), "--data", str(data), "--samples", "2", "--json"]
+    assert main(args) == 0
+    r = _report(capsys)
+    assert r["passed"] and r["sample_keys"] == ["mine.jsonl:1", "mine.jsonl:5"], r["failures"]
+    assert r["data_kinds"] == {"text": 1, "image": 1}
+    assert [s.split(": ")[0][-7:] for s in r["data_skipped"]] == ["jsonl:2", "jsonl:6"]
+    assert r["encoding"]["compared"] == ["mine.jsonl:1", "mine.jsonl:5"]
+    assert r["encoding"]["skipped"] is None and r["encoding"]["failures"] == []
+
+    encode = Encoder.encode
+
+    def grid_swapped(self, conv):
+        s = encode(self, conv)
+        s.image_grid_thw = s.image_grid_thw[:, [0, 2, 1]].copy()
+        return s
+
+    monkeypatch.setattr(Encoder, "encode", grid_swapped)
+    assert main(args) == 1
+    assert _report(capsys)["failures"] == [
+        "encoding vs transformers: sample mine.jsonl:5: image grids [[1, 20, 14]] != "
+        "transformers' [[1, 14, 20]]"]  # at the folder's image settings, as training encodes
+
+    def token_changed(self, conv):
+        s = encode(self, conv)
+        s.input_ids = s.input_ids.copy()
+        s.input_ids[3] += 1
+        return s
+
+    monkeypatch.setattr(Encoder, "encode", token_changed)
+    from vlpack.data.sources import read_jsonl
+    from vlpack.model.build import build_model
+    from vlpack.model.check_encoding import compare_encoding
+
+    model, spec = build_model(str(folder), device="cpu", dtype="float32")
+    convs = [read_jsonl(_rows(tmp_path, [row]))[0] for row in (_chat("Total?"), image)]
+    failures = compare_encoding(folder, convs, spec, model)["failures"]
+    assert len(failures) == 2 and all("input ids differ at token 3" in f for f in failures)
+
+
+def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
+    """`--data` takes one sample of each kind the file holds (text, image, frame-list video,
+    video file) before more of one kind, keeps file order, and skips bad records it meets,
+    naming them; once it has a sample of every kind, it reads no further (a bad record there
+    does not stop it)."""
+    import argparse
+
+    from tests.test_video import _frames, _mp4
+    from vlpack.model.build import build_model
+    from vlpack.model.check_data import load_samples
+
+    _, spec = build_model("tiny-qwen3_vl", device="meta")
+    frames = _frames(tmp_path, 4, size=(64, 64))
+    _frames(tmp_path, 1, size=(64, 64), name="im")
+    _mp4(tmp_path / "clip.mp4", 9, fps=4)  # skips without PyAV
+
+    def ask(item: dict) -> dict:
+        return _chat([item, {"type": "text", "text": "?"}])
+
+    rows = [_chat("a"), _chat("b"), "{bad", ask({"type": "image", "image": "gone.png"}),
+            ask({"type": "video", "video": frames, "fps": 2}), _chat("c"),
+            ask({"type": "image", "image": "im0.png"}), ask({"type": "video", "video": "clip.mp4"}),
+            _chat("d"), "{past"]
+    data = _rows(tmp_path, rows)
+
+    def load(n: int):
+        args = argparse.Namespace(samples=n, seed=0, data=str(data), model="tiny-qwen3_vl")
+        samples, _, info = load_samples(args, spec)
+        return [s.key.split(":")[1] for s in samples], info
+
+    keys, info = load(4)
+    assert keys == ["1", "5", "7", "8"]
+    assert info["data_kinds"] == {"text": 1, "image": 1, "video_frames": 1, "video_file": 1}
+    assert [x.split(": ")[0].split(":")[-1] for x in info["data_skipped"]] == ["3", "4"]
+    assert "gone.png" in info["data_skipped"][1]
+    keys, info = load(2)
+    assert keys == ["1", "5"] and info["data_kinds_left_out"] == ["image", "video_file"]
+
+
+def test_check_data_video_against_transformers(tmp_path):
+    """A frame-list video: compared with transformers' video processor where torchvision
+    imports (ids with the qwen3 timestamps, grids, positions); elsewhere not compared, and the
+    report says why."""
+    import importlib.util
+
+    from tests.test_video import _frames
+    from vlpack.data.sources import read_jsonl
+    from vlpack.model.build import build_model
+    from vlpack.model.check_encoding import compare_encoding
+
+    folder = _processor_folder(tmp_path / "ckpt", "qwen3_vl")
+    frames = _frames(tmp_path, 4, size=(64, 64))
+    video = _chat([{"type": "video", "video": frames, "fps": 2}, {"type": "text", "text": "?"}])
+    model, spec = build_model(str(folder), device="cpu", dtype="float32")
+    convs = read_jsonl(_rows(tmp_path, [_chat("Total?"), video]))
+    e = compare_encoding(folder, convs, spec, model)
+    assert e["failures"] == [], e
+    if importlib.util.find_spec("torchvision") is None:
+        assert e["compared"] == ["mine.jsonl:1"]
+        assert "needs torchvision" in e["not_compared"]["mine.jsonl:2"]
+    else:
+        assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"], e

@@ -46,7 +46,12 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec, meta_model
-from vlpack.model.check_data import CheckUnsupportedError, checked_model, load_samples
+from vlpack.model.check_data import (
+    CheckUnsupportedError,
+    checked_model,
+    format_data,
+    load_samples,
+)
 from vlpack.model.check_parallel import format_replicas, merge_replicas
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
@@ -532,9 +537,9 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     _check_memory(model_name, dev, init)
     model, spec = checked_model(model_name, init=init, backend=backend, device=dev, seed=seed)
     model.train()
-    batch_samples, source = load_samples(
+    batch_samples, source, data_info = load_samples(
         argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name,
-                           replica=replica), spec)
+                           replica=replica), spec, model)
     pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
@@ -673,7 +678,7 @@ def format_report(r: dict) -> str:
         lines.append(f"bf16 rule: packed vs fp32 logits {_fmt(p['max_logit_diff'])} "
                      f"(plain bf16 {_fmt(q['max_logit_diff'])}), loss {_fmt(p['max_loss_diff'])} "
                      f"(plain {_fmt(q['max_loss_diff'])})")
-    lines += format_replicas(r)
+    lines += format_data(r) + format_replicas(r)
     if r["passed"]:
         lines.append("PASSED")
     else:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlpack.data.types import EncodedSample
+from vlpack.data.types import Conversation, EncodedSample, ImageRef, VideoRef
 from vlpack.model.build import ModelSpec, build_model, folder_has_weights
 from vlpack.model.synthetic import default_mix, fit_ids
 
@@ -43,26 +43,53 @@ def checked_model(model_name: str, *, init: str = "auto", backend: str = "auto",
                        seed=seed, random_init=init == "random")
 
 
-def load_samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
-    """The check's samples and a description of their source (`args.samples`, `args.seed`,
-    `args.data`: a JSONL file, "synth" or None for the synthetic mix; `args.model`: a folder
-    whose tokenizer and chat template encode the data, as `vlpack train` uses them;
-    `args.replica`: a data-parallel replica's index, whose row holds the samples rotated by it,
-    so that no two replicas pack the same row)."""
-    samples, source = _samples(args, spec)
-    k = int(getattr(args, "replica", 0) or 0) % len(samples)
-    return samples[k:] + samples[:k], source
+KINDS = ("text", "image", "video_frames", "video_file")
+"""The kinds of sample `--data` covers: text only, images, videos as frame lists, video files."""
+SCAN_LIMIT = 100_000
+"""Records `--data` reads at most while looking for a sample of each kind."""
+MAX_LISTED = 5
+"""Skipped records named one by one in the report; the rest are counted."""
 
 
-def _samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSample], str]:
+def kinds_of(conv: Conversation) -> set[str]:
+    """The `KINDS` a conversation holds."""
+    out = set()
+    for m in conv.messages:
+        for c in m.content:
+            if isinstance(c, ImageRef):
+                out.add("image")
+            elif isinstance(c, VideoRef):
+                out.add("video_file" if c.path is not None else "video_frames")
+    return out or {"text"}
+
+
+def load_samples(args: argparse.Namespace, spec: ModelSpec, model: nn.Module | None = None,
+                 ) -> tuple[list[EncodedSample], str, dict]:
+    """The check's samples, a description of their source, and what the report says of the
+    data (`data_kinds`, `data_skipped`, and `encoding`: `check_encoding.compare_encoding` when
+    `args.model` is a folder and `model` is given).
+
+    `args.samples`, `args.seed`; `args.data`: a JSONL file, "synth" or None for the synthetic
+    mix; `args.model`: a folder whose tokenizer and chat template encode the data, as
+    `vlpack train` uses them; `args.replica`: a data-parallel replica's index, whose row holds
+    the samples rotated by it, so that no two replicas pack the same row."""
     n = int(args.samples)
     if n < 2:
         raise CheckUnsupportedError("--samples must be >= 2: the check packs several samples "
                                     "into one row and proves they stay apart")
     if not args.data:
-        return default_mix(spec, n, seed=args.seed), "synthetic (multi-image, text-only, padded)"
+        samples = default_mix(spec, n, seed=args.seed)
+        source, info = "synthetic (multi-image, text-only, padded)", {}
+    else:
+        samples, source, info = _from_file(args, spec, n, model)
+    k = int(getattr(args, "replica", 0) or 0) % len(samples)
+    return samples[k:] + samples[:k], source, info
+
+
+def _encoder(spec: ModelSpec, folder: Path):
+    """The check's encoder: the folder's tokenizer and chat template when it has them, small
+    images and clips (a CPU check)."""
     from vlpack.data.encode import Encoder
-    from vlpack.data.sources import read_jsonl
     from vlpack.data.template import load_template
     from vlpack.data.tokenizer import family_spec, has_tokenizer
     from vlpack.data.video import VideoSettings
@@ -74,24 +101,115 @@ def _samples(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[EncodedSam
             f"{spec.merge_size}, the {spec.family} processor patch {fam.patch_size} and merge "
             f"{fam.merge_size}, so encoded images would not fit it: check it without --data "
             "(synthetic samples of its own shape)")
+    own = has_tokenizer(folder)
+    factor2 = (spec.patch_size * spec.merge_size) ** 2
+    return Encoder(spec.family, max_pixels=64 * factor2,
+                   video=VideoSettings(max_frames=8, min_pixels=4 * factor2,
+                                       max_pixels=128 * factor2),
+                   tokens_per_second=spec.tokens_per_second,
+                   tokenizer_path=str(folder) if own else None,
+                   chat_template=load_template("auto", folder) if own else None)
+
+
+def _scan(path: Path, n: int, skipped: list[str]) -> list[Conversation]:
+    """The good records of `path` in file order, read until one of each kind the file holds
+    and `n` records are in hand (or `SCAN_LIMIT`); bad ones met on the way go to `skipped`."""
+    from vlpack.data.sources import iter_jsonl
+    from vlpack.data.types import BadSampleError
+
+    good, seen = [], set()
+    for i, item in enumerate(iter_jsonl(path)):
+        if isinstance(item, BadSampleError):
+            skipped.append(str(item))
+        else:
+            good.append(item)
+            seen |= kinds_of(item)
+        if (len(good) >= n and seen >= set(KINDS)) or i + 1 >= SCAN_LIMIT:
+            break
+    return good
+
+
+def _pick(good: list[Conversation], n: int, encode, skipped: list[str],
+          ) -> list[tuple[Conversation, EncodedSample]]:
+    """Up to `n` records of `good` that encode, in file order: first one of each kind not yet
+    covered, then the next records; those that fail to encode go to `skipped`."""
+    from vlpack.data.types import BadSampleError
+
+    chosen: dict[int, tuple[Conversation, EncodedSample]] = {}
+    tried: set[int] = set()
+    covered: set[str] = set()
+    for first in (True, False):
+        for i, conv in enumerate(good):
+            if len(chosen) >= n:
+                break
+            if i in tried or (first and kinds_of(conv) <= covered):
+                continue
+            tried.add(i)
+            try:
+                chosen[i] = (conv, encode(conv))
+            except BadSampleError as e:
+                skipped.append(str(e))
+                continue
+            covered |= kinds_of(conv)
+    return [chosen[i] for i in sorted(chosen)]
+
+
+def _from_file(args: argparse.Namespace, spec: ModelSpec, n: int, model: nn.Module | None):
+    folder = Path(getattr(args, "model", "") or "")
+    enc = _encoder(spec, folder)
     path = args.data
     if path == "synth":
         from vlpack.data.synth import default_dataset
 
         path = default_dataset(max(n, 16), seed=args.seed)
-    convs = read_jsonl(Path(path))[:n]
-    if len(convs) < 2:
-        raise CheckUnsupportedError(f"{path} holds {len(convs)} usable conversation(s); the "
-                                    "check needs at least 2")
-    folder = Path(getattr(args, "model", "") or "")
-    own = has_tokenizer(folder)
-    factor2 = (spec.patch_size * spec.merge_size) ** 2  # small images and clips: a CPU check
-    enc = Encoder(spec.family, max_pixels=64 * factor2,
-                  video=VideoSettings(max_frames=8, min_pixels=4 * factor2,
-                                      max_pixels=128 * factor2),
-                  tokens_per_second=spec.tokens_per_second,
-                  tokenizer_path=str(folder) if own else None,
-                  chat_template=load_template("auto", folder) if own else None)
+    skipped: list[str] = []
+    good = _scan(Path(path), n, skipped)
+    picked = _pick(good, n, enc.encode, skipped)
+    if len(picked) < 2:
+        raise CheckUnsupportedError(
+            f"{path} holds {len(picked)} usable conversation(s) among the records read; the "
+            "check needs at least 2" + (f" (skipped: {'; '.join(skipped[:MAX_LISTED])})"
+                                        if skipped else ""))
     vision = dict(image_token_id=enc.image_pad_id, video_token_id=enc.video_pad_id,
                   vision_start_token_id=enc.vision_start_id, vision_end_token_id=enc.vision_end_id)
-    return [fit_ids(enc.encode(c), spec, vision) for c in convs], str(path)
+    samples = [fit_ids(s, spec, vision) for _, s in picked]
+    convs = [c for c, _ in picked]
+    present = set().union(*(kinds_of(c) for c in good)) if good else set()
+    covered = set().union(*(kinds_of(c) for c in convs))
+    info: dict = dict(data_kinds={k: sum(k in kinds_of(c) for c in convs) for k in KINDS
+                                  if k in covered},
+                      data_kinds_left_out=[k for k in KINDS if k in present - covered],
+                      data_skipped=skipped)
+    if model is not None:
+        if folder.is_dir():
+            from vlpack.model.check_encoding import compare_encoding
+
+            info["encoding"] = compare_encoding(folder, convs, spec, model)
+        else:
+            info["encoding"] = dict(compared=[], not_compared={}, failures=[],
+                                    skipped=f"{spec.name} is a preset, not a folder with a "
+                                            "processor")
+    return samples, str(path), info
+
+
+def format_data(r: dict) -> list[str]:
+    """The report's lines on the data file: kinds used, records skipped, the encoding check."""
+    lines = []
+    if r.get("data_kinds"):
+        lines.append("kinds: " + ", ".join(f"{k} {v}" for k, v in r["data_kinds"].items())
+                     + ("; not used (raise --samples): " + ", ".join(r["data_kinds_left_out"])
+                        if r.get("data_kinds_left_out") else ""))
+    skipped = r.get("data_skipped") or []
+    if skipped:
+        lines.append(f"skipped {len(skipped)} bad record(s): " + "; ".join(skipped[:MAX_LISTED])
+                     + (f"; {len(skipped) - MAX_LISTED} more" if len(skipped) > MAX_LISTED
+                        else ""))
+    e = r.get("encoding")
+    if e is not None:
+        if e["skipped"]:
+            lines.append(f"encoding vs transformers: not compared: {e['skipped']}")
+        else:
+            lines.append(f"encoding vs transformers: {len(e['compared'])} sample(s) compared, "
+                         f"{len(e['failures'])} difference(s)")
+        lines += [f"  not compared: {k}: {why}" for k, why in e["not_compared"].items()]
+    return lines
