@@ -219,3 +219,26 @@ def test_stock_qwen3_5_leaks_vlpack_does_not():
         ours = packed_forward(model, batch, spec=spec, return_logits=True).logits
     assert (stock_packed[seg] - alone).abs().max() > 1e-3  # the leak
     assert (ours[seg] - alone).abs().max() <= 1e-5
+
+
+def test_filler_row_leaves_moe_statistics_untouched():
+    """The loader's one-token filler row (a bin whose samples all failed to encode) is not a
+    real token: no aux loss, no expert counts, no router gradient, and no NaN from counting
+    nothing."""
+    from vlpack.data.types import EncodedSample
+    from vlpack.model.moe import routers
+
+    model, spec = build_model("tiny-qwen3_vl_moe", device="cpu", dtype=torch.float32)
+    model.train()
+    batch = build_thd_batch([EncodedSample.filler(spec.pad_token_id)],
+                            pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                            spatial_merge_size=spec.merge_size)
+    assert batch.padding_mask.all()
+    out = packed_forward(model, batch, spec=spec)
+    stats = out.router_stats
+    assert int(stats.num_tokens) == 0 and int(stats.tokens_per_expert.sum()) == 0
+    assert float(out.aux_loss) == 0.0
+    (out.loss_sum + out.aux_loss).backward()
+    for r in routers(model):
+        for p in r.parameters():
+            assert p.grad is None or not p.grad.any()

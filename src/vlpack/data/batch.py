@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from vlpack.data.rope import mrope_positions
-from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
+from vlpack.data.types import FILLER_KEY, IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ThdBatch:
                          row, each a multiple of pad_to_multiple_of except the last (== T).
                          Kernels use these; boundaries are never inferred from positions.
       mm_token_type_ids  [T] int32 — 0 text, 1 image, 2 video.
-      padding_mask       [T] bool — True on padding.
+      padding_mask       [T] bool — True on padding (and on the loader's filler token).
       pixel_values       [P, C] float32 — patches of all visual items (images and videos), in
                          the order their tokens appear in the row; None when the row has none.
       image_grid_thw     [I, 3] int64 — (t, h, w) in patches of each item, same order (the
@@ -169,7 +169,7 @@ def build_thd_batch(
         input_ids[seg] = s.input_ids
         labels[seg] = shifted_labels(s.labels)
         types[seg] = s.mm_token_type_ids
-        padding_mask[seg] = False
+        padding_mask[seg] = s.key == FILLER_KEY  # the loader's filler is no real token
         mrope = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size,
                                 s.temporal_step, after_video=mrope_after_video)
         position_ids[0, start : start + p] = np.arange(p)

@@ -88,7 +88,7 @@ def router_stats(
     num_T = w_T.sum()
     if group_sum is not None:
         counts_LE, num_T = group_sum(counts_LE), group_sum(num_T)
-    rows = num_T * len(router_logits)
+    rows = num_T.clamp(min=1) * len(router_logits)  # no real token (a filler row): aux 0
     aux = num_experts * torch.sum((counts_LE.sum(0) / rows) * (probs_sum / rows))
     return RouterStats(aux_loss=aux, tokens_per_expert=counts_LE.round().long(),
                        num_tokens=num_T.long())
