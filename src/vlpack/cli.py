@@ -6,13 +6,37 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose `epilog` may be a function, called only when its help is printed
+    (the preset list imports the model code, which `vlpack --help` should not wait for)."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
+def _recipes() -> str:
+    """The shipped recipe names (`configs/*.yaml`), comma-separated."""
+    return ", ".join(sorted(p.stem for p in (Path(__file__).parent / "configs").glob("*.yaml")))
+
+
+def _presets_epilog() -> str:
+    from vlpack.model.presets import PRESETS
+
+    return ("Model presets (random weights of a published model's shapes; tiny-* are small "
+            f"test models): {', '.join(sorted(PRESETS))}. Or a local HF checkpoint folder.")
 
 
 def _add_synth(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write the built-in synthetic receipts dataset")
     p.add_argument("--out", required=True, help="output folder (data.jsonl + images/)")
     p.add_argument("--n", type=int, default=256, help="number of samples")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the receipts' contents and images (same seed, same dataset)")
     p.set_defaults(func=_run_synth)
 
 
@@ -113,13 +137,21 @@ def _run_pack(args: argparse.Namespace) -> int:
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="prove packed == unpacked on a model")
-    p.add_argument("--model", default="tiny-qwen3_vl", help="preset name or HF checkpoint folder")
+    p = sub.add_parser("check", help="prove packed == unpacked on a model",
+                       epilog=_presets_epilog)
+    p.add_argument("--model", default="tiny-qwen3_vl",
+                   help="preset name (listed below) or HF checkpoint folder")
     p.add_argument("--backend", choices=["auto", "sdpa", "varlen", "flex"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="DATA.jsonl (default: synthetic)")
+    p.add_argument("--samples", type=int, default=4,
+                   help="samples packed into the checked row (at least 2)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic samples (and of random weights)")
+    p.add_argument("--data", default=None,
+                   help="DATA.jsonl: your samples, encoded as vlpack train encodes them; synth: "
+                        "the built-in synthetic receipts (images, videos), written once and "
+                        "encoded the same way (default: a synthetic mix of token ids and pixels, "
+                        "no encoder)")
     p.add_argument("--init", choices=["auto", "random"], default="auto",
                    help="auto: the folder's weights (presets are random); random: random "
                         "weights of the folder's config.json, seeded by --seed")
@@ -158,8 +190,9 @@ def _run_check(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="packed supervised fine-tuning")
-    p.add_argument("config", nargs="?", default=None, help="CONFIG.yaml (default: tiny recipe)")
+    p = sub.add_parser("train", help="packed supervised fine-tuning", epilog=_presets_epilog)
+    p.add_argument("config", nargs="?", default=None,
+                   help=f"CONFIG.yaml or a recipe: {_recipes()} (default: tiny)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.set_defaults(func=_run_train)
 
@@ -189,8 +222,8 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlpack", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="vlpack", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     data = sub.add_parser("data", help="dataset tools")
     data = data.add_subparsers(dest="data_cmd", required=True)
     _add_synth(data)

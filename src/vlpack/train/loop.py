@@ -428,9 +428,12 @@ class Trainer:
                 if flag >= 1:
                     self._stop, self.stop_signal = True, int(flag)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    bar.set_description_str("eval")  # the bar names what the run waits for
                     self._eval(writer)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
+                    bar.set_description_str("save")
                     self.save()
+                bar.set_description_str("train")
                 if stop:
                     if self._grace_timer is not None:  # saved in time
                         self._grace_timer.cancel()
@@ -438,6 +441,7 @@ class Trainer:
             if not self._stop and self.eval_loader is not None and (
                 not cfg.train.eval_every or self.step % cfg.train.eval_every
             ):
+                bar.set_description_str("final eval")
                 self._eval(writer)  # the final evaluation, unless the last step just ran one
         finally:
             bar.close()
@@ -447,6 +451,7 @@ class Trainer:
                     signal.signal(sig, handler)
         saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
         if not self._stop and cfg.train.save_final and not saved:
+            self._say(f"saving the final checkpoint (step {self.step})")
             self.save()
         return self._finish(out_dir)
 
@@ -477,9 +482,15 @@ class Trainer:
             acc = self.accounting()
             row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"])
             writer.write(row)
-        bar.update(1)
+        # the postfix first: update() draws the bar, which then shows this step's loss
         bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                         eff=f"{100 * row['packing_efficiency']:.0f}%", refresh=False)
+        bar.update(1)
+
+    def _say(self, what: str) -> None:
+        """One line on stderr for work after the progress bar closed (with train.progress)."""
+        if self.cfg.train.progress and self.info.is_main:
+            print(f"vlpack: {what}", file=sys.stderr, flush=True)
 
     def accounting(self) -> dict[str, Any]:
         """Where the samples consumed so far went, summed over ranks (a collective)."""
@@ -500,14 +511,17 @@ class Trainer:
             "metrics": str(out_dir / "metrics.jsonl"), "plot": None,
         }
         if self.cfg.model.lora.rank:
+            self._say("writing the LoRA adapter")
             summary["adapter"] = str(ckpt.save_adapter(self.model, out_dir / "adapter", self.info,
                                                        base=self.cfg.model.name))
         if self.cfg.train.export_hf:
+            self._say("exporting the HF folder")
             hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, tokenizer=self.encoder.tokenizer,
                                 processor=self.encoder.image_processor,
                                 chat_template=getattr(self.encoder.chat_template, "source", None))
             summary["hf_export"] = str(hf)
         if self.info.is_main:
+            self._say(f"plotting {out_dir / 'loss.png'}")
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary
 

@@ -1,0 +1,34 @@
+"""`--help` names what the flags take: presets, recipes, --samples, --seed, --data synth."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlpack.cli import main
+from vlpack.config import RECIPES
+from vlpack.model.presets import PRESETS
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_check_help_lists_presets_and_documents_its_flags(capsys) -> None:
+    text = _help(capsys, "check")
+    assert all(name in text for name in PRESETS), text
+    assert "--samples SAMPLES samples packed into the checked row" in text
+    assert "--seed SEED seed of the synthetic samples" in text
+    assert "synth: the built-in synthetic receipts" in text
+
+
+def test_train_help_lists_recipes_and_presets(capsys) -> None:
+    text = _help(capsys, "train")
+    assert all(p.stem in text for p in RECIPES.glob("*.yaml"))
+    assert all(name in text for name in PRESETS)
+
+
+def test_data_synth_help_documents_seed(capsys) -> None:
+    assert "--seed SEED seed of the receipts" in _help(capsys, "data", "synth")
