@@ -22,27 +22,6 @@ def test_unwritable_output_folder_is_named(tmp_path: Path) -> None:
         Trainer(small_cfg(out), CPU)
 
 
-def test_memory_estimate_by_hand() -> None:
-    """10 parameters (4 trainable), FSDP over 2 ranks: 40 bytes to build the fp32 model, then
-    (10·4 + 4·12) / 2 = 44 bytes per rank (weights, grads and two AdamW moments of the
-    trainable ones); two CPU ranks of one host need both shares of it."""
-    est = memory.estimate(10, 4, world_size=2)
-    assert (est.build_bytes, est.train_bytes, est.host_bytes) == (40, 44, 0)
-    assert memory.estimate(10, 4, world_size=2, sharing=2).train_bytes == 88
-    # sharded: shapes only on the devices, rank 0's whole fp32 copy (40 bytes) on its host
-    est = memory.estimate(10, 4, world_size=2, sharded=True)
-    assert (est.build_bytes, est.train_bytes, est.host_bytes) == (0, 44, 40)
-    with pytest.raises(ValueError, match=r"rank 0's host memory"):
-        memory.check_host_copy(est, 39, model="m")
-    memory.check_host_copy(est, 40, model="m")
-    # on a CPU device rank 0's copy (40) and the parameter shards (20) meet, before gradients
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=r"rank 0's whole float32 copy"):
-        memory.check_fits(est, cpu, 59, model="m", holds_copy=True)
-    memory.check_fits(est, cpu, 60, model="m", holds_copy=True)
-    memory.check_fits(est, cpu, 44, model="m")
-
-
 def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch) -> None:
     """The 35B-A3B preset on a machine with a few GiB: refused in about a second, with the
     numbers, instead of running out of host memory while building random weights."""
@@ -75,8 +54,6 @@ def test_progress_bar_shows_each_steps_own_loss() -> None:
     """The bar draws on update(): the step's loss must be set before it, not after (the bar
     showed the previous step's loss)."""
     from types import SimpleNamespace
-
-    import torch
 
     from vlpack.train.loop import Trainer
     from vlpack.train.parallel import DistInfo

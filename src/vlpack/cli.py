@@ -194,6 +194,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help=f"CONFIG.yaml or a recipe: {_recipes()} (default: tiny)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the run's memory plan per device (weights, gradients, optimizer "
+                        "state, activations) and whether it fits, without building or training")
     p.set_defaults(func=_run_train)
 
 
@@ -236,9 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train_flags_first(argv: list[str]) -> list[str]:
+    """`vlpack train RECIPE key=value --dry-run key=value`: the flags of `train` before its
+    positional arguments (argparse does not take flags between the parts of a `*` list)."""
+    if not argv or argv[0] != "train":
+        return argv
+    rest = argv[1:]
+    return ["train", *[a for a in rest if a.startswith("--")],
+            *[a for a in rest if not a.startswith("--")]]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vlpack` console script."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_train_flags_first(sys.argv[1:] if argv is None else argv))
     # A user's bad config or data surfaces as a ValueError whose message names the fix;
     # VLPACK_TRACEBACK=1 shows the traceback instead.
     try:

@@ -204,6 +204,10 @@ class ModelConfig:
     """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter/compute dtype policy; `auto`: bf16 autocast on GPU, float32 on CPU."""
+    frozen_dtype: Literal["auto", "float32"] = "auto"
+    """The dtype of parameters that get no gradient (the LoRA base, `freeze_*` parts): `auto`
+    holds their linear and expert weights in the autocast dtype (bf16 on a GPU: half the
+    memory, the same arithmetic, train/precision.py); `float32` keeps them float32."""
     freeze_vision: bool = False
     freeze_merger: bool = False
     freeze_llm: bool = False
@@ -229,6 +233,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _choice("model.frozen_dtype", self.frozen_dtype, ("auto", "float32"))
         _choice("model.compile_scope", self.compile_scope, ("regions", "layers"))
         if not 0.0 < self.checkpoint_share <= 1.0:
             raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "

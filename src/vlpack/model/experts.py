@@ -6,8 +6,9 @@ recipe's setting, that is torch's float32 grouped GEMM, which splits the rows pe
 host: a host wait per call and one small float32 matmul per expert. `vlpack_grouped_mm`,
 registered with transformers' ExpertsInterface and set on vlpack's MoE models at build time,
 casts the weights and the routed rows to the autocast dtype first, as autocast does for a linear
-layer, and computes the group offsets on the device. Outside autocast, or where the weights
-already have the autocast dtype, it is transformers' `grouped_mm` unchanged.
+layer, and computes the group offsets on the device; weights already held in that dtype (a
+frozen base, train/precision.py) take the same path, so holding them there changes no result.
+Outside autocast it is transformers' `grouped_mm` unchanged.
 
 Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
 token, P = routed (token, expert) pairs = T * K.
@@ -49,8 +50,7 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     dtype = _autocast_dtype(hidden_states)
-    plain = (dtype is None or self.gate_up_proj.dtype == dtype
-             or not _plain_layout(self))
+    plain = dtype is None or not _plain_layout(self)
     if plain:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     x_TD, idx_TK = hidden_states, top_k_index

@@ -166,7 +166,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None 
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
     """`state_dict` (the full state of a LoRA model) with each adapter folded into its base
     weight (W + scale · B A; per expert for the routed experts' weights) under the base
-    layer's own name: the state of the plain model."""
+    layer's own name: the state of the plain model. A merged weight is float32 whatever the
+    base's dtype (a base held in bf16 plus a float32 update is not a bf16 number); every other
+    tensor keeps its dtype."""
     pc = model._vlpack_lora
     scale = pc.lora_alpha / pc.r
     wrapped = _wrapped_parameters(model)
@@ -180,14 +182,14 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         if ".lora_" in key:
             continue
         if key in deltas:
-            value = (value.to(torch.float32) + deltas[key]).to(value.dtype)
+            value = value.to(torch.float32) + deltas[key]
             key = key.replace(".base_layer", "")
         elif ".base_layer." in key:
             prefix, leaf = key.split(".base_layer.")
             if leaf == "weight":
                 a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
                 b = state_dict[f"{prefix}.lora_B.default.weight"].to(torch.float32)
-                value = (value.to(torch.float32) + scale * (b @ a)).to(value.dtype)
+                value = value.to(torch.float32) + scale * (b @ a)
             key = f"{prefix}.{leaf}"
         out[key] = value
     return out

@@ -7,6 +7,10 @@ rank finished, so a kill during a save leaves the previous checkpoint as the lat
 Rotation deletes only checkpoints of the same run id: a run never deletes another run's. It runs
 after the new checkpoint is written, or before it when the disk is too full for it: then the
 checkpoints rotation would delete anyway go first, never the latest (the resume point).
+
+A checkpoint holds the parameters that train, not the frozen ones (a LoRA run's base is 65 GiB
+for Qwen3.5-35B-A3B, its adapters 0.1): a resumed run builds the frozen weights again from the
+same `model.name` and seed, as the run itself did.
 """
 
 from __future__ import annotations
@@ -121,6 +125,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(done, key=lambda p: p.name) if done else None
 
 
+def _clean(name: str) -> str:
+    """A parameter's name as a state dict names it (no compile or checkpoint wrapper parts)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _trainable_state(model: torch.nn.Module, model_sd: dict) -> dict:
+    """`model_sd` without the parameters that get no gradient (buffers stay)."""
+    frozen = {_clean(n) for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}  # a tied weight under each of its names
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
@@ -142,6 +158,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier(info)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd = _trainable_state(model, model_sd)
     need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], info)[0]
     free = float(shutil.disk_usage(tmp).free)
     rotated = 0
@@ -200,9 +217,10 @@ def load_checkpoint(
             "this one with train.resume=none train.overwrite=true, which deletes its checkpoints)"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": _trainable_state(model, model_sd), "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
     trainer = torch.load(path / f"trainer_rank{info.rank}.pt", weights_only=False)
     set_rng_state(trainer.pop("rng"))
     return trainer
@@ -214,7 +232,13 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *,
     it on the base model `base`). Collective: FSDP2 shards are gathered first."""
     from vlpack.model.lora import save_adapter as write
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # only the adapters' tensors are gathered (a DTensor's full_tensor is a collective: every
+    # rank walks the same names), never the frozen base
+    full = {}
+    for name, t in model.state_dict().items():
+        if "lora_" in name:
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            full[_clean(name)] = t.detach().cpu()
     out = Path(out_dir)
     if info.is_main:
         write(model, out, state_dict=full, base=base)

@@ -1,16 +1,20 @@
-"""Model FLOPs of a training step, for MFU.
+"""Model FLOPs of a training step, for MFU: the FLOPs the step performs, recomputation aside.
 
-FLOPs (forward + backward = 3 × forward, no recompute counted) of one batch:
+A weight costs 2 FLOPs per token (or patch) and parameter in the forward, 2 more for the
+gradient of its input and 2 for its own gradient: 6 when it trains, 4 when it is frozen but a
+gradient flows through it (the LoRA base, a frozen LLM under a training vision tower), 2 when no
+gradient flows through it at all (a frozen vision tower below a frozen merger). Attention costs
+its forward once and its backward twice (3×), or once where no gradient flows.
 
-  text   = 6 · N_text · T_real                     N_text: matmul params of the LLM touched per
-                                                   token (MoE: attention + router + top-k experts
-                                                   + shared expert), lm_head included
-  vision = 6 · N_vis · P                           N_vis: matmul params of the vision tower and
-                                                   merger, P: ViT patches
-  attn   = 6 · 2 · d_attn · Σ_s L_s² / 2 · n_attn  causal text attention over each sample
-                                                   (QKᵀ and AV: 2 matmuls of 2·d flops per pair),
-                                                   n_attn = full-attention layers only
-         + 6 · 2 · d_vis · Σ_f F_f² · depth         bidirectional vision attention per frame
+  text   = c_text · T_real               c_text: Σ factor · weights of the LLM a token touches
+                                         (MoE: attention + router + top-k experts + shared
+                                         expert), lm_head included
+  vision = c_vis · P                     c_vis: the same over the vision tower and merger,
+                                         P: ViT patches
+  attn   = a · 2 · d_attn · Σ_s L_s² / 2 · n_attn   causal text attention over each sample (QKᵀ
+                                         and AV: 2 matmuls of 2·d flops per pair, a = 3 · 2),
+                                         n_attn = full-attention layers only
+         + a_vis · 2 · d_vis · Σ_f F_f² · depth    bidirectional vision attention per frame
 
 MFU = FLOPs / (step time × peak). Gated-DeltaNet layers count as linear projections (their
 recurrence is O(T·d_k·d_v), small next to the projections).
@@ -28,19 +32,24 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0}
 
 @dataclass(frozen=True, slots=True)
 class FlopModel:
-    text_params: float
-    vision_params: float
+    text_per_token: float
+    """FLOPs of the LLM's weights per token (forward and backward)."""
+    vision_per_patch: float
+    """FLOPs of the vision tower's and merger's weights per patch."""
     text_attn_dim: int
     text_attn_layers: int
     vision_attn_dim: int
     vision_depth: int
+    vision_attn_passes: int = 3
+    """3 when a gradient flows through the vision attention, else 1 (forward only)."""
 
     def batch_flops(self, seg_lengths: list[int], patches: int, frame_patches: list[int]) -> float:
         T = sum(seg_lengths)
-        text = 6 * self.text_params * T
-        vision = 6 * self.vision_params * patches
+        text = self.text_per_token * T
+        vision = self.vision_per_patch * patches
         attn = 6 * 2 * self.text_attn_dim * self.text_attn_layers * sum(n * n for n in seg_lengths) / 2
-        attn += 6 * 2 * self.vision_attn_dim * self.vision_depth * sum(f * f for f in frame_patches)
+        attn += (self.vision_attn_passes * 2 * 2 * self.vision_attn_dim * self.vision_depth
+                 * sum(f * f for f in frame_patches))
         return text + vision + attn
 
     def of_batch(self, batch) -> float:
@@ -49,38 +58,38 @@ class FlopModel:
         return self.batch_flops(batch.seq_lengths, sum(frames), frames)
 
 
-def _matmul_params(module: torch.nn.Module) -> float:
-    """Weights of the nn.Linear layers of `module`, MoE experts excluded."""
-    return float(
-        sum(
-            m.weight.numel()
-            for n, m in module.named_modules()
-            if isinstance(m, torch.nn.Linear) and ".experts." not in n
-        )
-    )
+def _factor(p: torch.nn.Parameter, grad_flows: bool) -> int:
+    return 6 if p.requires_grad else 4 if grad_flows else 2
 
 
-def _expert_params(module: torch.nn.Module) -> float:
-    """Weights of all MoE experts: fused 3-D expert tensors, or per-expert nn.Linear layers."""
-    fused = sum(p.numel() for n, p in module.named_parameters() if ".experts." in n and p.ndim == 3)
-    linear = sum(
-        m.weight.numel()
-        for n, m in module.named_modules()
-        if isinstance(m, torch.nn.Linear) and ".experts." in n
-    )
-    return float(fused + linear)
+def _matmul_flops(module: torch.nn.Module, grad_flows: bool, experts: bool = False) -> float:
+    """Σ factor · weight over the nn.Linear layers of `module` (its MoE experts' linears only
+    with `experts`, else every linear but them), or over its fused 3-D expert weights."""
+    total = 0.0
+    for n, m in module.named_modules():
+        if isinstance(m, torch.nn.Linear) and (".experts." in f".{n}.") == experts:
+            total += _factor(m.weight, grad_flows) * m.weight.numel()
+    if experts:
+        total += sum(_factor(p, grad_flows) * p.numel()
+                     for n, p in module.named_parameters() if ".experts." in n and p.ndim == 3)
+    return total
 
 
 def flop_model(model: torch.nn.Module) -> FlopModel:
-    """Counts matmul parameters of a Qwen-VL `*ForConditionalGeneration` model."""
+    """Counts matmul parameters of a Qwen-VL `*ForConditionalGeneration` model, each by whether
+    it trains and whether a gradient flows through it (read from `requires_grad`: call it after
+    LoRA and freezing)."""
     cfg = model.config
     text_cfg = getattr(cfg, "text_config", cfg)
     vis_cfg = cfg.vision_config
     lm, visual = model.model.language_model, model.model.visual
-    text = _matmul_params(lm) + model.lm_head.weight.numel()
+    # a gradient flows through the LLM whenever anything trains (the LLM itself, or the vision
+    # side below it); through the vision tower only when it or its merger trains
+    vision_trains = any(p.requires_grad for p in visual.parameters())
+    text = _matmul_flops(lm, True) + _factor(model.lm_head.weight, True) * model.lm_head.weight.numel()
     n_experts = getattr(text_cfg, "num_experts", 0) or 0
     if n_experts:  # only the top-k experts run for a token
-        text += _expert_params(lm) * text_cfg.num_experts_per_tok / n_experts
+        text += _matmul_flops(lm, True, experts=True) * text_cfg.num_experts_per_tok / n_experts
     heads = text_cfg.num_attention_heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     layer_types = getattr(text_cfg, "layer_types", None)
@@ -89,12 +98,13 @@ def flop_model(model: torch.nn.Module) -> FlopModel:
     )
     vis_hidden = getattr(vis_cfg, "hidden_size", None) or vis_cfg.embed_dim
     return FlopModel(
-        text_params=text,
-        vision_params=_matmul_params(visual),
+        text_per_token=text,
+        vision_per_patch=_matmul_flops(visual, vision_trains),
         text_attn_dim=heads * head_dim,
         text_attn_layers=n_attn,
         vision_attn_dim=vis_hidden,
         vision_depth=vis_cfg.depth,
+        vision_attn_passes=3 if vision_trains else 1,
     )
 
 

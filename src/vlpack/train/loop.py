@@ -31,7 +31,7 @@ from vlpack.config import Config, load_config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
-from vlpack.train import memory
+from vlpack.train import memory, precision
 from vlpack.train.flops import flop_model, peak_flops
 from vlpack.train.metrics import MetricsWriter, format_summary
 from vlpack.train.module import TrainModule, freeze
@@ -59,10 +59,62 @@ class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+class RunOutOfMemoryError(RuntimeError):
+    """The accelerator ran out of memory in a step; the message says where and the ways out."""
+
+
 def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
+
+
+def _frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype frozen matmul weights are held in; None when nothing is frozen or they stay
+    float32 (train/precision.py)."""
+    m = cfg.model
+    freezes = bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
+    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes else None
+
+
+def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
+    """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
+    device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
+    apply to it."""
+    from vlpack.model.build import meta_model
+
+    m, d = cfg.model, cfg.data
+    autocast = _autocast_dtype(cfg, info.device)
+    low = _frozen_dtype(cfg, autocast)
+    shapes = meta_model(m.name)
+    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+    if m.lora.rank:  # only the adapters keep gradients and optimizer state
+        from vlpack.model import lora
+
+        lora.apply_lora(shapes, m.lora)
+    precision.hold_parameters(shapes, low)
+    merge = shapes.config.vision_config.spatial_merge_size
+    tokens = d.seq_len // cfg.parallel.cp
+    share = m.checkpoint_share if m.activation_checkpointing else 0.0
+    run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
+                          recompute_share=share, act_bytes=2 if autocast else 4,
+                          loss_chunk=1024 if m.chunked_loss else 0)
+    plan = memory.plan(shapes, run, world_size=info.world_size,
+                       sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
+                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low))
+    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp)
+    return plan, ways
+
+
+def _check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bool,
+                ways: list[str]) -> None:
+    """Refuse a run whose plan exceeds the free memory, before building it."""
+    device = info.device
+    memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
+                      holds_copy=sharded and info.is_main, ways=ways)
+    if sharded and info.is_main and device.type != "cpu":
+        memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
+                               model=cfg.model.name)
 
 
 class Trainer:
@@ -83,12 +135,17 @@ class Trainer:
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
         claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
-        self._check_memory()
+        self.autocast = _autocast_dtype(cfg, self.info.device)
+        self.low = _frozen_dtype(cfg, self.autocast)
+        """The dtype frozen matmul weights are held in (None: float32; train/precision.py)."""
+        self.plan, self.ways_out = plan_memory(cfg, self.info, sharded=self.sharded)
+        _check_plan(self.plan, cfg, self.info, self.sharded, self.ways_out)
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
+        build_dtype = precision.build_dtype(cfg.model.name, self.low)
         def build(device):
             model, spec = build_model(
-                cfg.model.name, backend=backend, dtype=torch.float32, device=device,
+                cfg.model.name, backend=backend, dtype=build_dtype, device=device,
                 seed=cfg.train.seed, random_init=cfg.model.init == "random",
             )
             if cfg.model.lora.rank:
@@ -109,27 +166,30 @@ class Trainer:
 
             log.info(lora.describe(model))
         self.model = model
-        self.flops = flop_model(model)
         self.module = TrainModule(
             model, self.spec, touch_vision=self.info.distributed,
             loss_method="chunked" if cfg.model.chunked_loss else "plain", context=self.context,
         )
-        self.autocast = _autocast_dtype(cfg, self.info.device)
         m, t = cfg.model, cfg.train
         parallelize(model, self.module, self.info, Parallelism(
             freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
+            frozen_dtype=self.low,
             activation_checkpointing=m.activation_checkpointing,
             checkpoint_share=m.checkpoint_share,
             compile_scope=m.compile_scope if m.compile else None,
             fsdp=self.sharded, param_dtype=self.autocast,
             reduce_dtype=getattr(torch, t.reduce_dtype),
             reshard_after_forward=t.reshard_after_forward))
+        self.flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
         if self.sharded:
             self.autocast = None  # FSDP's mixed-precision policy casts instead
             if self.info.is_main:
                 log.info("rank 0 builds the whole model in host memory; every rank then "
                          "receives its shards")
             whole = build(torch.device("cpu"))[0] if self.info.is_main else None
+            if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
+                freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+                precision.hold_parameters(whole, self.low)
             load_full_state(model, whole, self.info)
             del whole
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
@@ -176,29 +236,6 @@ class Trainer:
         self._signal_at = 0.0
         self._grace_timer: threading.Timer | None = None
         self._stop = False
-
-    def _check_memory(self) -> None:
-        """Refuse a model that cannot fit before building it (see train/memory.py)."""
-        from vlpack.model.build import meta_model
-
-        m = self.cfg.model
-        shapes = meta_model(m.name)
-        freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-        if m.lora.rank:  # only the adapters keep gradients and optimizer state
-            from vlpack.model import lora
-
-            lora.apply_lora(shapes, m.lora)
-        params = sum(p.numel() for p in shapes.parameters())
-        trainable = sum(p.numel() for p in shapes.parameters() if p.requires_grad)
-        device = self.info.device
-        sharded = self.sharded
-        est = memory.estimate(params, trainable, self.info.world_size,
-                              sharing=memory.local_ranks() if device.type == "cpu" else 1,
-                              sharded=sharded)
-        memory.check_fits(est, device, memory.available_bytes(device), model=m.name,
-                          holds_copy=sharded and self.info.is_main)
-        if sharded and self.info.is_main and device.type != "cpu":
-            memory.check_host_copy(est, memory.available_bytes(torch.device("cpu")), model=m.name)
 
     # ------------------------------------------------------------------ data
 
@@ -413,7 +450,10 @@ class Trainer:
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
                 profiler.before(self.step + 1)
-                r = self.train_step(mbs)
+                try:
+                    r = self.train_step(mbs)
+                except torch.OutOfMemoryError:
+                    raise RunOutOfMemoryError(self._oom_message()) from None
                 self.step += 1
                 if not profiler.covers(self.step) and self.step > 1:
                     plain_s, plain_n = plain_s + r.seconds, plain_n + 1
@@ -454,6 +494,22 @@ class Trainer:
             self._say(f"saving the final checkpoint (step {self.step})")
             self.save()
         return self._finish(out_dir)
+
+    def _oom_message(self) -> str:
+        """One paragraph for an out-of-memory step: where, how much, the plan, the ways out."""
+        dev = self.info.device
+        peak = (torch.cuda.max_memory_allocated(dev) / memory.GIB if dev.type == "cuda"
+                else float("nan"))
+        total = (torch.cuda.get_device_properties(dev).total_memory / memory.GIB
+                 if dev.type == "cuda" else float("nan"))
+        p = self.plan
+        acts = sum(p.activations.values()) / memory.GIB
+        return (f"out of {dev.type} memory in step {self.step + 1} (rank {self.info.rank}): "
+                f"PyTorch had allocated up to {peak:.1f} GiB of the device's {total:.1f} GiB; the "
+                f"memory plan counted {p.train_bytes / memory.GIB:.1f} GiB ({acts:.1f} GiB of it "
+                f"activations for data.seq_len={self.cfg.data.seq_len}). The last good checkpoint "
+                f"is {self.last_checkpoint or 'none'}. Ways out: " + "; ".join(self.ways_out)
+                + ". `vlpack train ... --dry-run` prints the plan of a setting without training")
 
     def _eval(self, writer: MetricsWriter) -> None:
         self.eval_loss = self.evaluate()
@@ -604,15 +660,43 @@ def run(cfg: Config) -> dict[str, Any]:
         shutdown()
 
 
+def dry_run(cfg: Config) -> int:
+    """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
+    info = init_distributed()
+    try:
+        sharded = info.distributed or cfg.train.fsdp == "always"
+        plan, ways = plan_memory(cfg, info, sharded=sharded)
+        if not info.is_main:
+            return 0
+        free = memory.available_bytes(info.device)
+        print(f"vlpack: memory plan of {cfg.model.name} on {info.world_size} {info.device.type} "
+              f"rank(s), per device ({plan.params / 1e9:.2f} B parameters, "
+              f"{plan.trainable / 1e9:.3f} B trainable; data.seq_len={cfg.data.seq_len}, "
+              f"parallel.cp={cfg.parallel.cp}):")
+        print("\n".join(plan.lines()))
+        try:
+            _check_plan(plan, cfg, info, sharded, ways)
+        except ValueError:
+            print(f"does not fit: {free / memory.GIB:.1f} GiB free. Ways out: " + "; ".join(ways))
+            return 1
+        if free is not None:
+            print(f"fits: {free / memory.GIB:.1f} GiB free")
+        return 0
+    finally:
+        shutdown()
+
+
 def train_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `vlpack train key=value ...`: no config file
         config, overrides = None, [config, *overrides]
     cfg = load_config(config or "tiny", overrides)
+    if getattr(args, "dry_run", False):
+        return dry_run(cfg)
     try:
         summary = run(cfg)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, RunOutOfMemoryError) as e:
         print(f"vlpack: error: {e}")
         return 1
     return EXIT_STOPPED if summary.get("stop_signal") is not None else 0

@@ -1,49 +1,206 @@
-"""Will the model fit? An estimate from its shapes (built on the meta device) before anything is
-allocated, so a model too large for the machine fails in a second with the numbers, not after
-minutes with an out-of-memory kill.
+"""Will the run fit? A plan of its memory per device, made from the model's shapes (built on the
+meta device) and the run's settings before anything is allocated, so a run too large for the
+machine is refused in seconds with the numbers and the ways out, not after minutes with an
+out-of-memory kill. `vlpack train ... --dry-run` prints the plan.
 
-One process builds the whole model in float32 on its device: 4 bytes per parameter. An FSDP2
-run builds shapes only on every device and rank 0 builds the whole float32 model once in host
-memory (`vlpack.train.parallel.load_full_state`): 4 bytes per parameter on rank 0's host. In
-training, FSDP keeps 1/world of the float32 parameters, their gradients and AdamW's two moments
-per device: 16 bytes per trainable parameter (4 per frozen one) over the world size; CPU ranks
-of one host share its memory. Activations come on top and are not estimated.
+Per device, in training:
+
+  weights      every parameter at the dtype it is held in (train/precision.py: frozen matmul
+               weights in bf16 on a GPU, the rest float32), 1/world of them under FSDP2
+  gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2
+  optimizer    AdamW's two float32 moments: 8 bytes per trainable parameter, 1/world
+  activations  one micro-batch at a time (accumulation frees each backward's activations):
+               T = data.seq_len / parallel.cp tokens per rank and up to P vision patches
+               (data.max_patches, else every token an image token: T · merge²).
+               A recomputed layer keeps only its input (the float32 residual, 4·h bytes per
+               token); a kept layer keeps what its backward reads (`layer_bytes`: projections'
+               outputs, attention and Gated-DeltaNet kernel inputs, the MLP or routed experts'
+               intermediates). Backward recomputes one layer and holds the gradients of one
+               layer's activations at a time: two layers' worth on top. Vision blocks count the
+               same per patch, and nothing when the vision tower has no trainable parameter (no
+               gradient flows into it, so autograd keeps nothing). The chunked loss holds one
+               [chunk, vocab] float32 block of logits, the label rows' hidden gradients and, when
+               the lm_head trains, a float32 copy of its gradient.
+               The sum is scaled by ACTIVATION_SCALE, calibrated on the H200 against measured
+               peaks (docs/training.md gives the error on the 2B, 8B and 35B shapes).
+
+One process builds the model on its device (at the build dtype: bf16 when frozen weights are held
+in bf16, else float32; `build_bytes`). An FSDP2 run builds shapes only on every device, and rank
+0 builds the whole model once in host memory (`vlpack.train.parallel.load_full_state`). CPU ranks
+of one host share its memory (`sharing`).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 GIB = 2**30
+ACTIVATION_SCALE = 0.85
+"""Measured peak activation memory over the formula's: 0.76-0.87 on the H200 for the 2B, 8B and
+35B-A3B recipes (docs/training.md, "What fits on one GPU")."""
+HEADROOM = 0.05
+"""Share of the free memory left for the allocator's fragmentation and kernels' workspaces."""
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryEstimate:
+class RunShape:
+    """The settings of a run that decide its activation memory."""
+
+    seq_len: int
+    """Tokens of one packed row on one rank (data.seq_len / parallel.cp)."""
+    patches: int
+    """Vision patches of one row, at most."""
+    recompute_share: float = 0.0
+    """Share of each layer stack that recomputes (0: activation checkpointing off)."""
+    act_bytes: int = 4
+    """Bytes of an activation: 2 under bf16 autocast, else 4."""
+    loss_chunk: int = 1024
+    """Rows of the chunked loss's logits block (0: the whole [T, vocab] logits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes per device of a run, by part (see the module docstring)."""
+
     params: int
     trainable: int
-    build_bytes: int
-    """Peak on one device while building (the whole float32 model; 0 when sharded)."""
-    train_bytes: int
-    """Per device in training: sharded parameters, gradients and optimizer state."""
+    weights: dict[str, int]
+    """Bytes per device by the dtype the parameters are held in."""
+    grads: int
+    optimizer: int
+    activations: dict[str, int] = field(default_factory=dict)
+    """Bytes per device by part: text layers, recompute, vision, loss."""
+    build_bytes: int = 0
+    """Peak on one device while building (the whole model; 0 when sharded)."""
     host_bytes: int = 0
-    """Rank 0's whole float32 copy in host memory while a sharded run starts."""
+    """Rank 0's whole copy in host memory while a sharded run starts."""
     shard_bytes: int = 0
-    """Per device, the float32 parameter shards alone (what exists while rank 0's copy does)."""
+    """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
+
+    @property
+    def train_bytes(self) -> int:
+        """Per device in training: weights, gradients, optimizer state and activations."""
+        return (sum(self.weights.values()) + self.grads + self.optimizer
+                + sum(self.activations.values()))
+
+    def lines(self) -> list[str]:
+        """The plan as aligned lines, GiB per device."""
+        rows = [(f"weights ({k})", v) for k, v in self.weights.items()]
+        rows += [("gradients (float32)", self.grads), ("AdamW moments (float32)", self.optimizer)]
+        rows += [(f"activations: {k}", v) for k, v in self.activations.items()]
+        rows += [("total in training", self.train_bytes)]
+        if self.build_bytes:
+            rows.append(("while building", self.build_bytes))
+        if self.host_bytes:
+            rows.append(("rank 0's host copy", self.host_bytes))
+        return [f"  {name:<36} {v / GIB:8.2f} GiB" for name, v in rows]
 
 
-def estimate(params: int, trainable: int, world_size: int, sharing: int = 1,
-             sharded: bool = False) -> MemoryEstimate:
-    """Bytes per device for `params` parameters (`trainable` of them with gradients), FSDP over
-    `world_size` ranks (`sharded`: FSDP2 applies, the model is built on the meta device),
-    `sharing` ranks on one memory (CPU ranks of one host)."""
-    build = 0 if sharded else 4 * params * sharing
-    train = (4 * params + 12 * trainable) * sharing // max(world_size, 1)
-    shards = 4 * params * sharing // max(world_size, 1)
-    return MemoryEstimate(params, trainable, build, train, 4 * params if sharded else 0, shards)
+def _cfg(model: nn.Module):
+    cfg = model.config
+    return getattr(cfg, "text_config", cfg), cfg.vision_config
+
+
+def layer_bytes(text, kind: str, b: int) -> int:
+    """Bytes per token a text layer of `kind` keeps for its backward when it does not
+    recompute: its two norms (float32 input, `b`-byte output), its mixer and its MLP."""
+    h = text.hidden_size
+    out = 2 * (4 * h + b * h)
+    if kind == "linear_attention":
+        qkv = 2 * text.linear_num_key_heads * text.linear_key_head_dim
+        v = text.linear_num_value_heads * text.linear_value_head_dim
+        qkv += v
+        # projections (qkv, z, b, a), conv input and output, the kernel's q/k/v/g/beta, the gated
+        # norm's float32 input, its output and the out projection's input
+        out += b * (qkv + v + 2 * text.linear_num_value_heads) + 3 * b * qkv + 4 * v + 2 * b * v
+    else:
+        heads, kv = text.num_attention_heads, text.num_key_value_heads
+        d = getattr(text, "head_dim", None) or h // heads
+        gated = 2 if getattr(text, "attn_output_gate", False) or text.model_type.startswith(
+            "qwen3_5") else 1
+        q = heads * d * gated
+        # projections' outputs, q/k after norm and rotary, the kernel's output, the gate's
+        # product and the o projection's input
+        out += b * (q + 2 * kv * d) + b * (heads * d + kv * d) + 3 * b * heads * d + 4 * heads
+    n_exp = getattr(text, "num_experts", 0) or 0
+    if n_exp:
+        k, inter = text.num_experts_per_tok, text.moe_intermediate_size
+        shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
+        # float32 router logits and probabilities; per routed copy: the row, gate/up output,
+        # the activation, the weighted output; the shared expert as a dense MLP
+        out += 8 * n_exp + k * b * (2 * h + 5 * inter) + b * (6 * shared + h)
+    else:
+        out += 6 * b * text.intermediate_size
+    return out
+
+
+def vision_block_bytes(vision, b: int) -> int:
+    """Bytes per patch a vision block keeps for its backward when it does not recompute."""
+    hv = getattr(vision, "hidden_size", None) or vision.embed_dim
+    inter = getattr(vision, "intermediate_size", None) or int(hv * getattr(vision, "mlp_ratio", 4))
+    # norms, qkv, float32 rotated q/k, attention output and projection input, MLP in/act/out
+    return 2 * (4 * hv + b * hv) + 3 * b * hv + 8 * hv + 2 * b * hv + 3 * b * inter
+
+
+def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
+    """Activation bytes per device of one micro-batch of `run` on `model` (shapes only), by
+    part, before ACTIVATION_SCALE."""
+    text, vision = _cfg(model)
+    b, T, h = run.act_bytes, run.seq_len, text.hidden_size
+    n = text.num_hidden_layers
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
+    per_layer = [layer_bytes(text, k, b) for k in kinds]
+    recomputed = math.ceil(run.recompute_share * n) if run.recompute_share else 0
+    kept = sum(per_layer[recomputed:]) + 4 * h * recomputed
+    widest = max(per_layer)
+    parts = {"text layers": T * kept, "backward working set": 2 * T * widest}
+    visual = model.model.visual
+    if any(p.requires_grad for p in visual.parameters()):
+        depth = vision.depth
+        vb = vision_block_bytes(vision, b)
+        hv = getattr(vision, "hidden_size", None) or vision.embed_dim
+        vr = math.ceil(run.recompute_share * depth) if run.recompute_share else 0
+        parts["vision blocks"] = run.patches * (vb * (depth - vr) + 4 * hv * vr + 2 * vb)
+    vocab = text.vocab_size
+    rows = run.loss_chunk or T
+    loss = rows * vocab * (4 + b) + T * h * b
+    if model.lm_head.weight.requires_grad:
+        loss += vocab * h * (4 + b)
+    parts["loss"] = loss
+    return {k: int(v * ACTIVATION_SCALE) for k, v in parts.items()}
+
+
+def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
+         sharded: bool = False, build_dtype: torch.dtype = torch.float32) -> MemoryPlan:
+    """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
+    `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
+    FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory."""
+    world = max(world_size, 1) if sharded or world_size > 1 else 1
+    weights: dict[str, int] = {}
+    params = trainable = whole = 0
+    build_size = torch.empty((), dtype=build_dtype).element_size()
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        weights[name] = weights.get(name, 0) + p.numel() * p.element_size()
+        params += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+        whole += p.numel() * max(p.element_size(), build_size)
+    shard = {k: v * sharing // world for k, v in weights.items()}
+    acts = activation_bytes(model, run) if run is not None else {}
+    return MemoryPlan(
+        params=params, trainable=trainable, weights=shard,
+        grads=4 * trainable * sharing // world, optimizer=8 * trainable * sharing // world,
+        activations={k: v * sharing for k, v in acts.items()},
+        build_bytes=0 if sharded else whole * sharing,
+        host_bytes=sum(weights.values()) if sharded else 0,
+        shard_bytes=sum(shard.values()) if sharded else 0,
+    )
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -58,36 +215,57 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(est: MemoryEstimate, device: torch.device, free: int | None, *, model: str,
-               holds_copy: bool = False) -> None:
-    """ValueError with the numbers and the ways out when the estimate exceeds `free` bytes.
-    `holds_copy`: this CPU device also holds rank 0's whole copy while the shards load (the
-    copy is freed before gradients and optimizer state exist)."""
+def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int) -> list[str]:
+    """The settings that shrink the largest parts of `p`, most effective first."""
+    acts = sum(p.activations.values())
+    state = p.grads + p.optimizer
+    out = []
+    if not lora and state > acts:
+        out.append("train LoRA adapters (model.lora.rank=16): the frozen base needs no "
+                   "gradients or optimizer state and is held in bf16")
+    if acts:
+        if recompute_share < 1.0:
+            out.append("recompute more of each layer stack (model.activation_checkpointing=true "
+                       "model.checkpoint_share=1.0)")
+        out.append("shorter bins (data.seq_len)")
+        out.append(f"split each row over more GPUs (parallel.cp={2 * cp})")
+    out.append("more GPUs (FSDP2 shards weights, gradients and optimizer state)")
+    return out
+
+
+def check_fits(p: MemoryPlan, device: torch.device, free: int | None, *, model: str,
+               holds_copy: bool = False, ways: list[str] | None = None) -> None:
+    """ValueError with the plan and the ways out when it exceeds `free` bytes (less HEADROOM).
+    `holds_copy`: this CPU device also holds rank 0's whole copy while the shards load (the copy
+    is freed before gradients and optimizer state exist)."""
     if free is None:
         return
-    loading = est.host_bytes + est.shard_bytes if holds_copy and device.type == "cpu" else 0
-    need = max(est.build_bytes, est.train_bytes, loading)
-    if need <= free:
+    loading = p.host_bytes + p.shard_bytes if holds_copy and device.type == "cpu" else 0
+    need = max(p.build_bytes, p.train_bytes, loading)
+    usable = int(free * (1 - HEADROOM))
+    if need <= usable:
         return
-    what = ("building it in float32 would" if est.build_bytes == need else
-            "rank 0's whole float32 copy and the float32 shards would" if loading == need else
-            "its float32 weights, gradients and AdamW state (sharded by FSDP) would")
+    what = ("building it would" if p.build_bytes == need else
+            "rank 0's whole copy and the parameter shards would" if loading == need else
+            "training it would")
+    ways = ways or ["a smaller model", "more GPUs (FSDP shards the training state)",
+                    "freezing parts of it (model.freeze_vision / freeze_llm)"]
     raise ValueError(
-        f"model.name={model} has {est.params / 1e9:.2f} B parameters ({est.trainable / 1e9:.2f} B "
+        f"model.name={model} has {p.params / 1e9:.2f} B parameters ({p.trainable / 1e9:.2f} B "
         f"trainable): {what} take about {need / GIB:.1f} GiB on each {device.type} device, but "
-        f"{free / GIB:.1f} GiB is free. Use a smaller model, more GPUs (FSDP shards the training "
-        "state), or freeze parts of it (model.freeze_vision / freeze_llm)"
+        f"{free / GIB:.1f} GiB is free ({usable / GIB:.1f} GiB usable). The plan per device:\n"
+        + "\n".join(p.lines()) + "\nWays out: " + "; ".join(ways)
     )
 
 
-def check_host_copy(est: MemoryEstimate, free: int | None, *, model: str) -> None:
-    """ValueError when rank 0's host cannot hold the whole float32 model that a sharded run
-    builds there once (accelerator runs; on CPU `check_fits` counts it)."""
-    if free is None or est.host_bytes <= free:
+def check_host_copy(p: MemoryPlan, free: int | None, *, model: str) -> None:
+    """ValueError when rank 0's host cannot hold the whole model that a sharded run builds
+    there once (accelerator runs; on CPU `check_fits` counts it)."""
+    if free is None or p.host_bytes <= free:
         return
     raise ValueError(
-        f"model.name={model}: a sharded run builds the whole float32 model once in rank 0's host "
-        f"memory, about {est.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run "
+        f"model.name={model}: a sharded run builds the whole model once in rank 0's host "
+        f"memory, about {p.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run "
         "rank 0 on a host with more memory"
     )
 

@@ -1,6 +1,6 @@
-"""One order for making a built model trainable: freeze → activation checkpointing → compile →
-FSDP2. The trainer and the benchmarks call `parallelize`, so a benchmark's figures come from the
-model `vlpack train` runs.
+"""One order for making a built model trainable: freeze → hold frozen weights in the compute
+dtype → activation checkpointing → compile → FSDP2. The trainer and the benchmarks call
+`parallelize`, so a benchmark's figures come from the model `vlpack train` runs.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from vlpack.train.module import freeze
 from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
+from vlpack.train.precision import hold_parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,9 @@ class Parallelism:
     freeze_vision: bool = False
     freeze_merger: bool = False
     freeze_llm: bool = False
+    frozen_dtype: torch.dtype | None = None
+    """Hold frozen linear and expert weights in this dtype, the rest in float32
+    (`vlpack.train.precision`; None: every parameter float32)."""
     activation_checkpointing: bool = False
     checkpoint_share: float = 1.0
     compile_scope: str | None = None
@@ -40,6 +44,7 @@ def parallelize(model: nn.Module, root: nn.Module, info: DistInfo, p: Parallelis
     from vlpack.model.recompute import enable_activation_checkpointing
 
     freeze(model, vision=p.freeze_vision, merger=p.freeze_merger, llm=p.freeze_llm)
+    hold_parameters(model, p.frozen_dtype)
     if p.activation_checkpointing:
         enable_activation_checkpointing(model, p.checkpoint_share)
     if p.compile_scope == "layers":

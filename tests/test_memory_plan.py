@@ -1,0 +1,138 @@
+"""The memory plan (train/memory.py) against hand-worked numbers, `vlpack train --dry-run`, the
+one-paragraph out-of-memory message, and the FLOPs a frozen weight costs (train/flops.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.test_train import CPU, small_cfg
+from vlpack.config import LoraConfig
+from vlpack.model.build import build_model, meta_model
+from vlpack.train import memory
+from vlpack.train.flops import flop_model
+from vlpack.train.loop import Trainer, train_command
+
+
+def test_layer_bytes_by_hand() -> None:
+    """Bytes per token a layer keeps for its backward, b = 2 (bf16 activations):
+
+    tiny-qwen3_vl attention layer (h 64, 4 heads, 2 kv heads, head dim 16, MLP 128):
+      norms 2·(4·64 + 2·64) = 768; attention 2·(64 + 2·2·16) + 2·(64 + 32) + 3·2·64 + 4·4 = 848;
+      MLP 6·2·128 = 1536; 3152 in all.
+    tiny-qwen3_5_moe (4 experts, top 2, expert and shared MLP 32):
+      Gated-DeltaNet (2 key heads × 16, 4 value heads × 16: qkv 128, v 64): 768 +
+      2·(128 + 64 + 8) + 3·2·128 + 4·64 + 2·2·64 = 2448; gated attention (head dim 32: q 256):
+      768 + 2·(256 + 128) + 2·(128 + 64) + 3·2·128 + 16 = 2704; MoE 8·4 + 2·2·(128 + 160) +
+      2·(6·32 + 64) = 1696.
+    """
+    text = meta_model("tiny-qwen3_vl").config.text_config
+    assert memory.layer_bytes(text, "full_attention", 2) == 3152
+    text = meta_model("tiny-qwen3_5_moe").config.text_config
+    assert memory.layer_bytes(text, "linear_attention", 2) == 2448 + 1696
+    assert memory.layer_bytes(text, "full_attention", 2) == 2704 + 1696
+
+
+def test_activation_plan_by_hand() -> None:
+    """tiny-qwen3_vl with LoRA (vision frozen: no vision activations; the tied lm_head frozen),
+    100 tokens, half of the 2 layers recomputed, loss chunks of 10 rows:
+      text layers  100 · (3152 + 4·64)       =   340,800
+      working set  2 · 100 · 3152            =   630,400
+      loss         10 · 151,936 · 6 + 100·64·2 = 9,128,960
+    each times ACTIVATION_SCALE."""
+    from vlpack.model import lora
+
+    model = meta_model("tiny-qwen3_vl")
+    lora.apply_lora(model, LoraConfig(rank=4))
+    run = memory.RunShape(seq_len=100, patches=64, recompute_share=0.5, act_bytes=2,
+                          loss_chunk=10)
+    got = memory.activation_bytes(model, run)
+    s = memory.ACTIVATION_SCALE
+    assert got == {"text layers": int(340_800 * s), "backward working set": int(630_400 * s),
+                   "loss": int(9_128_960 * s)}
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(10, 4, bias=False).to(torch.bfloat16).requires_grad_(False)
+        self.head = nn.Linear(4, 2, bias=False)
+
+
+def test_weights_gradients_and_optimizer_by_hand() -> None:
+    """40 frozen bf16 parameters (80 bytes) and 8 trainable float32 ones (32 bytes): sharded over
+    2 ranks, 40 + 16 bytes of weights, 4·8/2 = 16 of gradients and 8·8/2 = 32 of AdamW moments
+    per rank, rank 0's host copy 112; one process building in bf16 peaks at the held 112, in
+    float32 at 48·4 = 192."""
+    p = memory.plan(_Toy(), None, world_size=2, sharded=True)
+    assert p.weights == {"bfloat16": 40, "float32": 16}
+    assert (p.grads, p.optimizer, p.host_bytes, p.shard_bytes, p.build_bytes) == (16, 32, 112, 56, 0)
+    assert p.train_bytes == 40 + 16 + 16 + 32
+    one = memory.plan(_Toy(), None, world_size=1, build_dtype=torch.bfloat16)
+    assert (one.build_bytes, one.train_bytes) == (112, 112 + 32 + 64)
+    assert memory.plan(_Toy(), None, world_size=1).build_bytes == 192
+    with pytest.raises(ValueError, match=r"(?s)training it would take about .*Ways out: more GPUs"):
+        memory.check_fits(one, torch.device("cpu"), 200, model="toy", ways=["more GPUs"])
+    memory.check_fits(one, torch.device("cpu"), 220, model="toy")
+
+
+def test_dry_run_prints_the_plan_and_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "vlpack", "train", "--dry-run",
+                         f"train.output_dir={tmp_path}"], capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "memory plan of tiny-qwen3_vl" in ok.stdout and "fits:" in ok.stdout, ok.stdout
+    assert "activations: loss" in ok.stdout and not (tmp_path / "metrics.jsonl").exists()
+    # full fine-tuning of the 35B on this machine: refused, LoRA among the ways out
+    big = subprocess.run([sys.executable, "-m", "vlpack", "train", "qwen3.5-35b-a3b",
+                          "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert big.returncode == 1, big.stdout + big.stderr[-2000:]
+    assert "does not fit" in big.stdout and "model.lora.rank=16" in big.stdout, big.stdout
+
+
+def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeypatch,
+                                                         capsys) -> None:
+    def oom(self, mbs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    from vlpack.train import loop
+
+    monkeypatch.setattr(Trainer, "train_step", oom)
+    monkeypatch.setattr(loop, "load_config", lambda *a: small_cfg(tmp_path, "train.max_steps=2"))
+    args = type("Args", (), {"config": None, "overrides": [], "dry_run": False})()
+    assert train_command(args) == 1
+    out = capsys.readouterr().out
+    assert "vlpack: error: out of cpu memory in step 1" in out, out
+    assert "the memory plan counted" in out and "Ways out: " in out and "--dry-run" in out
+    assert "Traceback" not in out and "Tried to allocate" not in out
+
+
+def test_a_frozen_weight_costs_four_flops_and_a_frozen_tower_two() -> None:
+    """FLOPs per token of the LLM's weights: 6 per parameter when they train; with LoRA the base
+    costs 4 (no weight gradient) and each adapter 6; the frozen vision tower (no gradient flows
+    into it) costs 2 per parameter and its attention one pass instead of three."""
+    from vlpack.model import lora
+
+    full = flop_model(build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0])
+    model = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0]
+    lora.apply_lora(model, LoraConfig(rank=4))
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    adapter_params = sum(4 * (m.in_features + m.out_features) for m in adapted)
+    ft = flop_model(model)
+    assert ft.text_per_token == pytest.approx(full.text_per_token * 4 / 6 + 6 * adapter_params)
+    assert ft.vision_per_patch == pytest.approx(full.vision_per_patch / 3)
+    assert (full.vision_attn_passes, ft.vision_attn_passes) == (3, 1)
+
+
+def test_a_step_reports_the_frozen_aware_mfu_inputs(tmp_path: Path) -> None:
+    """The trainer counts FLOPs after freezing: a frozen vision tower costs less than a training
+    one on the same batch."""
+    a = Trainer(small_cfg(tmp_path / "a"), CPU)
+    b = Trainer(small_cfg(tmp_path / "b", "model.freeze_vision=true", "model.freeze_merger=true"),
+                CPU)
+    assert b.flops.vision_per_patch == pytest.approx(a.flops.vision_per_patch / 3)

@@ -1,0 +1,173 @@
+"""Frozen weights held in the compute dtype (train/precision.py): which parameter gets which
+dtype, in one process and under FSDP2, and that holding them in bf16 changes no result."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import make_sample, run_ranks
+from tests.test_train import CPU, small_cfg
+from vlpack.config import LoraConfig
+from vlpack.data.batch import build_thd_batch
+from vlpack.model.build import build_model
+from vlpack.train import precision
+from vlpack.train.loop import Trainer
+from vlpack.train.module import TrainModule
+
+peft = pytest.importorskip("peft")
+
+
+def _dtypes(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, bool]]:
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        out[n] = (t.dtype, p.requires_grad)
+    return out
+
+
+LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "qkv", "proj",
+           "linear_fc1", "linear_fc2", "shared_expert_gate"}
+"""The linear layers of the tiny presets, by leaf name (the vision patch embedding's `proj` is
+a Conv3d; the MoE router's `gate` is a plain weight, not a linear layer)."""
+
+
+def _expect(name: str, trains: bool) -> torch.dtype:
+    """The rule, written out by name: a frozen linear or expert weight is bf16, all else fp32."""
+    module, leaf = name.replace(".base_layer", "").rsplit(".", 1)
+    linear = module.rsplit(".", 1)[-1] in LINEARS and "patch_embed" not in module
+    expert = module.endswith(".experts")
+    return torch.bfloat16 if not trains and (linear or expert) else torch.float32
+
+
+def test_lora_base_is_bf16_and_adapters_float32(tmp_path: Path) -> None:
+    """A LoRA run under bf16 autocast: the base's linear and expert weights are bf16, the adapters
+    float32 masters, embeddings and norms float32, and the tied lm_head stays the float32
+    embedding; it trains."""
+    t = Trainer(small_cfg(tmp_path, "model.name=tiny-qwen3_5_moe", "model.dtype=bfloat16",
+                          "model.lora.rank=4", "train.max_steps=2"), CPU)
+    got = _dtypes(t.model)
+    for n, (dtype, trains) in got.items():
+        assert trains == ("lora_" in n), n
+        assert dtype == _expect(n, trains), (n, dtype)
+    assert got["model.language_model.embed_tokens.weight"][0] == torch.float32
+    assert any(d == torch.bfloat16 and ".experts." in n for n, (d, _) in got.items())
+    assert sum(d == torch.bfloat16 for d, _ in got.values()) > 20
+    summary = t.fit()
+    assert np.isfinite(summary["last_loss"])
+
+
+def test_frozen_vision_is_bf16_and_the_training_llm_float32(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "model.dtype=bfloat16", "model.freeze_vision=true",
+                          "model.freeze_merger=true"), CPU)
+    for n, (dtype, trains) in _dtypes(t.model).items():
+        assert trains == (".visual." not in f".{n}"), n
+        assert dtype == _expect(n, trains), (n, dtype)
+
+
+def test_float32_setting_and_float32_runs_keep_everything_float32(tmp_path: Path) -> None:
+    for extra in (("model.dtype=bfloat16", "model.frozen_dtype=float32"), ("model.dtype=float32",)):
+        t = Trainer(small_cfg(tmp_path / extra[-1], "model.lora.rank=4", *extra), CPU)
+        assert {d for d, _ in _dtypes(t.model).values()} == {torch.float32}, extra
+
+
+@pytest.mark.parametrize(("name", "experts"), [("tiny-qwen3_vl", False),
+                                               ("tiny-qwen3_5_moe", False),
+                                               ("tiny-qwen3_5_moe", True)])
+def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bool) -> None:
+    """Under bf16 autocast, a LoRA model whose frozen linear and expert weights are held in
+    bf16 gives the float32-held model's loss and adapter gradients bit for bit (autocast casts
+    those weights to bf16 at every use anyway): the memory saving is free.
+
+    With the routed experts adapted (`model.lora.experts`) peft forms W + B·A in W's dtype, so
+    a bf16-held W gets its update in bf16: the loss agrees to 1e-6 and the adapters' gradients
+    to bf16 noise (1.3% here), even for weights that are bf16 numbers (a checkpoint stored in
+    bf16, as the released ones are; simulated here by rounding the weights)."""
+    model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    if experts:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
+    torch.manual_seed(1)
+    from vlpack.model import lora
+
+    lora.apply_lora(model, LoraConfig(rank=4, alpha=8, experts=experts))
+    for n, p in model.named_parameters():  # nonzero B: the adapters take part in the forward
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    held = copy.deepcopy(model)
+    n_low = precision.hold_parameters(held, torch.bfloat16)
+    assert n_low > 0
+    rng = np.random.default_rng(0)
+    samples = [make_sample(f"s{i}", rng, text=(9, 13), grids=((1, 4, 4),), spec=spec,
+                           patch_dim=spec.patch_dim) for i in range(3)]
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+    results = []
+    for m in (model, held):
+        module = TrainModule(m, spec, loss_method="chunked")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(batch)
+        out.loss_sum.backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+        results.append((out.loss_sum.detach(), grads))
+    (l32, g32), (l16, g16) = results
+    assert g32.keys() == g16.keys() and len(g32) > 4
+    if experts:  # peft forms an adapted weight's update in that weight's dtype: bf16 noise
+        rel = max(((g32[n] - g16[n]).norm() / g32[n].norm()).item() for n in g32)
+        assert abs(l32 - l16) <= 1e-6 * l32 and rel < 0.05, (l32, l16, rel)
+        return
+    assert torch.equal(l32, l16), (l32, l16)
+    differ = [n for n in g32 if not torch.equal(g32[n], g16[n])]
+    assert not differ, differ[:4]
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    from vlpack.train.parallel import init_distributed, shutdown
+
+    info = init_distributed()
+    try:
+        t = Trainer(small_cfg(Path(out), "model.name=tiny-qwen3_5_moe", "model.dtype=bfloat16",
+                              "model.lora.rank=4", "model.lora.experts=true",
+                              "train.max_steps=1"), info)
+        got = _dtypes(t.model)
+        bad = [(n, d) for n, (d, trains) in got.items() if d != _expect(n, trains)]
+        assert not bad, bad[:4]
+        assert any(hasattr(p, "to_local") for p in t.model.parameters())  # sharded
+        t.fit()
+    finally:
+        shutdown()
+
+
+def test_fsdp2_shards_of_frozen_weights_are_bf16(tmp_path: Path) -> None:
+    """Two gloo ranks under FSDP2: each rank's shards of the frozen base (experts adapted by
+    LoRA included) are bf16, the adapters' float32, and a step runs."""
+    codes = run_ranks(_fsdp_worker, str(tmp_path), world=2, timeout=400)
+    assert codes == [0, 0], codes
+
+
+def test_a_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    """A LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
+    (rebuilt from the same model.name and seed on resume); 2 + 2 resumed steps equal 4."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    args = ("model.dtype=bfloat16", "model.lora.rank=4", "optim.lr=1e-2", "optim.warmup_steps=0")
+    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=4", *args), CPU)
+    straight.fit()
+    part = Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.stop_after=2", *args), CPU)
+    part.fit()
+    keys = FileSystemReader(str(part.last_checkpoint)).read_metadata().state_dict_metadata
+    params = [k for k in keys if k.startswith("model.") and k.endswith((".weight", ".bias"))]
+    assert params and all("lora_" in k for k in params), params[:5]
+    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.resume=auto", *args), CPU)
+    resumed.fit()
+    from tests.test_train import losses
+
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
