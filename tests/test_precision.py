@@ -40,7 +40,7 @@ a Conv3d; the MoE router's `gate` is a plain weight, not a linear layer)."""
 
 def _expect(name: str, trains: bool) -> torch.dtype:
     """The rule, written out by name: a frozen linear or expert weight is bf16, all else fp32."""
-    module, leaf = name.replace(".base_layer", "").rsplit(".", 1)
+    module = name.replace(".base_layer", "").rsplit(".", 1)[0]
     linear = module.rsplit(".", 1)[-1] in LINEARS and "patch_embed" not in module
     expert = module.endswith(".experts")
     return torch.bfloat16 if not trains and (linear or expert) else torch.float32
