@@ -82,3 +82,16 @@ def test_without_flock_the_holders_pid_decides(holder, monkeypatch) -> None:
         runlock.lock_output_dir(out)
     finally:
         runlock.release_output_dir(out)
+
+
+def test_a_clean_exit_leaves_no_holder(tmp_path: Path, capfd) -> None:
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(120)", "pass"),
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (out / runlock.LOCK_NAME).read_text() == ""
+    runlock.lock_output_dir(out)
+    try:
+        assert "stale" not in capfd.readouterr().err
+    finally:
+        runlock.release_output_dir(out)

@@ -4,9 +4,10 @@ The lock is an exclusive `flock` on `output_dir/.vlpack-train.lock`, taken by ra
 run builds anything and held by the process until it exits: the kernel releases it when the
 process ends, however it ends (a kill included), so a lock file left by a dead process is
 stale and simply taken over. The file names the holder (pid, host, start time, command), which
-a refused run prints. On a filesystem without `flock` (some network mounts), the holder's pid is
-checked instead: a holder on this host that no longer runs is stale; one on another host is
-trusted until the file is removed.
+a refused run prints; a process that exits cleanly empties it, one that was killed leaves its
+name there and the next run says it took that lock over. On a filesystem without `flock` (some
+network mounts), the holder's pid is checked instead: a holder on this host that no longer runs
+is stale; one on another host is trusted until the file is removed.
 
 Locks are kept per process (a second Trainer in the same process, as tests make, holds the
 same lock), never per call.
@@ -14,6 +15,7 @@ same lock), never per call.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import json
@@ -106,6 +108,7 @@ def lock_output_dir(out: str | Path) -> Path:
               "releasing it; taken over", file=sys.stderr)
     _write_holder(fd)
     _HELD[str(path)] = fd
+    atexit.register(release_output_dir, out)  # a clean exit names no holder; a kill leaves it
     return path
 
 
