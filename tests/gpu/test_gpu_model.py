@@ -407,3 +407,47 @@ def test_experts_under_autocast_on_gpu_wait_for_nothing():
     step()  # warm
     syncs = count_host_syncs(step, torch.device("cuda"))
     assert syncs["count"] == 0, syncs
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen3_5_moe"])
+def test_frozen_weights_held_in_bf16_change_no_result_on_the_gpu(name: str) -> None:
+    """On CUDA under bf16 autocast (fla's kernels for Qwen3.5, the grouped GEMM for its experts,
+    the varlen attention): a LoRA model with its frozen linear and expert weights held in bf16
+    gives the float32-held model's loss bit for bit and its adapters' gradients to within the
+    kernels' run-to-run noise (atomic accumulation in backward)."""
+    import copy
+
+    import numpy as np
+
+    from tests.helpers import make_sample
+    from vlpack.config import LoraConfig
+    from vlpack.data.batch import build_thd_batch
+    from vlpack.model import lora
+    from vlpack.model.build import build_model
+    from vlpack.train.module import TrainModule
+    from vlpack.train.precision import hold_parameters
+
+    model, spec = build_model(name, dtype=torch.float32, device="cuda", seed=0)
+    torch.manual_seed(1)
+    lora.apply_lora(model, LoraConfig(rank=4, alpha=8))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    held = copy.deepcopy(model)
+    assert hold_parameters(held, torch.bfloat16) > 0
+    rng = np.random.default_rng(0)
+    samples = [make_sample(f"s{i}", rng, text=(90, 130), grids=((1, 8, 8),), spec=spec,
+                           patch_dim=spec.patch_dim) for i in range(4)]
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=64)
+    batch = batch.to(torch.device("cuda"))
+    results = []
+    for m in (model, held):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = TrainModule(m, spec, loss_method="chunked")(batch)
+        out.loss_sum.backward()
+        results.append((out.loss_sum.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                                if p.requires_grad}))
+    (l32, g32), (l16, g16) = results
+    assert torch.equal(l32, l16), (l32, l16)
+    rel = max(((g32[n] - g16[n]).norm() / g32[n].norm().clamp_min(1e-30)).item() for n in g32)
+    assert rel <= 1e-5, rel
