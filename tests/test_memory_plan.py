@@ -136,3 +136,14 @@ def test_a_step_reports_the_frozen_aware_mfu_inputs(tmp_path: Path) -> None:
     b = Trainer(small_cfg(tmp_path / "b", "model.freeze_vision=true", "model.freeze_merger=true"),
                 CPU)
     assert b.flops.vision_per_patch == pytest.approx(a.flops.vision_per_patch / 3)
+
+
+def test_the_first_step_says_what_it_waits_for() -> None:
+    from vlpack.config import load_config
+    from vlpack.train.loop import _first_step_waits
+
+    gdn = type("Spec", (), {"has_gdn": True})
+    cuda = torch.device("cuda")
+    assert "fla's Triton autotuning" in _first_step_waits(load_config("qwen3.5-35b-a3b-lora"), gdn, cuda)
+    assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, torch.device("cpu"))
+    assert _first_step_waits(load_config("tiny"), gdn, torch.device("cpu")) is None

@@ -449,6 +449,9 @@ class Trainer:
                 data_wait = time.perf_counter() - t_data
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
+                if self.step == first_step and info.is_main and (w := _first_step_waits(
+                        cfg, self.spec, info.device)):
+                    print(f"vlpack: step {self.step + 1} waits for {w}", flush=True)
                 profiler.before(self.step + 1)
                 try:
                     r = self.train_step(mbs)
@@ -613,6 +616,17 @@ def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
             "samples come next." if any(k.startswith("data.") for k in changed) else "")
     log.warning("resuming at step %d with changed settings: %s.%s The settings up to step %d "
                 "are kept in %s", step, diff, data, step, kept)
+
+
+def _first_step_waits(cfg: Config, spec, device: torch.device) -> str | None:
+    """What the first step of a run waits for beyond its own work (None: nothing)."""
+    waits = []
+    if device.type == "cuda" and spec.has_gdn:
+        waits.append("fla's Triton autotuning of the Gated-DeltaNet kernels (minutes on a fresh "
+                     "machine: about 3 for Qwen3.5-35B-A3B on an H200; cached for later runs)")
+    if cfg.model.compile:
+        waits.append("torch.compile of every layer")
+    return " and ".join(waits) or None
 
 
 def _grace_expired(grace: float) -> None:
