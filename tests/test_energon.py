@@ -324,3 +324,23 @@ def test_video_samples_pack_as_on_the_jsonl_path(tmp_path: Path, encoder) -> Non
     got, want = epoch_rows(energon, len(rows)), epoch_rows(jsonl, len(rows))
     same_rows(got, want)
     assert sum(int((r.mm_token_type_ids == 2).sum()) for r in got) > 0
+
+
+def test_without_energon_installed_the_install_is_named(monkeypatch, tmp_path) -> None:
+    """Megatron-Energon is an optional extra: without it, the commands that need it say how to
+    install it instead of failing on an import."""
+    import importlib.util
+
+    from vlpack.data.energon.prepare import prepare_energon
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'vlpack\[energon\]'"):
+        prepare_energon(tmp_path / "data.jsonl", tmp_path / "out")
+    from vlpack.config import DataConfig
+    from vlpack.data.loader import build_loaders
+
+    cfg = DataConfig(source="energon", path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"data.source=energon needs Megatron-Energon"):
+        build_loaders(cfg, None, seed=0, pad_token_id=0, spatial_merge_size=2)

@@ -263,6 +263,9 @@ def build_loaders(
     import logging
 
     if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
+        from vlpack.data.energon import require_energon
+
+        require_energon("data.source=energon")
         from vlpack.data.energon.loader import EnergonLoader
 
         if d.eval_samples and rank == 0:

@@ -8,3 +8,15 @@
 - `loader.py`: `EnergonLoader`, the trainer-facing iterable of `ThdBatch` with exact resume and
   the same accounting as the JSONL `PackedLoader`.
 """
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def require_energon(what: str) -> None:
+    """ValueError naming the install when Megatron-Energon (an optional extra) is missing."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
+            "megatron.energon") is None:
+        raise ValueError(f"{what} needs Megatron-Energon, which the core install leaves out: "
+                         "pip install 'vlpack[energon]'")

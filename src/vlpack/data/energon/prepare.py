@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vlpack.data.energon import require_energon
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
@@ -45,6 +46,7 @@ def prepare_energon(
     """Write shards of `data` (a JSONL file) into `out_dir` and run `energon prepare` on them;
     returns the report (also saved as `out_dir/vlpack-prepare.json`). Media paths must resolve
     inside `media_root` (None: the JSONL file's folder)."""
+    require_energon("vlpack data energon-prepare")
     data, out = Path(data), Path(out_dir)
     if shard_size < 1:
         raise ValueError(f"--shard-size must be ≥ 1 sample, got {shard_size}")
