@@ -101,23 +101,20 @@ def _hf_inputs(proc, conv: Conversation) -> dict:
     text = proc.apply_chat_template(hf_messages(conv.messages), tokenize=False,
                                     add_generation_prompt=False)
     images = [load_image(str(ref.path)) for ref in conv.images]
-    videos, metadata = [], []
-    for v in _videos(conv):
-        if v.path is not None:
-            videos.append(str(v.path))
-            metadata.append(None if v.fps is None else {"fps": float(v.fps)})
-        else:
-            frames = np.stack([np.asarray(load_image(str(f))) for f in v.frames])
-            videos.append(frames)
-            metadata.append({"total_num_frames": len(frames), "fps": float(v.fps or 2.0),
-                             "frames_indices": list(range(len(frames)))})
+    refs = _videos(conv)
     kwargs: dict = dict(text=[text], return_tensors="pt", return_mm_token_type_ids=True)
     if images:
         kwargs["images"] = images
-    if videos:
-        kwargs["videos"] = videos
-        if all(m is not None for m in metadata):
-            kwargs["video_metadata"] = metadata
+    if refs and all(v.path is not None for v in refs):  # files: decoded and sampled there
+        kwargs["videos"] = [str(v.path) for v in refs]
+    elif refs and all(v.path is None for v in refs):  # frame lists: already sampled at fps
+        frames = [np.stack([np.asarray(load_image(str(f))) for f in v.frames]) for v in refs]
+        kwargs["videos"] = frames
+        kwargs["videos_kwargs"] = dict(do_sample_frames=False, return_metadata=True, video_metadata=[
+            {"total_num_frames": len(f), "fps": float(v.fps or 2.0),
+             "frames_indices": list(range(len(f)))} for f, v in zip(frames, refs, strict=True)])
+    elif refs:
+        raise ValueError("a sample mixing video files and frame lists is not handed over")
     return dict(proc(**kwargs))
 
 
