@@ -1,11 +1,13 @@
 """The planted-bug gate: each bug below, planted in a copy of the source tree, must be caught.
 
-Every mutation is a literal text edit of one file of `src/vlpack` (the edit must match exactly
+Every mutation is a literal text edit of one file of `src/vlpack` (each edit must match exactly
 once, so the gate fails loudly when the code it plants into changes). The copy is put first on
 PYTHONPATH and the mutation's catchers run against it in a fresh process:
-  - `vlpack check` on a tiny preset, in float32 and in bfloat16: it must exit 1 (failed), not 0
-    (passed) or 2 (could not run);
+  - `vlpack check` on a tiny preset, in float32 and in bfloat16 (or the `dtypes` whose path the
+    plant is in): it must exit 1 (failed), not 0 (passed) or 2 (could not run);
   - named tests of the fast suite: they must fail.
+A plant in a path the check exercises (model/, data/batch.py, data/rope.py) must have the check
+among its catchers, or say in `why_not` why the check cannot see it.
 docs/pitfalls.md lists each bug with what catches it.
 """
 
@@ -33,7 +35,17 @@ class Mutation:
     check: str | None = None  # the tiny preset `vlpack check` must fail on (fp32 and bf16)
     tests: tuple[str, ...] = ()  # test node ids that must fail
     margin: float | None = None  # the fp32 contract's logit error must exceed margin x tol
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the check's precisions that must fail
+    extra: tuple[tuple[str, str], ...] = ()  # more (old, new) edits of the same file
+    why_not: str = ""  # why the check cannot see a plant in a path it exercises
 
+
+CP = "the check's context parallelism runs under torchrun (--cp); the gate runs one process"
+FLA_PROBE = """    except Exception:
+        return None
+    return conv, gdr"""
+"""gdn._fla's probe: planted to return a pair, fla is "importable" on the CPU (the packed path
+still runs per segment there: fla needs CUDA tensors)."""
 
 GDN_PER_SEGMENT = """    outs = [
         torch_fn(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
@@ -57,6 +69,7 @@ MUTATIONS = [
     Mutation("positions not restarted per sample (MRoPE continues across the row)",
              "data/batch.py", "position_ids[1:, seg] = mrope",
              "position_ids[1:, seg] = mrope + start",
+             why_not="a constant offset per sample cancels in RoPE's q.k: no output moves",
              tests=("tests/test_thd_literal.py",
                     "tests/test_batch.py::test_batch_fields_match_per_sample_reference")),
     Mutation("image h and w positions swapped", "data/rope.py",
@@ -93,10 +106,10 @@ MUTATIONS = [
              GDN_PER_SEGMENT, GDN_CARRIES_STATE, check="tiny-qwen3_5"),
     Mutation("context-parallel gather's backward keeps only this rank's gradient",
              "model/context.py", "            dist.all_reduce(total, group=ctx.group)\n", "",
-             tests=("tests/test_context_parallel.py",)),
+             tests=("tests/test_context_parallel.py",), why_not=CP),
     Mutation("context-parallel attention's causal diagonal aligned to the first key",
              "model/attention.py", "[:, None] + (lk - lq))", "[:, None])",
-             tests=("tests/test_context_parallel.py",)),
+             tests=("tests/test_context_parallel.py",), why_not=CP),
     Mutation("MoE aux loss counts padding", "model/forward.py",
              "labels_T, real_T = batch.labels, ~batch.padding_mask",
              "labels_T, real_T = batch.labels, torch.ones_like(batch.padding_mask)",
@@ -119,10 +132,10 @@ MUTATIONS = [
     Mutation("context-parallel Gated-DeltaNet: the chunk states' gather cut from the graph",
              "model/gdn.py", "gathered = split.gather_rows(summary)",
              "gathered = split.gather_rows(summary.detach())",
-             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",)),
+             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
     Mutation("context-parallel Gated-DeltaNet conv without its left halo", "model/gdn.py",
              "have = min(h, index * c.length)", "have = 0",
-             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",)),
+             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
     Mutation("Qwen2.5-VL video positions not spaced by time", "data/rope.py",
              "step = 1.0 if temporal_step_I is None else float(temporal_step_I[item])",
              "step = 1.0", check="tiny-qwen2_5_vl",
@@ -130,10 +143,34 @@ MUTATIONS = [
     Mutation("a qwen3-family video's temporal patches read as one span", "data/rope.py",
              "if kind == TOKEN_TYPE_VIDEO and t > 1 and e - s == gh * gw // spatial_merge_size**2:",
              "if False:",
-             tests=("tests/test_video.py::test_video_positions_match_transformers",)),
+             tests=("tests/test_video.py::test_video_positions_match_transformers",),
+             why_not="the positions then refuse the sample: the check cannot run (exit 2)"),
     Mutation("qwen2-family frames sampled end to end (the qwen3 rule)", "data/video.py",
              'if r.style == "qwen3":\n        n = int(', 'if True:\n        n = int(',
              tests=("tests/test_video.py::test_frame_sampling_hand_worked",)),
+    Mutation("Qwen3.5 dt_bias gets no gradient on the packed path", "model/gdn.py",
+             "F.softplus(a.float() + self.dt_bias)", "F.softplus(a.float() + self.dt_bias.detach())",
+             check="tiny-qwen3_5"),
+    Mutation("Qwen3.5 dt_bias gets a zero gradient on the packed path", "model/gdn.py",
+             "F.softplus(a.float() + self.dt_bias)",
+             "F.softplus(a.float() + self.dt_bias.detach() + 0 * self.dt_bias)",
+             check="tiny-qwen3_5"),
+    Mutation("Qwen3.5 dt_bias dropped from the gate, with fla importable", "model/gdn.py",
+             "F.softplus(a.float() + self.dt_bias)", "F.softplus(a.float())",
+             extra=((FLA_PROBE, FLA_PROBE.replace("return None", "return (None, None)")),),
+             check="tiny-qwen3_5"),
+    Mutation("experts' autocast branch applies the routing weights in the wrong order",
+             "model/experts.py", "top_k_weights.reshape(-1)[order_P]",
+             "top_k_weights.reshape(-1)", check="tiny-qwen3_vl_moe", dtypes=("bfloat16",)),
+    Mutation("chunked loss returns log-sum-exp instead of cross-entropy", "model/loss.py",
+             "loss += ce_C.sum() if r_C is None else (ce_C * r_C).sum()",
+             "loss += lse_C.sum() if r_C is None else (lse_C * r_C).sum()",
+             check="tiny-qwen2_vl"),
+    Mutation("the loader's filler row counted as a real token in the MoE statistics",
+             "data/batch.py", "padding_mask[seg] = s.key == FILLER_KEY",
+             "padding_mask[seg] = False",
+             tests=("tests/test_model_packed.py::test_filler_row_leaves_moe_statistics_untouched",),
+             why_not="the check packs no filler row: its samples all encode"),
 ]
 
 
@@ -142,8 +179,10 @@ def _plant(tmp: Path, m: Mutation) -> dict:
     shutil.copytree(ROOT / "src", tmp / "src", ignore=shutil.ignore_patterns("__pycache__"))
     path = tmp / "src" / "vlpack" / m.file
     text = path.read_text()
-    assert text.count(m.old) == 1, f"{m.file}: the mutation's text must occur once: {m.old!r}"
-    path.write_text(text.replace(m.old, m.new))
+    for old, new in ((m.old, m.new), *m.extra):
+        assert text.count(old) == 1, f"{m.file}: the mutation's text must occur once: {old!r}"
+        text = text.replace(old, new)
+    path.write_text(text)
     env = {**os.environ, "PYTHONPATH": f"{tmp / 'src'}{os.pathsep}{ROOT}",
            "OMP_NUM_THREADS": "2", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("VLPACK_TRACEBACK", None)
@@ -168,7 +207,7 @@ def test_planted_bug_is_caught(m: Mutation, tmp_path: Path) -> None:
     assert m.check or m.tests, "a mutation needs a catcher"
     env = _plant(tmp_path, m)
     if m.check:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in m.dtypes:
             rc, report, err = _check(env, m.check, dtype)
             assert rc == 1, f"vlpack check --dtype {dtype} exited {rc} on {m.name!r}: {err}"
             assert report["failures"], m.name
@@ -183,3 +222,14 @@ def test_planted_bug_is_caught(m: Mutation, tmp_path: Path) -> None:
         survived = [t for t in m.tests if not any(f.startswith(t) for f in failed)]
         assert run.returncode == 1 and not survived, (
             f"{survived or m.tests} did not fail on {m.name!r}:\n{run.stdout[-3000:]}")
+
+
+CHECKED_PATHS = ("model/", "data/batch.py", "data/rope.py")
+
+
+def test_plants_in_the_checks_path_are_caught_by_the_check() -> None:
+    """The gate asserts that `vlpack check` itself fails on every plant in a path it exercises
+    (not only the suite), or says why it cannot see it."""
+    unchecked = [m.name for m in MUTATIONS
+                 if m.file.startswith(CHECKED_PATHS) and not m.check and not m.why_not]
+    assert not unchecked, unchecked
