@@ -162,6 +162,39 @@ def test_check_reference_is_stock_code_with_fla_importable(monkeypatch, capsys):
     assert entered and not any(entered)  # vlpack's layer ran on the packed side only
 
 
+@pytest.mark.parametrize("theta", [1e6, 1e7])
+def test_check_inputs_fail_a_position_bug_by_10x_on_published_thetas(theta, tmp_path, monkeypatch,
+                                                                      capsys):
+    """With a published rope theta (Qwen2.5-VL 1e6, Qwen3.5 1e7) on the tiny Qwen2-VL shape,
+    whose h and w get the slowest rotary frequencies, the check's synthetic inputs (a wide
+    image strip among them) fail an image h/w position swap by at least 10x the fp32 logit
+    tolerance."""
+    import numpy as np
+
+    from vlpack.data import batch as batch_mod
+    from vlpack.data.types import TOKEN_TYPE_IMAGE
+    from vlpack.model.build import build_model
+
+    model, _ = build_model("tiny-qwen2_vl", device="cpu", dtype="float32")
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"]["rope_theta"] = theta
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    orig = batch_mod.mrope_positions
+
+    def h_w_swapped(types, *a, **k):  # the packed side's image positions, h and w swapped
+        out = orig(types, *a, **k).copy()
+        img = np.asarray(types) == TOKEN_TYPE_IMAGE
+        out[1, img], out[2, img] = out[2, img].copy(), out[1, img].copy()
+        return out
+
+    monkeypatch.setattr(batch_mod, "mrope_positions", h_w_swapped)
+    assert main(["check", "--model", str(tmp_path), "--samples", "2", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    margin = r["contract_float32"]["max_logit_diff"] / r["tolerances"]["logits"]
+    assert margin >= 10, margin
+
+
 def test_check_bf16_moe_counts_routing_flips(capsys):
     """bf16 near-ties flip a few tokens' expert choice; they are counted, not compared."""
     assert main(["check", "--model", "tiny-qwen3_5_moe", "--samples", "4", "--dtype", "bfloat16",

@@ -142,14 +142,17 @@ def synthetic_sample(
 
 
 def default_mix(spec: ModelSpec, n: int, seed: int = 0) -> list[EncodedSample]:
-    """n samples cycling through: two images, text only, an image and a video of 3 temporal
-    patches, one larger image.
+    """n samples cycling through: two images (one a 2×128-patch strip), text only, an image and
+    a video of 3 temporal patches, one larger image.
 
-    Grids are (1..3)×(4..8)×(4..8) patches (window attention needs 16×16 on qwen2.5: one such
-    image is in every cycle of four)."""
+    Grids are (1..3)×(4..16)×(4..16) patches (window attention needs 16×16 on qwen2.5: one such
+    image is in every cycle of four). The strip's h and w positions differ by up to 63: with
+    the published rope thetas (1e6-1e7) an image-position error (h and w swapped) then moves
+    the logits 17-29x past `vlpack check`'s fp32 tolerance on the tiny Qwen2/2.5-VL shapes,
+    whose h and w get the slowest rotary frequencies; small square grids alone gave 2-3x."""
     rng = np.random.default_rng(seed)
     kinds = [
-        [(1, 4, 6), (1, 6, 4)],  # multi-image
+        [(1, 4, 6), (1, 2, 128)],  # multi-image, one a wide strip
         [],                      # text only
         [(1, 8, 8), (3, 4, 8)],  # image + video
         [(1, 16, 16)] if spec.family == "qwen2_5_vl" else [(1, 8, 12)],
