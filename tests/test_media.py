@@ -124,3 +124,14 @@ def test_member_is_named_by_the_decoded_format(tmp_path: Path) -> None:
     (tmp_path / "d.jsonl").write_text(_rec("a", "really_png.jpg") + "\n")
     prepare_energon(tmp_path / "d.jsonl", tmp_path / "ds")
     assert "000000000.img0.png" in _members(tmp_path / "ds")
+
+
+def test_an_unusable_path_is_a_named_skip(tmp_path: Path) -> None:
+    """A path the OS cannot resolve (a NUL byte, a symlink loop) is a bad sample named by its
+    record, not an error that stops the run."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "set.jsonl").write_text(_rec("nul", "a\u0000b.png") + "\n"
+                                        + _rec("loop", "loop/x.png") + "\n")
+    got = list(iter_jsonl(tmp_path / "set.jsonl"))
+    assert len(got) == 2 and all(isinstance(x, BadSampleError) for x in got), got
+    assert "nul" in str(got[0]) and "loop" in str(got[1])

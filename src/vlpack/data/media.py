@@ -30,7 +30,12 @@ def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:
     """`base / raw`, refused with `BadSampleError(OUTSIDE_ROOT)` when it resolves (through `..`
     and symlinks) outside `root` (itself already resolved)."""
     path = base / raw
-    real = path.resolve()
+    try:
+        real = path.resolve()
+    except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, a symlink loop
+        raise BadSampleError(
+            OUTSIDE_ROOT, f"{key}: {what} {raw!r} is not a usable path ({e}): fix the record"
+        ) from None
     if not real.is_relative_to(root):
         raise BadSampleError(
             OUTSIDE_ROOT,
