@@ -147,3 +147,17 @@ def test_the_first_step_says_what_it_waits_for() -> None:
     assert "fla's Triton autotuning" in _first_step_waits(load_config("qwen3.5-35b-a3b-lora"), gdn, cuda)
     assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, torch.device("cpu"))
     assert _first_step_waits(load_config("tiny"), gdn, torch.device("cpu")) is None
+
+
+def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The plan is an estimate: train.memory_check=warn starts a run it refuses (saying so),
+    skip does not look."""
+    import logging
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1024)
+    with pytest.raises(ValueError, match=r"train.memory_check=warn to start it anyway"):
+        Trainer(small_cfg(tmp_path / "a"), CPU)
+    caplog.set_level(logging.WARNING, logger="vlpack.train")
+    Trainer(small_cfg(tmp_path / "b", "train.memory_check=warn"), CPU)
+    assert "train.memory_check=warn: starting although" in caplog.text
+    Trainer(small_cfg(tmp_path / "c", "train.memory_check=skip"), CPU)

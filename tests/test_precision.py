@@ -171,3 +171,27 @@ def test_a_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path: Path) -> N
     from tests.test_train import losses
 
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_build_dtype_rounds_no_stored_weight(tmp_path: Path) -> None:
+    """A folder is built in bf16 only when every stored tensor is bf16 (an fp16 or fp32 one
+    would be rounded); random weights of a preset are drawn in bf16."""
+    from safetensors.torch import save_file
+
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                        (torch.float32, torch.float32)):
+        folder = tmp_path / str(dtype)
+        folder.mkdir()
+        save_file({"w": torch.zeros(2, dtype=dtype)}, str(folder / "model.safetensors"))
+        assert precision.build_dtype(str(folder), torch.bfloat16) == want, dtype
+        assert precision.build_dtype(str(folder), None) == torch.float32
+    assert precision.build_dtype("tiny-qwen3_vl", torch.bfloat16) == torch.bfloat16
+
+
+def test_resume_with_other_frozen_parameters_is_refused(tmp_path: Path) -> None:
+    """A checkpoint holds what trains: resuming it with other parameters frozen would silently
+    put the model's own weights back where trained ones were, so it is refused by name."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=1"), CPU).fit()
+    again = Trainer(small_cfg(tmp_path, "train.max_steps=2", "model.freeze_vision=true"), CPU)
+    with pytest.raises(ValueError, match=r"froze other parameters .*Resume with the run's own"):
+        again.fit()

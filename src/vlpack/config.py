@@ -307,6 +307,9 @@ class TrainConfig:
     """Show a progress bar."""
     export_hf: bool = False
     """Also export the final model as a HF folder (output_dir/hf)."""
+    memory_check: Literal["refuse", "warn", "skip"] = "refuse"
+    """Before building: `refuse` a run whose memory plan (train/memory.py, `vlpack train
+    --dry-run`) exceeds the free memory, `warn` and start it anyway, or `skip` the check."""
     fsdp: Literal["auto", "always"] = "auto"
     """`auto`: FSDP2 when torchrun starts more than one process; `always`: FSDP2 on one process
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's
@@ -343,6 +346,7 @@ class TrainConfig:
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
         _choice("train.fsdp", self.fsdp, ("auto", "always"))
+        _choice("train.memory_check", self.memory_check, ("refuse", "warn", "skip"))
         _choice("train.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.profile_from", self.profile_from)

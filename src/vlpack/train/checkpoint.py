@@ -130,11 +130,25 @@ def _clean(name: str) -> str:
     return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+def _frozen(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the parameters that get no gradient (a tied weight under each of
+    its names)."""
+    return {_clean(n) for n, p in model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
+
+
 def _trainable_state(model: torch.nn.Module, model_sd: dict) -> dict:
     """`model_sd` without the parameters that get no gradient (buffers stay)."""
-    frozen = {_clean(n) for n, p in model.named_parameters(remove_duplicate=False)
-              if not p.requires_grad}  # a tied weight under each of its names
+    frozen = _frozen(model)
     return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> str:
+    """A short digest of which parameters are frozen: a checkpoint holds only the others, so a
+    resume must freeze the same ones."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(_frozen(model))).encode()).hexdigest()[:16]
 
 
 def save_checkpoint(
@@ -193,7 +207,8 @@ def save_checkpoint(
     barrier(info)
     if info.is_main:
         (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size,
-                                               "run_id": run_id}))
+                                               "run_id": run_id,
+                                               "frozen": frozen_fingerprint(model)}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         _rotate(root, run_id, keep)
@@ -215,6 +230,14 @@ def load_checkpoint(
             f"{path} was saved by {saved_world} ranks but this run has {info.world_size}; resume "
             "with the same number of processes, or start anew in another train.output_dir (or in "
             "this one with train.resume=none train.overwrite=true, which deletes its checkpoints)"
+        )
+    saved_frozen = json.loads(marker_file.read_text()).get("frozen")
+    if saved_frozen is not None and saved_frozen != frozen_fingerprint(model):
+        raise ValueError(
+            f"{path} was saved by a run that froze other parameters (model.freeze_*, model.lora "
+            "or model.name differ): a checkpoint holds only the parameters that train, so this "
+            "run would lose trained weights or miss some. Resume with the run's own settings "
+            "(its config.yaml), or start anew in another train.output_dir"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _trainable_state(model, model_sd), "optim": optim_sd}

@@ -102,19 +102,34 @@ def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.M
     plan = memory.plan(shapes, run, world_size=info.world_size,
                        sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
                        sharded=sharded, build_dtype=precision.build_dtype(m.name, low))
-    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp)
+    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp,
+                           vision_capped=d.max_patches is not None)
     return plan, ways
 
 
+def _sharded(cfg: Config, info: DistInfo) -> bool:
+    """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
+    return info.distributed or cfg.train.fsdp == "always"
+
+
 def _check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bool,
-                ways: list[str]) -> None:
-    """Refuse a run whose plan exceeds the free memory, before building it."""
+                ways: list[str], *, setting: str = "refuse") -> None:
+    """Refuse a run whose plan exceeds the free memory, before building it (`setting`:
+    train.memory_check; `warn` logs the refusal and goes on)."""
+    if setting == "skip":
+        return
     device = info.device
-    memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
-                      holds_copy=sharded and info.is_main, ways=ways)
-    if sharded and info.is_main and device.type != "cpu":
-        memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
-                               model=cfg.model.name)
+    try:
+        memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
+                          holds_copy=sharded and info.is_main,
+                          ways=[*ways, "train.memory_check=warn to start it anyway"])
+        if sharded and info.is_main and device.type != "cpu":
+            memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
+                                   model=cfg.model.name)
+    except ValueError as e:
+        if setting != "warn":
+            raise
+        log.warning("train.memory_check=warn: starting although %s", e)
 
 
 class Trainer:
@@ -128,7 +143,7 @@ class Trainer:
 
         self.cfg = cfg
         self.info = info or init_distributed()
-        self.sharded = self.info.distributed or cfg.train.fsdp == "always"
+        self.sharded = _sharded(cfg, self.info)
         """FSDP2 applies: the model is built on the meta device and receives its shards."""
         self.cp = cfg.parallel.cp
         self.context = context_group(self.info, self.cp)
@@ -139,7 +154,8 @@ class Trainer:
         self.low = _frozen_dtype(cfg, self.autocast)
         """The dtype frozen matmul weights are held in (None: float32; train/precision.py)."""
         self.plan, self.ways_out = plan_memory(cfg, self.info, sharded=self.sharded)
-        _check_plan(self.plan, cfg, self.info, self.sharded, self.ways_out)
+        _check_plan(self.plan, cfg, self.info, self.sharded, self.ways_out,
+                    setting=cfg.train.memory_check)
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
         build_dtype = precision.build_dtype(cfg.model.name, self.low)
@@ -678,7 +694,7 @@ def dry_run(cfg: Config) -> int:
     """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
     info = init_distributed()
     try:
-        sharded = info.distributed or cfg.train.fsdp == "always"
+        sharded = _sharded(cfg, info)
         plan, ways = plan_memory(cfg, info, sharded=sharded)
         if not info.is_main:
             return 0

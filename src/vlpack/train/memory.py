@@ -215,7 +215,8 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int) -> list[str]:
+def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int,
+             vision_capped: bool = True) -> list[str]:
     """The settings that shrink the largest parts of `p`, most effective first."""
     acts = sum(p.activations.values())
     state = p.grads + p.optimizer
@@ -223,6 +224,9 @@ def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int) -> l
     if not lora and state > acts:
         out.append("train LoRA adapters (model.lora.rank=16): the frozen base needs no "
                    "gradients or optimizer state and is held in bf16")
+    if not vision_capped and p.activations.get("vision blocks", 0) > acts / 4:
+        out.append("a vision budget per bin (data.max_patches=N): without one the plan counts "
+                   "every token of a bin as an image token")
     if acts:
         if recompute_share < 1.0:
             out.append("recompute more of each layer stack (model.activation_checkpointing=true "

@@ -15,15 +15,13 @@ dt_bias, and a linear weight tied to the embedding.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
-LOW_STORED = {"BF16", "F16"}
-"""safetensors dtypes that a bf16 build holds exactly."""
+STORED = {torch.bfloat16: "BF16", torch.float16: "F16"}
+"""The safetensors name of each dtype a folder's weights may be built in exactly."""
 
 
 def frozen_dtype(setting: str, autocast: torch.dtype | None) -> torch.dtype | None:
@@ -66,29 +64,34 @@ def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
     return held
 
 
-def stored_dtype_is_low(folder: Path) -> bool:
-    """Whether every tensor in the folder's *.safetensors files is bf16 or fp16 (read from the
-    files' headers, no weights): then a bf16 build loads them exactly."""
+def stored_in(folder: Path, dtype: torch.dtype) -> bool:
+    """Whether every tensor in the folder's *.safetensors files is stored in `dtype` (read from
+    the files' headers, no weights): then a build in `dtype` loads them exactly."""
+    from safetensors import safe_open
+
+    want = STORED.get(dtype)
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if want is None or not files:
         return False
     for f in files:
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
-        if not dtypes <= LOW_STORED:
-            return False
+        with safe_open(str(f), framework="pt") as fh:
+            names = fh.keys()
+            if any(fh.get_slice(n).get_dtype() != want for n in names):
+                return False
     return True
 
 
 def build_dtype(name: str, low: torch.dtype | None) -> torch.dtype:
     """The dtype to build `name` (a preset or a folder) in: `low` when frozen weights are held
-    in it and building in it loses nothing (random weights, or a folder stored in bf16/fp16),
-    else float32. `hold_parameters` then brings every other parameter to float32."""
+    in it and no stored weight is rounded by building in it (random weights, drawn in `low`, or
+    a folder stored in `low`), else float32. `hold_parameters` then brings every other
+    parameter to float32. Random weights drawn in bf16 are not the float32 draw rounded: such a
+    run starts from other weights than the same run with `model.frozen_dtype=float32`."""
+    from vlpack.model.build import folder_has_weights
+
     if low is None:
         return torch.float32
     folder = Path(name)
-    if folder.is_dir() and any(folder.glob("*.safetensors")) and not stored_dtype_is_low(folder):
+    if folder.is_dir() and folder_has_weights(folder) and not stored_in(folder, low):
         return torch.float32
     return low
