@@ -135,3 +135,18 @@ def test_an_unusable_path_is_a_named_skip(tmp_path: Path) -> None:
     got = list(iter_jsonl(tmp_path / "set.jsonl"))
     assert len(got) == 2 and all(isinstance(x, BadSampleError) for x in got), got
     assert "nul" in str(got[0]) and "loop" in str(got[1])
+
+
+def test_a_record_naming_media_twice_is_skipped_not_a_crash(tmp_path: Path) -> None:
+    """"image" and "images" (or "video" and "videos") in one record: ambiguous, a bad_schema
+    skip in training and in energon-prepare (which otherwise renamed a path it never read)."""
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    ask = [{"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]
+    both = {"id": "both", "conversations": ask, "image": "a.png", "images": ["a.png"]}
+    ok = {"id": "ok", "conversations": ask, "image": "a.png"}
+    (tmp_path / "set.jsonl").write_text(json.dumps(both) + "\n" + json.dumps(ok) + "\n")
+    bad, good = list(iter_jsonl(tmp_path / "set.jsonl"))
+    assert isinstance(bad, BadSampleError) and bad.reason == "bad_schema" and "both" in str(bad)
+    assert not isinstance(good, BadSampleError)
+    report = prepare_energon(tmp_path / "set.jsonl", tmp_path / "out")
+    assert report["samples"] == 1 and report["skipped"] == {"bad_schema": 1}, report

@@ -217,7 +217,14 @@ def _bad(key: str, reason: str, message: str) -> NoReturn:
     raise BadSampleError(reason, f"{key}: {message}")
 
 
+def _one_of(obj: dict, key: str, one: str, many: str) -> None:
+    """A record names its media under `one` or `many`, not both (which would be ambiguous)."""
+    if one in obj and many in obj:
+        _bad(key, "bad_schema", f'the record has both "{one}" and "{many}": keep one of them')
+
+
 def _record_images(obj: dict, key: str) -> list[str]:
+    _one_of(obj, key, "image", "images")
     images = obj.get("images", obj.get("image", []))
     if images is None:
         return []
@@ -229,6 +236,7 @@ def _record_images(obj: dict, key: str) -> list[str]:
 
 
 def _record_videos(obj: dict, key: str) -> list:
+    _one_of(obj, key, "video", "videos")
     videos = obj.get("videos", obj.get("video", []))
     if videos is None:
         return []
