@@ -394,3 +394,24 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     monkeypatch.setattr(Encoder, "_items", planted)
     failures = compare_encoding(folder, convs, spec, model)["failures"]
     assert f"encoding vs transformers: sample mine.jsonl:2: {expected}" in failures, failures
+
+
+def test_check_data_reads_with_the_media_root(tmp_path, capsys):
+    """`vlpack check --data` takes `--media-root` as training takes data.media_root: images
+    beside the JSONL's folder are refused without it and checked with it."""
+    from PIL import Image
+
+    (tmp_path / "media").mkdir()
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        Image.new("RGB", (64, 48), (40 * i, 9, 9)).save(tmp_path / "media" / f"{i}.png")
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"../media/{i}.png"},
+                                                       {"type": "text", "text": "Total?"}]},
+                          {"role": "assistant", "content": "12.50"}]} for i in range(2)]
+    data = tmp_path / "data" / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["check", "--data", str(data), "--samples", "2", "--json"]
+    assert main(args) == 2  # no usable sample
+    capsys.readouterr()
+    assert main([*args, "--media-root", str(tmp_path)]) == 0
+    assert _report(capsys)["passed"]

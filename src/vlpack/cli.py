@@ -159,6 +159,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                    help="split the packed row over N context-parallel ranks (run under "
                         "`torchrun --standalone --nproc-per-node N -m vlpack check ...`; "
                         "k·N processes: k data-parallel replicas, each checking its own row)")
+    _add_media_root(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_check)
 

@@ -518,7 +518,7 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
           device: str | None = None, context: ContextGroup | None = None,
-          init: str = "auto", replica: int = 0) -> dict:
+          init: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
     """Run the check; returns the report dict (`passed`, and `failures` naming each item that
     does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
     `init`: "auto" (a folder's weights) or "random" (random weights of its config, `seed`).
@@ -539,7 +539,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     model.train()
     batch_samples, source, data_info = load_samples(
         argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name,
-                           replica=replica), spec, model)
+                           replica=replica, media_root=media_root), spec, model)
     pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
@@ -695,7 +695,8 @@ def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
     try:
         r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
                   seed=args.seed, data=args.data, context=context,
-                  init=getattr(args, "init", "auto"), replica=replica)
+                  init=getattr(args, "init", "auto"), replica=replica,
+                  media_root=getattr(args, "media_root", None))
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise

@@ -111,14 +111,15 @@ def _encoder(spec: ModelSpec, folder: Path):
                    chat_template=load_template("auto", folder) if own else None)
 
 
-def _scan(path: Path, n: int, skipped: list[str]) -> list[Conversation]:
+def _scan(path: Path, n: int, skipped: list[str], media_root: str | None = None
+          ) -> list[Conversation]:
     """The good records of `path` in file order, read until one of each kind the file holds
     and `n` records are in hand (or `SCAN_LIMIT`); bad ones met on the way go to `skipped`."""
     from vlpack.data.sources import iter_jsonl
     from vlpack.data.types import BadSampleError
 
     good, seen = [], set()
-    for i, item in enumerate(iter_jsonl(path)):
+    for i, item in enumerate(iter_jsonl(path, media_root)):
         if isinstance(item, BadSampleError):
             skipped.append(str(item))
         else:
@@ -163,7 +164,7 @@ def _from_file(args: argparse.Namespace, spec: ModelSpec, n: int, model: nn.Modu
 
         path = default_dataset(max(n, 16), seed=args.seed)
     skipped: list[str] = []
-    good = _scan(Path(path), n, skipped)
+    good = _scan(Path(path), n, skipped, getattr(args, "media_root", None))
     picked = _pick(good, n, enc.encode, skipped)
     if len(picked) < 2:
         raise CheckUnsupportedError(
