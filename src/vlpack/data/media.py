@@ -42,7 +42,7 @@ def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:
             f"{key}: {what} {raw!r} resolves to {real}, outside the media root {root} (media "
             "files must lie inside data.media_root, by default the JSONL file's folder): move "
             "the file under it, or set data.media_root to a folder that holds every media file "
-            "(--media-root for vlpack pack, data validate and data energon-prepare)",
+            "(--media-root for vlpack pack, check, data validate and data energon-prepare)",
         )
     return path
 
