@@ -87,8 +87,7 @@ class Boundaries:
     of the row: `text` is None, and the layers take the row's boundaries from the split.
 
     `paths` is filled by the layers with the kernel each one ran (attention, Gated-DeltaNet,
-    vision tables); the forward returns it. `gdn_torch_reference` asks the Gated-DeltaNet layers
-    of an unpacked forward for transformers' torch kernels (`vlpack check`'s reference).
+    vision tables); the forward returns it.
 
     A plain class, not a frozen dataclass: torch.compile looks inside a frozen dataclass handed
     to a compiled layer and guards on its fields (the host boundaries, new every row), which
@@ -98,7 +97,6 @@ class Boundaries:
     __slots__ = (
         "_memo",
         "context",
-        "gdn_torch_reference",
         "image_index",
         "paths",
         "text",
@@ -106,13 +104,11 @@ class Boundaries:
     )
 
     def __init__(self, text: Segments | None, vision: VisionTables | None = None,
-                 image_index: torch.Tensor | None = None,
-                 gdn_torch_reference: bool = False, context: Any = None) -> None:
+                 image_index: torch.Tensor | None = None, context: Any = None) -> None:
         self.text = text
         self.context = context  # this rank's share of a context-parallel row (context.py)
         self.vision = vision
         self.image_index = image_index  # row positions of the image tokens (deepstack)
-        self.gdn_torch_reference = gdn_torch_reference
         self.paths: dict[str, str] = {}
         self._memo: dict[str, Any] = {}
 

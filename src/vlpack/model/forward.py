@@ -235,15 +235,13 @@ def packed_forward(
 
 
 def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec,
-                     hf_labels: bool = False, gdn_torch: bool = False) -> ForwardOut:
+                     hf_labels: bool = False) -> ForwardOut:
     """Stock transformers forward of ONE sample (the reference of `vlpack check`).
 
     Positions come from the model's own get_rope_index; logits are returned ([L, V]). With
     `hf_labels` the call is the model's own `model(..., labels=...)` with the sample's unshifted
     labels, and `hf_loss` is the token-mean loss transformers computes (its own shift; it keeps
-    its graph, so a caller can take gradients of transformers' loss). With
-    `gdn_torch` the Gated-DeltaNet layers run transformers' torch kernels even where fla is
-    importable (no boundaries are given: the sample is one sequence).
+    its graph, so a caller can take gradients of transformers' loss).
     """
     device = _device(model)
     visuals = {k: v.to(device) for k, v in stock_visuals(spec, **sample.hf_visuals()).items()}
@@ -253,7 +251,6 @@ def unpacked_forward(model: nn.Module, sample: EncodedSample, *, spec: ModelSpec
                                           device=device)[None],
         use_cache=False,
         **visuals,
-        **({BOUNDS_KWARG: Boundaries(text=None, gdn_torch_reference=True)} if gdn_torch else {}),
     )
     model.model.rope_deltas = None  # the model caches it across calls
     capture = RouterCapture(model) if spec.is_moe else None

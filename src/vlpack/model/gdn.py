@@ -9,9 +9,7 @@ delta-rule state at every boundary of the forward's `Boundaries`:
               (exact, slower; said once).
 The projections, gates and norm are the stock forward's, op for op (the CPU suite compares the
 packed forward with the stock one sample at a time). Called without Boundaries (a stock model,
-an unpacked sample) the subclass runs the stock forward unchanged. `Boundaries(text=None,
-gdn_torch_reference=True)` asks for transformers' torch kernels on the whole row where fla is
-importable (the stock forward would pick fla there): `vlpack check`'s reference.
+an unpacked sample) the subclass runs the stock forward unchanged.
 
 transformers' own kernel seam for these functions (`use_kernelized_func`) needs the hub
 `kernels` package, which vlpack does not use (no downloads at run time).
@@ -310,9 +308,7 @@ class GatedDeltaNet:
         if split is not None:  # one rank's share of a context-parallel row (context.py)
             return self._packed(hidden_states, split.row_segments, bounds, torch_only=False,
                                 split=split)
-        reference = bounds is not None and bounds.text is None and bounds.gdn_torch_reference \
-            and _fla() is not None
-        if bounds is None or (bounds.text is None and not reference):
+        if bounds is None or bounds.text is None:
             return super().forward(hidden_states, *args, **kwargs)
         if args or kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
             raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
@@ -322,10 +318,7 @@ class GatedDeltaNet:
                              "vlpack's Boundaries")
         if kwargs.get("seq_idx") is not None:
             raise ValueError("pass boundaries as vlpack's Boundaries, not seq_idx")
-        T = hidden_states.shape[1]
-        segs = bounds.text if bounds.text is not None else \
-            Segments.from_host((0, T), hidden_states.device)
-        return self._packed(hidden_states, segs, bounds, torch_only=reference)
+        return self._packed(hidden_states, bounds.text, bounds, torch_only=False)
 
     def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
                 torch_only: bool, split=None) -> torch.Tensor:
