@@ -280,3 +280,22 @@ def test_check_on_user_data_with_videos(tmp_path, capsys, name):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["passed"], r["failures"]
     assert r["sample_keys"] == ["frames", "mixed", "text"] and r["videos"] == 2
+
+
+def test_a_non_finite_reference_loss_fails_by_name():
+    """transformers' labels= loss NaN on a sample with labels: a named failure, not a sample
+    the label comparison quietly skips."""
+    from vlpack.model.check import Run, _label_failures
+
+    ref = Run([], [], {}, None, hf_losses=[2.0, None], label_counts=[3, 4], own_shift=[6.0, 8.0])
+    assert _label_failures(ref) == [
+        "label shift: sample 1 has 4 label tokens but transformers' labels= loss is not finite"]
+
+
+def test_the_report_names_the_worst_parameters_first():
+    from vlpack.model.check import MAX_NAMED, _named, _worst_first
+
+    errors = {f"p{i:02d}": float(i) for i in range(MAX_NAMED + 3)}
+    lines = _named("err", {n: f"{v:g}" for n, v in _worst_first(errors)})
+    assert lines[0] == f"err of p{MAX_NAMED + 2:02d}: {MAX_NAMED + 2}"
+    assert lines[-1] == "err: 3 more parameters" and "err of p00: 0" not in lines

@@ -435,15 +435,21 @@ def _contract_failures(label: str, d: dict, tol: dict) -> list[str]:
         out.append(f"{label}: the row's loss {d['loss_value']['packed']:.6g} vs the reference's "
                    f"{d['loss_value']['reference']:.6g}: {d['loss_total']:.2e} > {tol['loss']:.0e}")
     out += _named(f"{label}: gradient rel. error", {
-        n: f"{v:.2e} > {tol['grad']:.0e}" for n, v in d["grad_params"].items() if v > tol["grad"]})
+        n: f"{v:.2e} > {tol['grad']:.0e}" for n, v in _worst_first(d["grad_params"])
+        if v > tol["grad"]})
     if d["aux"] is not None and d["aux"] > tol["aux"]:
         out.append(f"{label}: MoE aux loss diff {d['aux']:.2e} > {tol['aux']:.0e}")
     return out + _group_failures(label, d)
 
 
+def _worst_first(errors: dict[str, float]) -> list[tuple[str, float]]:
+    """(name, error) pairs, the largest error first."""
+    return sorted(errors.items(), key=lambda kv: -kv[1])
+
+
 def _named(head: str, items: dict[str, str]) -> list[str]:
-    """One failure line per parameter (the worst `MAX_NAMED` by their text's order), then a
-    count of the rest."""
+    """One failure line per parameter for the first `MAX_NAMED` of `items` (callers give them
+    worst first), then a count of the rest."""
     names = list(items)[:MAX_NAMED]
     out = [f"{head} of {n}: {items[n]}" for n in names]
     if len(items) > len(names):
@@ -486,7 +492,7 @@ def _rule_failures(dp: dict, d0: dict, tol: dict) -> list[str]:
               for n in dp["grad_params"]}
     out += _named("bf16 rule: gradient rel. error vs fp32", {
         n: f"{v:.2e} > {bounds[n]:.2e} (plain bf16 {d0['grad_params'].get(n, 0.0):.2e}, "
-           f"bf16 level {level:.2e})" for n, v in dp["grad_params"].items() if v > bounds[n]})
+           f"bf16 level {level:.2e})" for n, v in _worst_first(dp["grad_params"]) if v > bounds[n]})
     if dp["aux"] is not None and dp["aux"] > 2 * d0["aux"] + tol["aux"]:
         out.append(f"bf16 rule: MoE aux diff vs fp32 {dp['aux']:.2e} > "
                    f"{2 * d0['aux'] + tol['aux']:.2e}")
@@ -498,7 +504,11 @@ def _label_failures(ref: Run) -> list[str]:
     out = []
     for i, (ours, n, hf) in enumerate(zip(ref.own_shift, ref.label_counts, ref.hf_losses,
                                           strict=True)):
-        if hf is None or n == 0:
+        if n == 0:
+            continue
+        if hf is None:  # transformers' loss of a sample with labels came out NaN or inf
+            out.append(f"label shift: sample {i} has {n} label tokens but transformers' labels= "
+                       "loss is not finite")
             continue
         if abs(ours / n - hf) > LABEL_SHIFT_TOL * max(1.0, abs(hf)):
             out.append(f"label shift: sample {i} token-mean loss {ours / n:.6f} != "
