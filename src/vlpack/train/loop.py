@@ -684,7 +684,11 @@ def run(cfg: Config) -> dict[str, Any]:
         summary = trainer.fit()
         summary["stop_signal"] = trainer.stop_signal
         if info.is_main:
-            print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}")
+            print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}",
+                  flush=True)
+        # no rank tears down while rank 0 still writes its plot and summary: torchrun stops every
+        # worker when one fails, so a rank's failing exit would cut rank 0's report short
+        barrier(info)
         return summary
     finally:
         shutdown()
