@@ -158,7 +158,7 @@ class Trainer:
                     setting=cfg.train.memory_check)
         torch.manual_seed(cfg.train.seed)
         backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
-        build_dtype = precision.build_dtype(cfg.model.name, self.low)
+        build_dtype = self.plan.build_dtype  # read once: a folder's safetensors headers
         def build(device):
             model, spec = build_model(
                 cfg.model.name, backend=backend, dtype=build_dtype, device=device,

@@ -82,6 +82,8 @@ class MemoryPlan:
     """Rank 0's whole copy in host memory while a sharded run starts."""
     shard_bytes: int = 0
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
+    build_dtype: torch.dtype = torch.float32
+    """The dtype the model is built in (train/precision.build_dtype)."""
 
     @property
     def train_bytes(self) -> int:
@@ -200,6 +202,7 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         build_bytes=0 if sharded else whole * sharing,
         host_bytes=sum(weights.values()) if sharded else 0,
         shard_bytes=sum(shard.values()) if sharded else 0,
+        build_dtype=build_dtype,
     )
 
 
