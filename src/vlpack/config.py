@@ -199,7 +199,8 @@ class ModelConfig:
     """A preset name (see `vlpack.model.presets`) or a local HF checkpoint folder."""
     init: Literal["pretrained", "random"] = "pretrained"
     """`pretrained`: a folder's weights (a folder without them is an error); `random`: random
-    weights from the folder's config.json. Presets always start from random weights."""
+    weights from the folder's config.json. Presets always start from random weights, so a preset
+    on your data (`data.source` jsonl or energon) needs `model.init=random` to say so."""
     backend: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
     """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -319,6 +320,12 @@ class TrainConfig:
     """Autograd anomaly mode (slow, for debugging): an error in backward also prints the
     traceback of the forward operation that created the failing node. With
     CUDA_LAUNCH_BLOCKING=1 it names the operation behind a CUDA illegal memory access."""
+    kernel_cache: str = "run"
+    """Where a GPU run keeps compiled kernels and Triton's autotuning results (fla's kernels
+    autotune for minutes on a fresh machine): `run` = OUTPUT_DIR/kernel_cache, so a resume or a
+    run in the same folder starts warm on any machine; `default` = Triton's and Inductor's own
+    folders (home, /tmp); or a folder that several runs share. TRITON_CACHE_DIR and
+    TORCHINDUCTOR_CACHE_DIR set in the environment win (train/kernel_cache.py)."""
     profile_steps: int = 0
     """Profile this many steps with torch.profiler (0: off), from step `profile_from`; each rank
     writes OUTPUT_DIR/profile_rank<R>.txt: kernel time per step against the unprofiled step
@@ -383,6 +390,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if (self.data.source != "synthetic" and self.model.init != "random"
+                and not Path(self.model.name).is_dir()):
+            from vlpack.model.presets import random_weights_refusal
+
+            raise ValueError(random_weights_refusal(self.model.name, self.data.source))
         cp = self.parallel.cp
         if cp > 1 and self.data.packing == "none":
             raise ValueError("parallel.cp > 1 splits packed rows: set data.packing to bfd, ffd "

@@ -31,10 +31,9 @@ from vlpack.config import Config, load_config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
-from vlpack.train import memory, precision
-from vlpack.train.flops import flop_model, peak_flops
+from vlpack.train import memory
+from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, format_summary
-from vlpack.train.module import TrainModule, freeze
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import (
     DistInfo,
@@ -43,13 +42,12 @@ from vlpack.train.parallel import (
     barrier,
     context_group,
     init_distributed,
-    load_full_state,
     shutdown,
 )
-from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.plot import plot_runs
 from vlpack.train.profile import StepProfiler
 from vlpack.train.runlock import claim_output_dir
+from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
 from vlpack.train.step import StepResult, optimizer_step
 
 log = logging.getLogger("vlpack.train")
@@ -63,75 +61,6 @@ class RunOutOfMemoryError(RuntimeError):
     """The accelerator ran out of memory in a step; the message says where and the ways out."""
 
 
-def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
-    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
-def _frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | None:
-    """The dtype frozen matmul weights are held in; None when nothing is frozen or they stay
-    float32 (train/precision.py)."""
-    m = cfg.model
-    freezes = bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
-    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes else None
-
-
-def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
-    """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
-    device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
-    apply to it."""
-    from vlpack.model.build import meta_model
-
-    m, d = cfg.model, cfg.data
-    autocast = _autocast_dtype(cfg, info.device)
-    low = _frozen_dtype(cfg, autocast)
-    shapes = meta_model(m.name)
-    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-    if m.lora.rank:  # only the adapters keep gradients and optimizer state
-        from vlpack.model import lora
-
-        lora.apply_lora(shapes, m.lora)
-    precision.hold_parameters(shapes, low)
-    merge = shapes.config.vision_config.spatial_merge_size
-    tokens = d.seq_len // cfg.parallel.cp
-    share = m.checkpoint_share if m.activation_checkpointing else 0.0
-    run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
-                          recompute_share=share, act_bytes=2 if autocast else 4,
-                          loss_chunk=1024 if m.chunked_loss else 0)
-    plan = memory.plan(shapes, run, world_size=info.world_size,
-                       sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
-                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low))
-    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp,
-                           vision_capped=d.max_patches is not None)
-    return plan, ways
-
-
-def _sharded(cfg: Config, info: DistInfo) -> bool:
-    """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
-    return info.distributed or cfg.train.fsdp == "always"
-
-
-def _check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bool,
-                ways: list[str], *, setting: str = "refuse") -> None:
-    """Refuse a run whose plan exceeds the free memory, before building it (`setting`:
-    train.memory_check; `warn` logs the refusal and goes on)."""
-    if setting == "skip":
-        return
-    device = info.device
-    try:
-        memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
-                          holds_copy=sharded and info.is_main,
-                          ways=[*ways, "train.memory_check=warn to start it anyway"])
-        if sharded and info.is_main and device.type != "cpu":
-            memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
-                                   model=cfg.model.name)
-    except ValueError as e:
-        if setting != "warn":
-            raise
-        log.warning("train.memory_check=warn: starting although %s", e)
-
-
 class Trainer:
     """Builds model, data, optimizer; runs, checkpoints and resumes."""
 
@@ -139,75 +68,18 @@ class Trainer:
         from vlpack.data.encode import Encoder
         from vlpack.data.template import load_template
         from vlpack.data.tokenizer import has_tokenizer
-        from vlpack.model.build import build_model
 
         self.cfg = cfg
         self.info = info or init_distributed()
-        self.sharded = _sharded(cfg, self.info)
-        """FSDP2 applies: the model is built on the meta device and receives its shards."""
         self.cp = cfg.parallel.cp
         self.context = context_group(self.info, self.cp)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
         claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
-        self.autocast = _autocast_dtype(cfg, self.info.device)
-        self.low = _frozen_dtype(cfg, self.autocast)
-        """The dtype frozen matmul weights are held in (None: float32; train/precision.py)."""
-        self.plan, self.ways_out = plan_memory(cfg, self.info, sharded=self.sharded)
-        _check_plan(self.plan, cfg, self.info, self.sharded, self.ways_out,
-                    setting=cfg.train.memory_check)
-        torch.manual_seed(cfg.train.seed)
-        backend = "sdpa" if cfg.data.packing == "none" else cfg.model.backend
-        build_dtype = self.plan.build_dtype  # read once: a folder's safetensors headers
-        def build(device):
-            model, spec = build_model(
-                cfg.model.name, backend=backend, dtype=build_dtype, device=device,
-                seed=cfg.train.seed, random_init=cfg.model.init == "random",
-            )
-            if cfg.model.lora.rank:
-                from vlpack.model import lora
-
-                lora.apply_lora(model, cfg.model.lora)
-            return model, spec
-
-        # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy
-        # after sharding (load_full_state); one process builds on its device directly.
-        model, self.spec = build(torch.device("meta") if self.sharded else self.info.device)
-        if cfg.model.compile and cfg.data.packing == "none":
-            log.warning("model.compile with data.packing=none: the compiled padded step ran "
-                        "slower than the eager one (docs/benchmarks/levers.md); set "
-                        "model.compile=false for padded runs")
-        if cfg.model.lora.rank:
-            from vlpack.model import lora
-
-            log.info(lora.describe(model))
-        self.model = model
-        self.module = TrainModule(
-            model, self.spec, touch_vision=self.info.distributed,
-            loss_method="chunked" if cfg.model.chunked_loss else "plain", context=self.context,
-        )
-        m, t = cfg.model, cfg.train
-        parallelize(model, self.module, self.info, Parallelism(
-            freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
-            frozen_dtype=self.low,
-            activation_checkpointing=m.activation_checkpointing,
-            checkpoint_share=m.checkpoint_share,
-            compile_scope=m.compile_scope if m.compile else None,
-            fsdp=self.sharded, param_dtype=self.autocast,
-            reduce_dtype=getattr(torch, t.reduce_dtype),
-            reshard_after_forward=t.reshard_after_forward))
-        self.flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
-        if self.sharded:
-            self.autocast = None  # FSDP's mixed-precision policy casts instead
-            if self.info.is_main:
-                log.info("rank 0 builds the whole model in host memory; every rank then "
-                         "receives its shards")
-            whole = build(torch.device("cpu"))[0] if self.info.is_main else None
-            if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
-                freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-                precision.hold_parameters(whole, self.low)
-            load_full_state(model, whole, self.info)
-            del whole
+        stack = build_stack(cfg, self.info, context=self.context)
+        self.model, self.spec, self.module = stack.model, stack.spec, stack.module
+        self.flops, self.autocast = stack.flops, stack.autocast
+        self.plan, self.ways_out = stack.plan, stack.ways_out
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
@@ -698,7 +570,7 @@ def dry_run(cfg: Config) -> int:
     """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
     info = init_distributed()
     try:
-        sharded = _sharded(cfg, info)
+        sharded = is_sharded(cfg, info)
         plan, ways = plan_memory(cfg, info, sharded=sharded)
         if not info.is_main:
             return 0
@@ -709,7 +581,7 @@ def dry_run(cfg: Config) -> int:
               f"parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            _check_plan(plan, cfg, info, sharded, ways)
+            check_plan(plan, cfg, info, sharded, ways)
         except ValueError:
             print(f"does not fit: {free / memory.GIB:.1f} GiB free. Ways out: " + "; ".join(ways))
             return 1

@@ -1,0 +1,173 @@
+"""The stack builder: memory plan → build → LoRA → freeze → frozen weights' dtype → activation
+checkpointing → compile → FSDP2, in one order, from the config's `model`, `data` and `train`
+sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
+`build_stack`, so a benchmark's figures come from the model the trainer runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlpack.config import Config
+from vlpack.train import memory, precision
+from vlpack.train.flops import FlopModel, flop_model
+from vlpack.train.kernel_cache import keep_kernel_cache
+from vlpack.train.module import TrainModule, freeze
+from vlpack.train.parallel import DistInfo, load_full_state
+from vlpack.train.parallelize import Parallelism, parallelize
+
+log = logging.getLogger("vlpack.train")
+
+
+@dataclass
+class Stack:
+    """A model ready to train: the HF model, its facts, the module a micro-batch runs through."""
+
+    model: nn.Module
+    spec: object
+    """The model's `ModelSpec` (model/build.py): family, token ids, merge size."""
+    module: TrainModule
+    flops: FlopModel
+    """FLOPs per batch, counted after freezing (a frozen weight costs 4 FLOPs, not 6)."""
+    plan: memory.MemoryPlan
+    ways_out: list[str]
+    """The settings that lower the plan (for refusals and out-of-memory messages)."""
+    autocast: torch.dtype | None
+    """The dtype a step autocasts to; None without autocast or under FSDP2 (its policy casts)."""
+    sharded: bool
+    """FSDP2 applies: the model was built on the meta device and received its shards."""
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """bf16 when `model.dtype` asks for it (`auto`: on a GPU), else None (float32)."""
+    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype frozen matmul weights are held in; None when nothing is frozen or they stay
+    float32 (train/precision.py)."""
+    m = cfg.model
+    freezes = bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
+    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes else None
+
+
+def is_sharded(cfg: Config, info: DistInfo) -> bool:
+    """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
+    return info.distributed or cfg.train.fsdp == "always"
+
+
+def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
+    """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
+    device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
+    apply to it."""
+    from vlpack.model.build import meta_model
+
+    m, d = cfg.model, cfg.data
+    autocast = autocast_dtype(cfg, info.device)
+    low = frozen_dtype(cfg, autocast)
+    shapes = meta_model(m.name)
+    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+    if m.lora.rank:  # only the adapters keep gradients and optimizer state
+        from vlpack.model import lora
+
+        lora.apply_lora(shapes, m.lora)
+    precision.hold_parameters(shapes, low)
+    merge = shapes.config.vision_config.spatial_merge_size
+    tokens = d.seq_len // cfg.parallel.cp
+    share = m.checkpoint_share if m.activation_checkpointing else 0.0
+    run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
+                          recompute_share=share, act_bytes=2 if autocast else 4,
+                          loss_chunk=1024 if m.chunked_loss else 0)
+    plan = memory.plan(shapes, run, world_size=info.world_size,
+                       sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
+                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low))
+    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp,
+                           vision_capped=d.max_patches is not None)
+    return plan, ways
+
+
+def check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bool,
+               ways: list[str], *, setting: str = "refuse") -> None:
+    """Refuse a run whose plan exceeds the free memory, before building it (`setting`:
+    train.memory_check; `warn` logs the refusal and goes on)."""
+    if setting == "skip":
+        return
+    device = info.device
+    try:
+        memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
+                          holds_copy=sharded and info.is_main,
+                          ways=[*ways, "train.memory_check=warn to start it anyway"])
+        if sharded and info.is_main and device.type != "cpu":
+            memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
+                                   model=cfg.model.name)
+    except ValueError as e:
+        if setting != "warn":
+            raise
+        log.warning("train.memory_check=warn: starting although %s", e)
+
+
+def build_stack(cfg: Config, info: DistInfo, *, context=None) -> Stack:
+    """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
+    context-parallel group, None without CP)."""
+    from vlpack.model.build import build_model
+
+    m, t = cfg.model, cfg.train
+    sharded = is_sharded(cfg, info)
+    autocast = autocast_dtype(cfg, info.device)
+    low = frozen_dtype(cfg, autocast)
+    plan, ways = plan_memory(cfg, info, sharded=sharded)
+    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
+    if info.device.type == "cuda":
+        keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
+    torch.manual_seed(t.seed)
+    backend = "sdpa" if cfg.data.packing == "none" else m.backend
+
+    def build(device: torch.device):
+        model, spec = build_model(m.name, backend=backend, dtype=plan.build_dtype, device=device,
+                                  seed=t.seed, random_init=m.init == "random")
+        if m.lora.rank:
+            from vlpack.model import lora
+
+            lora.apply_lora(model, m.lora)
+        return model, spec
+
+    # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
+    # sharding (load_full_state); one process builds on its device directly.
+    model, spec = build(torch.device("meta") if sharded else info.device)
+    if m.compile and cfg.data.packing == "none":
+        log.warning("model.compile with data.packing=none: the compiled padded step ran slower "
+                    "than the eager one (docs/benchmarks/levers.md); set model.compile=false for "
+                    "padded runs")
+    if m.lora.rank:
+        from vlpack.model import lora
+
+        log.info(lora.describe(model))
+    module = TrainModule(model, spec, touch_vision=info.distributed,
+                         loss_method="chunked" if m.chunked_loss else "plain", context=context)
+    parallelize(model, module, info, Parallelism(
+        freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
+        frozen_dtype=low, activation_checkpointing=m.activation_checkpointing,
+        checkpoint_share=m.checkpoint_share, compile_scope=m.compile_scope if m.compile else None,
+        fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
+        reshard_after_forward=t.reshard_after_forward))
+    flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
+    if sharded:
+        autocast = None  # FSDP's mixed-precision policy casts instead
+        if info.is_main:
+            log.info("rank 0 builds the whole model in host memory; every rank then receives "
+                     "its shards")
+        whole = build(torch.device("cpu"))[0] if info.is_main else None
+        if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
+            freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
+            precision.hold_parameters(whole, low)
+        load_full_state(model, whole, info)
+        del whole
+    return Stack(model=model, spec=spec, module=module, flops=flops, plan=plan, ways_out=ways,
+                 autocast=autocast, sharded=sharded)
