@@ -269,7 +269,8 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
 
     from tests.test_distributed import _dirty_data
 
-    data = [f"data.path={_dirty_data(tmp_path)}", "data.source=jsonl", "data.max_bad_fraction=0.3"]
+    data = [f"data.path={_dirty_data(tmp_path)}", "data.source=jsonl", "data.max_bad_fraction=0.3",
+            "model.init=random"]
     two = train(2, "dp2", *data)
     four = train(4, "dp2cp2", *CP_RUN, *data)
     base, cp = _losses(tmp_path / "dp2"), _losses(tmp_path / "dp2cp2")

@@ -29,7 +29,8 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def cfg(out: Path, *extra: str):
-    return load_config("tiny", [*SMALL, f"train.output_dir={out}", "data.shuffle=false", *extra])
+    return load_config("tiny", [*SMALL, f"train.output_dir={out}", "data.shuffle=false",
+                                   "model.init=random", *extra])
 
 
 def test_first_bins_and_first_step_loss_equal_the_jsonl_path(data, tmp_path: Path) -> None:
@@ -70,6 +71,7 @@ def test_vlpack_train_command_runs_on_an_energon_dataset(data, tmp_path: Path, c
 
     _, ds = data
     assert main(["train", *SMALL, "data.source=energon", f"data.path={ds}", "train.max_steps=1",
+                 "model.init=random",
                  f"train.output_dir={tmp_path}"]) == 0  # fmt: skip
     assert "vlpack: done" in capsys.readouterr().out
     assert len(losses(tmp_path)) == 1

@@ -76,7 +76,7 @@ def test_media_root_widens_and_bounds(tree: Path) -> None:
 
 
 def test_training_reads_with_the_same_policy(tree: Path) -> None:
-    cfg = load_config(None, ["data.source=jsonl", f"data.path={tree}",
+    cfg = load_config(None, ["data.source=jsonl", f"data.path={tree}", "model.init=random",
                              f"data.media_root={tree.parent.parent}"])
     assert cfg.data.media_root == str(tree.parent.parent)
     train, _ = build_loaders(cfg.data, Encoder("qwen3_vl"), seed=0, pad_token_id=0,
