@@ -33,13 +33,11 @@ from vlpack.data.encode import Encoder
 from vlpack.data.loader import measure_all, open_dataset
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
-from vlpack.model.build import build_model
-from vlpack.model.presets import get_preset, reduced_depth
-from vlpack.train.module import TrainModule
+from vlpack.model.presets import get_preset
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import DistInfo
-from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.plot import plot_runs
+from vlpack.train.stack import build_stack
 from vlpack.train.step import optimizer_step
 
 
@@ -75,16 +73,11 @@ def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[i
 
 
 def train(args, cfg, items, encoder, bins, device) -> Path:
-    name = get_preset(cfg.model.name).name
-    if args.layers:
-        name = reduced_depth(name, args.layers)
-    model, spec = build_model(name, backend="auto" if args.mode == "packed" else "sdpa",
-                              dtype=torch.float32, device=device, seed=cfg.train.seed)
-    module = TrainModule(model, spec, loss_method="chunked" if cfg.model.chunked_loss else "plain")
+    """`args.mode`'s run over `bins`, built by the trainer's stack builder (LoRA, frozen bf16
+    base, checkpointing and compile as the recipe says), one GPU or CPU."""
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    parallelize(model, module, info, Parallelism(  # the trainer's preparation, one GPU, eager
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        checkpoint_share=cfg.model.checkpoint_share))
+    stack = build_stack(cfg, info)
+    module, spec = stack.module, stack.spec
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
     sched = build_scheduler(opt, cfg.optim, len(bins))
     run = Path(args.out) / args.mode
@@ -99,8 +92,7 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
         for k, mbs in enumerate(data, 1):
             mbs = [b.to(device, non_blocking=True) for b in mbs]
             r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
-                               grad_clip=cfg.optim.grad_clip,
-                               autocast=torch.bfloat16 if device.type == "cuda" else None)
+                               grad_clip=cfg.optim.grad_clip, autocast=stack.autocast)
             seen += r.samples
             row = {"step": k, "loss": r.loss, "aux_loss": r.aux_loss, "samples": seen,
                    "lr": r.lr, "grad_norm": r.grad_norm, "seconds": time.perf_counter() - t0}
@@ -153,10 +145,14 @@ def main(argv=None) -> int:
         return 0
     if args.mode is None:
         p.error("pass --mode packed|padded, or --compare")
-    cfg = load_config(args.recipe, args.overrides)
+    mode = ["data.packing=none"] if args.mode == "padded" else []
+    cut = ([f"model.name={get_preset(load_config(args.recipe).model.name).name}-{args.layers}L"]
+           if args.layers else [])
+    cfg = load_config(args.recipe, [*args.overrides, *cut, *mode,
+                                    f"train.output_dir={out / args.mode}",
+                                    f"train.kernel_cache={out / 'kernel_cache'}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    family = get_preset(cfg.model.name).family
-    encoder = Encoder(family)
+    encoder = Encoder(get_preset(cfg.model.name).family)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)
