@@ -35,7 +35,7 @@ from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.presets import get_preset
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 from vlpack.train.plot import plot_runs
 from vlpack.train.stack import build_stack
 from vlpack.train.step import optimizer_step
@@ -75,7 +75,7 @@ def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[i
 def train(args, cfg, items, encoder, bins, device) -> Path:
     """`args.mode`'s run over `bins`, built by the trainer's stack builder (LoRA, frozen bf16
     base, checkpointing and compile as the recipe says), one GPU or CPU."""
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    info = Topology(rank=0, world_size=1, local_rank=0, device=device)
     stack = build_stack(cfg, info)
     module, spec = stack.module, stack.spec
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)

@@ -58,7 +58,7 @@ from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.profile import StepProfiler, count_host_syncs
 
@@ -230,7 +230,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
     # one rank, bf16 compute weights
     parallelize(model, module if mode.startswith("vlpack") else model,
-                DistInfo(rank=0, world_size=1, local_rank=0, device=device), Parallelism(
+                Topology(rank=0, world_size=1, local_rank=0, device=device), Parallelism(
                     activation_checkpointing=args.activation_checkpointing,
                     checkpoint_share=args.checkpoint_share,
                     compile_scope="layers" if args.compile_layers else

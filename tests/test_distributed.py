@@ -201,14 +201,14 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(
     assert not hung, "a rank hung: the vision tower must run on every rank"
     assert all(p.exitcode == 0 for p in procs)
     # One process, both bins as micro-batches of one step: the same global token mean.
-    from vlpack.train.parallel import DistInfo
+    from vlpack.train.parallel import Topology
     from vlpack.train.step import optimizer_step
 
     model, module, batches = _setup(name, loss, padded)
     assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == (
         not name.endswith("-untied"))
     opt, sched = _optimizer(module)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     single = [optimizer_step(module, opt, sched, batches, info=info).loss for _ in range(2)]
     assert max(abs(a - b) for a, b in zip(json.loads(out.read_text()), single, strict=True)) < 1e-5
 
@@ -226,10 +226,10 @@ def test_fsdp_blocks_see_the_same_inputs_in_forward_and_recomputation(name: str)
     Uncast inputs must also meet no fp32/bf16 mismatch in any family's blocks (checkpointing,
     then sharding, as the Trainer orders them)."""
     from vlpack.model.recompute import enable_activation_checkpointing
-    from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group, shutdown
+    from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
 
     model, module, batches = _setup(name)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     ensure_process_group(info)
     try:
         enable_activation_checkpointing(model, 1.0)
@@ -250,11 +250,11 @@ def test_fsdp_root_keeps_fp32_loss_weights() -> None:
     """`train.loss_norm=sample` hands the root fp32 per-token weights (1 / the sample's label
     count). FSDP2's mixed precision cast a module's floating inputs to bf16, which rounded them
     (by up to 0.4%) on several GPUs and not on one. The loss must see them as given."""
-    from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group, shutdown
+    from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
     from vlpack.train.step import sample_mean_weights
 
     model, module, batches = _setup()
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     ensure_process_group(info)
     seen = []
     try:

@@ -14,9 +14,9 @@ from vlpack.config import load_config
 from vlpack.data.energon.prepare import prepare_energon
 from vlpack.data.synth import default_dataset
 from vlpack.train.loop import Trainer
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 N = 12
 
 

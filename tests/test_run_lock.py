@@ -17,7 +17,7 @@ import torch
 from tests.test_train import CPU, small_cfg
 from vlpack.train import runlock
 from vlpack.train.loop import Trainer
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 
 HOLD = ("import sys, time; from vlpack.train.runlock import lock_output_dir; "
         "lock_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)")
@@ -58,7 +58,7 @@ def test_lock_of_a_killed_run_is_taken_over(holder, capfd) -> None:
 
 def test_only_rank_0_takes_the_lock(holder) -> None:
     out, _ = holder
-    rank1 = DistInfo(rank=1, world_size=1, local_rank=0, device=torch.device("cpu"))
+    rank1 = Topology(rank=1, world_size=1, local_rank=0, device=torch.device("cpu"))
     runlock.claim_output_dir(out, rank1)  # rank 1 never looks
     with pytest.raises(runlock.OutputDirLockedError):
         runlock.claim_output_dir(out, CPU)

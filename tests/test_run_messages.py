@@ -56,7 +56,7 @@ def test_progress_bar_shows_each_steps_own_loss() -> None:
     from types import SimpleNamespace
 
     from vlpack.train.loop import Trainer
-    from vlpack.train.parallel import DistInfo
+    from vlpack.train.parallel import Topology
 
     drawn = []
 
@@ -70,7 +70,7 @@ def test_progress_bar_shows_each_steps_own_loss() -> None:
         def update(self, n):
             drawn.append(self.postfix.get("loss"))
 
-    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    cpu = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     fake = SimpleNamespace(totals=dict(samples=0, real_tokens=0, tokens=0, seconds=0.0),
                            first_loss=None, last_loss=None, info=cpu, step=0,
                            cfg=SimpleNamespace(train=SimpleNamespace(log_every=10**9)))

@@ -25,11 +25,11 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model, set_attn_implementation
 from vlpack.model.synthetic import synthetic_sample
 from vlpack.train.module import TrainModule
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 from vlpack.train.step import optimizer_step
 
 NAME, AUX = "tiny-qwen3_vl_moe", 0.5
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def _samples(spec) -> list:
@@ -41,7 +41,7 @@ def _samples(spec) -> list:
             [mk("r1a", 60, [(1, 8, 4)]), mk("r1b", 44, [])], [mk("r1c", 6, [])]]
 
 
-def _trainer_grads(mbs_samples, info: DistInfo, fsdp: bool) -> dict[str, torch.Tensor]:
+def _trainer_grads(mbs_samples, info: Topology, fsdp: bool) -> dict[str, torch.Tensor]:
     model, spec = build_model(NAME, dtype=torch.float32, device="cpu", seed=0)
     module = TrainModule(model, spec, loss_method="chunked", touch_vision=fsdp)
     if fsdp:

@@ -21,10 +21,10 @@ from vlpack.train import checkpoint as ckpt
 from vlpack.train.loop import NonFiniteLossError, Trainer
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import DistInfo
+from vlpack.train.parallel import Topology
 from vlpack.train.step import optimizer_step
 
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SMALL = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
          "data.video.min_pixels=4096", "data.video.max_pixels=50176",
          "data.buffer_size=8", "data.eval_samples=0", "train.progress=false",

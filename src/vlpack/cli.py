@@ -180,7 +180,7 @@ def _run_check(args: argparse.Namespace) -> int:
                              f"processes (or a multiple: data-parallel replicas of {args.cp} "
                              f"ranks each), found WORLD_SIZE={world}: run under `torchrun "
                              f"--standalone --nproc-per-node {args.cp} -m vlpack check ...`")
-        context = context_group(init_distributed(), args.cp)
+        context = context_group(init_distributed(args.cp))
     except ValueError as e:
         print(f"vlpack check could not run: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from vlpack.train.parallel import DistInfo, all_reduce, barrier
+from vlpack.train.parallel import Topology, all_reduce, barrier
 
 MARKER = "COMPLETE"
 HEADROOM = 1.1
@@ -157,7 +157,7 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
-    info: DistInfo,
+    info: Topology,
     *,
     keep: int = 2,
     run_id: str | None = None,
@@ -217,7 +217,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Topology
 ) -> dict[str, Any]:
     """Restore model and optimizer in place; return this rank's trainer state (RNG restored)."""
     path = Path(path)
@@ -249,7 +249,7 @@ def load_checkpoint(
     return trainer
 
 
-def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *,
+def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: Topology, *,
                  base: str | None = None) -> Path:
     """Write the LoRA adapter of `model` in peft's format (`PeftModel.from_pretrained` loads
     it on the base model `base`). Collective: FSDP2 shards are gathered first."""
@@ -270,7 +270,7 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *,
 
 
 def export_hf(
-    model: torch.nn.Module, out_dir: str | Path, info: DistInfo, *, tokenizer=None, processor=None,
+    model: torch.nn.Module, out_dir: str | Path, info: Topology, *, tokenizer=None, processor=None,
     chat_template: str | None = None,
 ) -> Path:
     """Write a HF folder (safetensors, config, tokenizer, image processor, and the chat template

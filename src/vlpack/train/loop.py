@@ -36,12 +36,13 @@ from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, format_summary
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import (
-    DistInfo,
+    Topology,
     all_gather_object,
     all_reduce,
     barrier,
     context_group,
     init_distributed,
+    per_replica,
     shutdown,
 )
 from vlpack.train.plot import plot_runs
@@ -64,15 +65,17 @@ class RunOutOfMemoryError(RuntimeError):
 class Trainer:
     """Builds model, data, optimizer; runs, checkpoints and resumes."""
 
-    def __init__(self, cfg: Config, info: DistInfo | None = None):
+    def __init__(self, cfg: Config, info: Topology | None = None):
         from vlpack.data.encode import Encoder
         from vlpack.data.template import load_template
         from vlpack.data.tokenizer import has_tokenizer
 
         self.cfg = cfg
-        self.info = info or init_distributed()
-        self.cp = cfg.parallel.cp
-        self.context = context_group(self.info, self.cp)
+        self.info = info or init_distributed(cfg.parallel.cp)
+        if self.info.cp != cfg.parallel.cp:
+            raise ValueError(f"the topology's cp={self.info.cp} is not parallel.cp="
+                             f"{cfg.parallel.cp}: build it with init_distributed(cfg.parallel.cp)")
+        self.context = context_group(self.info)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
         claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
@@ -130,8 +133,8 @@ class Trainer:
     def _loaders(self):
         t = self.cfg.train
         return build_loaders(
-            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.rank // self.cp,
-            world_size=self.info.world_size // self.cp,  # data-parallel: a group shares rows
+            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.dp_rank,
+            world_size=self.info.dp,  # data-parallel: a context group shares rows
             per_round=t.micro_batches if t.tokens_per_step is None else 1,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
             pin_memory=self.info.device.type == "cuda", progress=t.progress and self.info.is_main,
@@ -173,7 +176,7 @@ class Trainer:
             r = optimizer_step(
                 self.module, self.optimizer, self.scheduler, mbs, info=self.info,
                 loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
-                grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast, cp=self.cp,
+                grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
             )
         if not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)):
             raise NonFiniteLossError(
@@ -181,7 +184,7 @@ class Trainer:
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        real, tokens, flops = (x / self.cp for x in all_reduce(stats, self.info))
+        real, tokens, flops = all_reduce(stats, self.info, axis="dp")
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
@@ -442,7 +445,7 @@ class Trainer:
     def accounting(self) -> dict[str, Any]:
         """Where the samples consumed so far went, summed over ranks (a collective)."""
         states = all_gather_object(self.train_loader.tally.state(), self.info)
-        return Tally.merged(states[:: self.cp]).as_dict()  # one rank per context group
+        return Tally.merged(per_replica(states, self.info)).as_dict()
 
     def _finish(self, out_dir: Path) -> dict[str, Any]:
         acc = self.accounting()
@@ -550,7 +553,7 @@ EXIT_ABORTED = 130
 def run(cfg: Config) -> dict[str, Any]:
     """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    info = init_distributed()
+    info = init_distributed(cfg.parallel.cp)
     try:
         trainer = Trainer(cfg, info)
         summary = trainer.fit()
@@ -568,7 +571,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def dry_run(cfg: Config) -> int:
     """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
-    info = init_distributed()
+    info = init_distributed(cfg.parallel.cp)
     try:
         sharded = is_sharded(cfg, info)
         plan, ways = plan_memory(cfg, info, sharded=sharded)

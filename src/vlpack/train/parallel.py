@@ -10,18 +10,30 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 
 @dataclass(frozen=True, slots=True)
-class DistInfo:
+class Topology:
+    """Who shares what: this process's rank and device, and the grid of ranks, `dp`
+    data-parallel replicas × `cp` context-parallel ranks. Rank r is context rank r % cp of
+    replica r // cp, so a context group sits on consecutive ranks (one host's GPUs); its ranks
+    read the same rows and split each. FSDP2 shards over every rank."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.world_size % self.cp:
+            raise ValueError(f"parallel.cp={self.cp} needs a world size divisible by {self.cp}, "
+                             f"got {self.world_size} processes: run torchrun with a multiple of "
+                             f"{self.cp}")
 
     @property
     def is_main(self) -> bool:
@@ -31,12 +43,36 @@ class DistInfo:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: groups of `cp` ranks that read different rows."""
+        return self.world_size // self.cp
 
-def init_distributed() -> DistInfo:
-    """Join the process group torchrun describes (or run alone); pick this rank's device."""
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: which share of the data it reads."""
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context group: which chunks of each row it computes."""
+        return self.rank % self.cp
+
+    def free_bytes(self) -> int | None:
+        """Free memory of this rank's device now (None where it cannot be read)."""
+        from vlpack.train.memory import available_bytes
+
+        return available_bytes(self.device)
+
+
+def init_distributed(cp: int = 1) -> Topology:
+    """Join the process group torchrun describes (or run alone); pick this rank's device; `cp`
+    ranks share each row (parallel.cp)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    topo_ = Topology(rank=rank, world_size=world, local_rank=local, device=torch.device("cpu"),
+                     cp=cp)  # checks the grid before any group is joined
     if torch.cuda.is_available():
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -47,10 +83,10 @@ def init_distributed() -> DistInfo:
         # the whole model in host memory (load_full_state), which takes minutes for a 35B model
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(minutes=30))
-    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+    return replace(topo_, device=device)
 
 
-def ensure_process_group(info: DistInfo) -> None:
+def ensure_process_group(info: Topology) -> None:
     """A process group for FSDP2 on a single process (`train.fsdp=always`): one rank, an
     in-memory store, no rendezvous."""
     if dist.is_initialized():
@@ -65,22 +101,30 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(values: list[float], info: DistInfo, op: str = "sum") -> list[float]:
-    """Reduce a few host scalars across ranks in one collective (float64 for exact counts)."""
-    if not info.distributed:
+def all_reduce(values: list[float], topo: Topology, op: str = "sum", *,
+               axis: str = "world") -> list[float]:
+    """Reduce a few host scalars across ranks in one collective (float64 for exact counts).
+    `axis="dp"` reduces over data-parallel replicas a value that every rank of a context group
+    holds alike (a row's counts): each group counts once."""
+    if axis not in ("world", "dp"):
+        raise ValueError(f"axis {axis!r}: use world or dp")
+    if not topo.distributed:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    t = torch.tensor(values, dtype=torch.float64, device=topo.device)
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                            "min": dist.ReduceOp.MIN}[op])
-    return t.tolist()
+    out = t.tolist()
+    if axis == "dp" and op == "sum":  # the world sum holds each group's value cp times
+        out = [x / topo.cp for x in out]
+    return out
 
 
-def barrier(info: DistInfo) -> None:
+def barrier(info: Topology) -> None:
     if info.distributed:
         dist.barrier()
 
 
-def broadcast_object(obj, info: DistInfo):
+def broadcast_object(obj, info: Topology):
     """Rank 0's `obj` on every rank."""
     if not info.distributed:
         return obj
@@ -89,23 +133,25 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
-def context_group(info: DistInfo, cp: int):
-    """This rank's context-parallel group (`vlpack.model.context.ContextGroup`): ranks
-    g·cp … g·cp+cp−1 form group g, so a group sits on one host's GPUs. Every rank creates
-    every group (torch.distributed's rule for new groups)."""
+def context_group(topo: Topology):
+    """This rank's context-parallel group (`vlpack.model.context.ContextGroup`): the `cp`
+    consecutive ranks of its replica. Every rank creates every group (torch.distributed's rule
+    for new groups)."""
     from vlpack.model.context import ContextGroup
 
-    if cp == 1:
+    if topo.cp == 1:
         return ContextGroup.single()
-    if info.world_size % cp:
-        raise ValueError(f"parallel.cp={cp} needs a world size divisible by {cp}, got "
-                         f"{info.world_size} processes: run torchrun with a multiple of {cp}")
-    groups = [dist.new_group(list(range(g * cp, (g + 1) * cp)))
-              for g in range(info.world_size // cp)]
-    return ContextGroup(groups[info.rank // cp], info.rank % cp, cp)
+    groups = [dist.new_group(list(range(g * topo.cp, (g + 1) * topo.cp))) for g in range(topo.dp)]
+    return ContextGroup(groups[topo.dp_rank], topo.cp_rank, topo.cp)
 
 
-def all_gather_object(obj, info: DistInfo) -> list:
+def per_replica(objs: list, topo: Topology) -> list:
+    """Of every rank's object (rank order, all_gather_object), one per data-parallel replica:
+    its context group's first rank's."""
+    return objs[:: topo.cp]
+
+
+def all_gather_object(obj, info: Topology) -> list:
     """Every rank's `obj`, in rank order, on every rank (small picklable objects only)."""
     if not info.distributed:
         return [obj]
@@ -115,7 +161,7 @@ def all_gather_object(obj, info: DistInfo) -> list:
 
 
 def apply_fsdp(
-    root: torch.nn.Module, model: torch.nn.Module, info: DistInfo, *,
+    root: torch.nn.Module, model: torch.nn.Module, info: Topology, *,
     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
 ) -> None:
@@ -153,7 +199,7 @@ def apply_fsdp(
     fully_shard(root, mesh=mesh, mp_policy=mp)  # reshard_after_forward unset: see above
 
 
-def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: DistInfo) -> None:
+def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: Topology) -> None:
     """Materialise the meta-built, FSDP2-sharded `model` on `info.device` with the weights and
     buffers of `full`, the same model built whole on rank 0's CPU (None on the other ranks).
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vlpack.train.module import freeze
-from vlpack.train.parallel import DistInfo, apply_fsdp, ensure_process_group
+from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group
 from vlpack.train.precision import hold_parameters
 
 
@@ -37,7 +37,7 @@ class Parallelism:
     reshard_after_forward: bool = True
 
 
-def parallelize(model: nn.Module, root: nn.Module, info: DistInfo, p: Parallelism) -> bool:
+def parallelize(model: nn.Module, root: nn.Module, info: Topology, p: Parallelism) -> bool:
     """Apply `p` to the HF `model` in place; FSDP2 shards its blocks and `root` (the module whose
     forward runs a micro-batch). Returns whether FSDP2 was applied."""
     from vlpack.model.compile import compile_layers, compile_regions

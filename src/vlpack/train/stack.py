@@ -18,7 +18,7 @@ from vlpack.train import memory, precision
 from vlpack.train.flops import FlopModel, flop_model
 from vlpack.train.kernel_cache import keep_kernel_cache
 from vlpack.train.module import TrainModule, freeze
-from vlpack.train.parallel import DistInfo, load_full_state
+from vlpack.train.parallel import Topology, load_full_state
 from vlpack.train.parallelize import Parallelism, parallelize
 
 log = logging.getLogger("vlpack.train")
@@ -58,12 +58,12 @@ def frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | Non
     return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes else None
 
 
-def is_sharded(cfg: Config, info: DistInfo) -> bool:
+def is_sharded(cfg: Config, info: Topology) -> bool:
     """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
     return info.distributed or cfg.train.fsdp == "always"
 
 
-def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
+def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
     apply to it."""
@@ -93,7 +93,7 @@ def plan_memory(cfg: Config, info: DistInfo, *, sharded: bool) -> tuple[memory.M
     return plan, ways
 
 
-def check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bool,
+def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
                ways: list[str], *, setting: str = "refuse") -> None:
     """Refuse a run whose plan exceeds the free memory, before building it (`setting`:
     train.memory_check; `warn` logs the refusal and goes on)."""
@@ -113,7 +113,7 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: DistInfo, sharded: bo
         log.warning("train.memory_check=warn: starting although %s", e)
 
 
-def build_stack(cfg: Config, info: DistInfo, *, context=None) -> Stack:
+def build_stack(cfg: Config, info: Topology, *, context=None) -> Stack:
     """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
     context-parallel group, None without CP)."""
     from vlpack.model.build import build_model

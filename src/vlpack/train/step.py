@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlpack.train.parallel import DistInfo, all_reduce
+from vlpack.train.parallel import Topology, all_reduce
 
 
 @dataclass
@@ -34,30 +34,29 @@ def optimizer_step(
     scheduler,
     mbs: list,
     *,
-    info: DistInfo,
+    info: Topology,
     loss_norm: str = "token",
     aux_coef: float = 0.0,
     grad_clip: float = 0.0,
     autocast: torch.dtype | None = None,
-    cp: int = 1,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step; the loss normalised globally.
 
     `token`: Σ CE over all label tokens of the step on all ranks / their all-reduced count.
     `sample`: mean over all samples of the step of each sample's token-mean CE (the reported
     loss is then that mean too).
-    With context parallelism (`cp` ranks share each row, `module` splits it) every rank of a
-    group holds the same batches: their counts are the group's, and each rank's loss and aux
-    loss are its share of the group's.
+    With context parallelism (`info.cp` ranks share each row, `module` splits it) every rank of
+    a group holds the same batches: their counts are the group's (reduced over the data-parallel
+    axis), and each rank's loss and aux loss are its share of the group's.
     The optimizer is not stepped when the loss or gradient norm is not finite.
     """
     ws = info.world_size
     weights = [sample_mean_weights(b) if loss_norm == "sample" else (None, 0) for b in mbs]
-    n_labels, n_samples, n_supervised = (x / cp for x in all_reduce([
+    n_labels, n_samples, n_supervised = all_reduce([
         sum(b.num_label_tokens for b in mbs),
         sum(b.num_samples for b in mbs),
         sum(n for _, n in weights),
-    ], info))
+    ], info, axis="dp")
     if n_labels == 0:
         raise ValueError("a step has no label tokens: does the data have assistant turns?")
     denom = n_labels if loss_norm == "token" else n_supervised
@@ -73,11 +72,11 @@ def optimizer_step(
             out = module(b) if w is None else module(b, token_weights=w)
         # FSDP averages gradients over ranks, so scale by world size: the gradient is then the
         # global sum divided by the global count. The aux loss is averaged over data-parallel
-        # ranks; a context-parallel rank's aux loss is its share of its group's (× cp).
+        # replicas; a context-parallel rank's aux loss is its share of its group's (× ws / dp).
         obj = out.loss_sum * (ws / denom)
         if out.aux_loss is not None:
             has_aux = True
-            obj = obj + aux_coef * cp * out.aux_loss / len(mbs)
+            obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)
             aux_sum += float(out.aux_loss.detach()) / len(mbs)
         obj.backward()
         loss_sum += out.loss_sum.detach().double().cpu()
@@ -94,7 +93,7 @@ def optimizer_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=loss, aux_loss=aux_total / (ws / cp) if has_aux else None, grad_norm=grad_norm, lr=lr,
+        loss=loss, aux_loss=aux_total / info.dp if has_aux else None, grad_norm=grad_norm, lr=lr,
         label_tokens=int(n_labels), real_tokens=0, tokens=0, samples=int(n_samples), flops=0.0,
         seconds=0.0,
     )
