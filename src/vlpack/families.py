@@ -51,6 +51,12 @@ class Family:
     """The template writes `<think>\\n\\n</think>\\n\\n` before answers after the last user turn."""
     trim_content: bool = False
     """The template strips whitespace around each message's rendered content."""
+    tool_format: str | None = None
+    """How the released template writes tools and tool calls (data/tools.py): None (Qwen2/2.5-VL:
+    it writes neither, and a `tool` message is a `<|im_start|>tool` turn), "json" (Qwen3-VL: a
+    JSON object per call in `<tool_call>`) or "xml" (Qwen3.5: `<function=...>` and
+    `<parameter=...>` blocks in `<tool_call>`); both put tool results in a user turn, each
+    in `<tool_response>`."""
     image_norm: float | None = None
     """Mean and std (all channels) of pixel normalisation; None keeps the processor's CLIP ones."""
     video_style: str = "qwen2"
@@ -95,23 +101,24 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            tokens_per_second=2),
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
            "Qwen3VLVisionAttention", "Qwen3VLVisionModel", "Qwen3VLTextModel", image_norm=0.5,
-           video_style="qwen3", compiled=("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLVisionMLP")),
+           video_style="qwen3", tool_format="json",
+           compiled=("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP", "Qwen3VLVisionMLP")),
     Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN2_IDS, 16, "qwen3",
            "Qwen3VLMoeVisionAttention", "Qwen3VLMoeVisionModel", "Qwen3VLMoeTextModel",
            moe=("Qwen3VLMoeTextSparseMoeBlock", "Qwen3VLMoeTextExperts",
                 "Qwen3VLMoeTextTopKRouter"),
-           image_norm=0.5, video_style="qwen3",
+           image_norm=0.5, video_style="qwen3", tool_format="json",
            compiled=("Qwen3VLMoeTextRMSNorm", "Qwen3VLMoeTextMLP", "Qwen3VLMoeVisionMLP")),
     Family("qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5VisionAttention", "Qwen3_5VisionModel", gated_deltanet="Qwen3_5GatedDeltaNet",
            think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
-           compiled=("Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
+           tool_format="xml", compiled=("Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
            gated_deltanet="Qwen3_5MoeGatedDeltaNet",
            moe=("Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeExperts", "Qwen3_5MoeTopKRouter"),
            think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
-           compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeMLP", "Qwen3_5MoeVisionMLP")),
+           tool_format="xml", compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeMLP", "Qwen3_5MoeVisionMLP")),
 )}  # fmt: skip
 
 

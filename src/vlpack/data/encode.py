@@ -17,10 +17,17 @@ Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
   lose their reasoning. We supervise that block: it is what the model emits after the bare
   `<|im_start|>assistant\\n` header, and keeping it makes training match the template.
 
-Labels equal input_ids on the assistant content (think block included) and its `<|im_end|>`,
-IGNORE_INDEX elsewhere; the `<|im_start|>assistant\\n` header and the `\\n` after `<|im_end|>` are
-not supervised. Text between special tokens is tokenised as one piece, exactly as the tokenizer
-would split the full rendered string, and special ids are spliced in directly. Given a checkpoint
+Tools, `tool` turns and assistant `tool_calls` are written as each family's template writes
+them (`vlpack.data.tools`): a system turn with the tool schemas, the calls after the answer text,
+a run of tool results as one user turn of `<tool_response>` blocks (Qwen3 families); Qwen2/2.5-VL
+write neither tools nor calls, so a sample with them is refused (`tools_unsupported`).
+
+Labels equal input_ids on the assistant content (think block and tool calls included) and its
+`<|im_end|>`, IGNORE_INDEX elsewhere; an assistant turn with `"loss": false` has no labels, tool
+results never have any, and `supervise_empty_think=False` leaves the empty think block out;
+the `<|im_start|>assistant\\n` header and the `\\n` after `<|im_end|>` are not supervised.
+Text between special tokens is tokenised as one piece, exactly as the tokenizer would split the
+full rendered string, and special ids are spliced in directly. Given a checkpoint
 folder's chat template (`vlpack.data.template`), that template renders the text instead and the
 same label rule applies to the ChatML turns it writes.
 """
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vlpack.data import template as chat
+from vlpack.data import tools
 from vlpack.data import video as vid
 from vlpack.data.media import image_size, open_image
 from vlpack.data.tokenizer import (
@@ -116,6 +124,7 @@ class Encoder:
     sampled and sized (`vlpack.data.video`; where it leaves a value None, that of
     `processor_path`'s `video_preprocessor_config.json`, else the family processor's);
     `tokens_per_second` is the model's, for Qwen2.5-VL's video positions.
+    `supervise_empty_think=False` leaves the template's empty think block out of the labels.
     """
 
     def __init__(
@@ -129,8 +138,12 @@ class Encoder:
         chat_template: chat.FolderTemplate | None = None,
         video: vid.VideoSettings | None = None,
         tokens_per_second: int | None = None,
+        supervise_empty_think: bool = True,
     ):
         self.family = family
+        self.supervise_empty_think = supervise_empty_think
+        """Whether the empty `<think>\n\n</think>\n\n` block a Qwen3.5 template writes before
+        an answer without reasoning is trained (a block with reasoning always is)."""
         folder_video = vid.folder_settings(processor_path, family) if processor_path else None
         self.video_file = folder_video[1] if folder_video else None
         """The `video_preprocessor_config.json` whose settings this encoder uses, if any."""
@@ -314,61 +327,113 @@ class Encoder:
 
     def _render(self, conv: Conversation, items: list[_Item]) -> _Rendered:
         for i, m in enumerate(conv.messages):
-            if m.role != "user" and any(not isinstance(c, str) for c in m.content):
+            if m.role not in ("user", "tool") and any(not isinstance(c, str) for c in m.content):
                 raise BadSampleError(
-                    "bad_schema", f"{conv.key}: images and videos are only supported in user turns"
-                )
+                    "bad_schema", f"{conv.key}: images and videos are only supported in user and "
+                    "tool turns")
             self._refuse_control_tokens(conv.key, i, m)
+        self._refuse_control_tokens(conv.key, None, Message("tools", (tools.tojson(conv.tools),)))
         if self.chat_template is not None:
             return self._render_template(conv, items)
+        fmt = self.spec.family.tool_format
+        if fmt is None and (conv.tools or any(m.tool_calls for m in conv.messages)):
+            raise BadSampleError(
+                "tools_unsupported",
+                f"{conv.key}: the {self.family} chat template writes neither tools nor tool calls, "
+                "so this sample's would vanish from training: write them into the text (the "
+                "system prompt and the answers), or train with a chat template that writes them "
+                "(data.chat_template=FILE.jinja)")
+        return self._render_builtin(conv, items, fmt)
+
+    def _render_builtin(self, conv: Conversation, items: list[_Item], fmt: str | None
+                        ) -> _Rendered:
+        """`conv` as the family's released template renders it (module docstring)."""
         spec, ids = self.spec, self._ids
         r = _Rendered()
         msgs = conv.messages
-        if spec.default_system and (not msgs or msgs[0].role != "system"):
+        if conv.tools:
+            system = msgs[0] if msgs and msgs[0].role == "system" else None
+            text = None if system is None else "".join(
+                _trim(system.content) if spec.trim_content else system.content)  # type: ignore[arg-type]
+            r.token(ids["<|im_start|>"])
+            r.text("system\n" + tools.system_text(fmt, conv.tools, text))
+            r.token(ids["<|im_end|>"])
+            r.text("\n")
+            msgs = msgs[1:] if system is not None else msgs
+        elif spec.default_system and (not msgs or msgs[0].role != "system"):
             msgs = (Message("system", (spec.default_system,)), *msgs)
-        last_user = max((i for i, m in enumerate(msgs) if m.role == "user"), default=-1)
+        last_query = _last_query(msgs)
         n_item = 0
         for i, m in enumerate(msgs):
             content = _trim(m.content) if spec.trim_content else m.content
             if m.role == "system" and spec.trim_content and not content:
                 continue  # qwen3_5 skips an empty system turn
-            sup = m.role == "assistant"
+            if m.role == "tool" and fmt is not None:
+                n_item = self._tool_result(r, msgs, i, content, items, n_item)
+                continue
+            answer = m.role == "assistant"
+            sup = answer and m.loss
             r.token(ids["<|im_start|>"])
             r.text(m.role + "\n")
-            if sup and spec.think_prefix:
-                reasoning, answer = _split_reasoning("".join(content))  # type: ignore[arg-type]
-                if i > last_user:
-                    r.text(f"<think>\n{reasoning}\n</think>\n\n", supervised=True)
-                content = (answer,)
-            for c in content:
-                if isinstance(c, str):
-                    r.text(c, supervised=sup)
-                elif isinstance(c, ImageRef):
-                    r.token(ids["<|vision_start|>"])
-                    r.image(n_item)
-                    r.token(ids["<|vision_end|>"])
-                    n_item += 1
-                else:
-                    r.token(ids["<|vision_start|>"])
-                    self._video_spans(r, n_item, items[n_item])
-                    r.token(ids["<|vision_end|>"])
-                    n_item += 1
+            if answer and spec.think_prefix:
+                reasoning, text = _split_reasoning("".join(content))  # type: ignore[arg-type]
+                if i > last_query:
+                    r.text(f"<think>\n{reasoning}\n</think>\n\n",
+                           supervised=sup and (bool(reasoning) or self.supervise_empty_think))
+                content = (text,)
+            n_item = self._content(r, content, sup, items, n_item)
+            if m.tool_calls:
+                r.text(tools.calls_text(fmt, m.tool_calls, "".join(content)),  # type: ignore[arg-type]
+                       supervised=sup)
             r.token(ids["<|im_end|>"], supervised=sup)
             r.text("\n")
         r.flush()
         assert n_item == len(items), (conv.key, n_item, len(items))
         return r
 
-    def _refuse_control_tokens(self, key: str, turn: int, m: Message) -> None:
-        """BadSampleError when text of `m` holds a special token of the tokenizer (grounding
-        markup aside): the tokenizer would read it as that token, so text could forge a turn
-        boundary, an end of text or a media slot."""
-        for c in m.content:
+    def _content(self, r: _Rendered, content: tuple, supervised: bool, items: list[_Item],
+                 n_item: int) -> int:
+        """Write a message's text, images and videos; the index of the next visual item."""
+        ids = self._ids
+        for c in content:
+            if isinstance(c, str):
+                r.text(c, supervised=supervised)
+                continue
+            r.token(ids["<|vision_start|>"])
+            if isinstance(c, ImageRef):
+                r.image(n_item)
+            else:
+                self._video_spans(r, n_item, items[n_item])
+            r.token(ids["<|vision_end|>"])
+            n_item += 1
+        return n_item
+
+    def _tool_result(self, r: _Rendered, msgs: tuple[Message, ...], i: int, content: tuple,
+                     items: list[_Item], n_item: int) -> int:
+        """A tool result in `<tool_response>`, a run of them in one user turn (data/tools.py)."""
+        if i == 0 or msgs[i - 1].role != "tool":
+            r.token(self._ids["<|im_start|>"])
+            r.text("user")
+        r.text("\n<tool_response>\n")
+        n_item = self._content(r, content, False, items, n_item)
+        r.text("\n</tool_response>")
+        if i + 1 == len(msgs) or msgs[i + 1].role != "tool":
+            r.token(self._ids["<|im_end|>"])
+            r.text("\n")
+        return n_item
+
+    def _refuse_control_tokens(self, key: str, turn: int | None, m: Message) -> None:
+        """BadSampleError when text of `m` (its tool calls included) holds a special token of
+        the tokenizer (grounding markup aside): the tokenizer would read it as that token, so
+        text could forge a turn boundary, an end of text or a media slot."""
+        calls = [c.name + tools.tojson(c.arguments) for c in m.tool_calls]
+        for c in (*m.content, *calls):
             if self._control is not None and isinstance(c, str) \
                     and (hit := self._control.search(c)):
+                where = "the tools" if turn is None else f"the {m.role} text of turn {turn}"
                 raise BadSampleError(
                     "special_token_in_text",
-                    f"{key}: the {m.role} text of turn {turn} holds {hit.group()!r}, a special "
+                    f"{key}: {where} holds {hit.group()!r}, a special "
                     f"token of the {self.family} tokenizer: it would become that token, not text "
                     "(a forged turn boundary, end of text or media slot); remove it or break it "
                     "up (e.g. '< |im_end| >'), and give images and videos as items",
@@ -392,7 +457,9 @@ class Encoder:
         """`conv` rendered by the folder's chat template: its text between the atomic tokens,
         split where supervision starts and ends. A video's `<|video_pad|>` becomes its spans
         (`_video_spans`), as the family's processor expands it."""
-        text, spans = chat.render(self.tokenizer, self.chat_template, conv.messages, conv.key)
+        text, spans = chat.render(self.tokenizer, self.chat_template, conv.messages, conv.key,
+                                  tools=conv.tools,
+                                  supervise_empty_think=self.supervise_empty_think)
 
         def inside(pos: int) -> bool:
             return any(a <= pos < b for a, b in spans)
@@ -513,6 +580,17 @@ def _trim(content: tuple[str | ImageRef, ...]) -> tuple[str | ImageRef, ...]:
     if items and isinstance(items[-1], str):
         items[-1] = items[-1].rstrip()
     return tuple(items)
+
+
+def _last_query(msgs: tuple[Message, ...]) -> int:
+    """Index of the last user message that asks something (-1 if none): as the Qwen3.5 template
+    counts, a user message that only wraps a tool result in `<tool_response>` does not."""
+    for i in range(len(msgs) - 1, -1, -1):
+        text = "".join(c if isinstance(c, str) else "\0" for c in _trim(msgs[i].content))
+        if msgs[i].role == "user" and not (text.startswith("<tool_response>")
+                                           and text.endswith("</tool_response>")):
+            return i
+    return -1
 
 
 def _split_reasoning(content: str) -> tuple[str, str]:

@@ -30,6 +30,26 @@ root (`data.media_root`, by default the JSONL file's folder; `vlpack.data.media`
 and its reason): one that escapes is refused here, by name. Files are not opened here: a missing
 or corrupt one is reported when the sample is encoded or measured.
 
+Agent and tool-call data (`vlpack.data.tools` renders it per family)::
+
+    {"tools": [{"type": "function", "function": {"name": "get_weather", "description": "...",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+     "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather",
+                                              "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "18 C and sunny.", "loss": true}]}
+
+`tools` is a list of JSON function schemas (or a string holding one, as some ShareGPT exports
+store it); a call's `arguments` is a JSON object (or a string holding one, OpenAI's form, parsed
+here). `"loss": false` on an assistant message (or a ShareGPT turn) masks that turn's labels; tool
+results, user and system turns are never supervised. In ShareGPT records a `function_call` turn
+(its value a call or a list of calls, as JSON) is an assistant turn that calls, and an
+`observation` (or `tool`) turn is a tool result. A tool result must follow the assistant turn
+that calls the tool (or another result).
+
 The key of a sample is its `id` field, else `<file name>:<line>` (1-based).
 """
 
@@ -46,14 +66,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from vlpack.data.media import media_path
-from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message, VideoRef
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message, ToolCall, VideoRef
 
 log = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
-         "gpt": "assistant"}  # fmt: skip
+         "gpt": "assistant", "tool": "tool", "observation": "tool",
+         "function_call": "assistant"}  # fmt: skip
 RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Strings that would turn into vision tokens if they appeared in text."""
 
@@ -137,6 +158,7 @@ def parse_record(
     if not isinstance(obj, dict):
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
     images = _record_images(obj, key)
+    tools = _tools(obj.get("tools"), key)
     if "messages" in obj:
         raw = _messages_turns(obj["messages"], key)
     elif "conversations" in obj:
@@ -155,24 +177,25 @@ def parse_record(
     for placeholder, items, what, field in (
             (IMAGE_PLACEHOLDER, images, "image", '"image"/"images"'),
             (VIDEO_PLACEHOLDER, videos, "video", '"video"/"videos"')):
-        n = sum(part.count(placeholder) for _, parts in raw for part in parts
+        n = sum(part.count(placeholder) for turn in raw for part in turn.parts
                 if isinstance(part, str))
         if n != len(items):
             _bad(key, f"{what}_count_mismatch",
                  f"{n} {placeholder} placeholder(s) but {len(items)} {what}(s) in {field}: give "
                  f"exactly one {what} per placeholder, in order")
     messages = []
-    for role, parts in raw:
+    for turn in raw:
         content: list[str | ImageRef | VideoRef] = []
-        for part in parts:
+        for part in turn.parts:
             if isinstance(part, str):
                 content.extend(_split_placeholders(part, queues))
             elif isinstance(part, _RawVideo):
                 content.append(_video_ref(part.video, part.fps, join, key))
             else:
                 content.append(ImageRef(path=join(str(part))))
-        messages.append(Message(role=role, content=tuple(content)))
-    conv = Conversation(key=key, messages=tuple(messages))
+        messages.append(Message(role=turn.role, content=tuple(content), tool_calls=turn.calls,
+                                loss=turn.loss))
+    conv = Conversation(key=key, messages=tuple(messages), tools=tools)
     _validate(conv)
     return conv
 
@@ -208,9 +231,18 @@ class _RawVideo:
     fps: Any
 
 
-# Raw turns: (role, parts) where a part is text (str), an image path (Path, not yet joined) or
-# a video (_RawVideo).
-_Turns = list[tuple[str, list[str | Path | _RawVideo]]]
+@dataclass(frozen=True)
+class _Turn:
+    """A turn as given: its role, its parts (text, an image path not yet joined, or a video),
+    its tool calls and whether it is supervised."""
+
+    role: str
+    parts: list[str | Path | _RawVideo]
+    calls: tuple[ToolCall, ...] = ()
+    loss: bool = True
+
+
+_Turns = list[_Turn]
 
 
 def _bad(key: str, reason: str, message: str) -> NoReturn:
@@ -267,25 +299,108 @@ def _video_ref(video: Any, fps: Any, join: Callable[[str, str], Path], key: str)
 
 
 def _role(value: Any, key: str, field: str) -> str:
-    if value not in ROLES:
-        _bad(key, "bad_schema",
-             f"unknown {field} {value!r}: use one of system, user/human, assistant/gpt")  # fmt: skip
+    if not isinstance(value, str) or value not in ROLES or (field == "role" and
+                                                             value == "function_call"):
+        _bad(key, "bad_schema", f"unknown {field} {value!r}: use one of system, user/human, "
+             "assistant/gpt, tool/observation" + (", function_call" if field != "role" else ""))
     return ROLES[value]
+
+
+def _loss(turn: dict, role: str, key: str, i: int) -> bool:
+    """A turn's `loss` flag: a bool, and never true on a turn that is not the assistant's."""
+    loss = turn.get("loss", True)
+    if not isinstance(loss, bool):
+        _bad(key, "bad_schema", f'turn {i}: "loss" must be true or false, got {loss!r}')
+    if loss and "loss" in turn and role != "assistant":
+        _bad(key, "bad_schema", f'turn {i} is a {role} turn with "loss": true, but only '
+             "assistant turns are trained (tool results, user and system turns never are): "
+             'drop the key')
+    return loss if role == "assistant" else True  # the flag only masks answers
+
+
+def _tools(tools: Any, key: str) -> tuple[dict, ...]:
+    """The record's `tools`: a list of function schemas, or a string holding that list as JSON."""
+    fix = ('; a tool is {"type": "function", "function": {"name": NAME, "description": TEXT, '
+           '"parameters": JSON-SCHEMA-OBJECT}}')
+    if tools is None:
+        return ()
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            _bad(key, "bad_tools", f'"tools" is a string but not JSON ({e.msg} at column '
+                 f"{e.colno}){fix}")
+    if not isinstance(tools, list):
+        _bad(key, "bad_tools", f'"tools" must be a list of function schemas, got '
+             f"{type(tools).__name__}{fix}")
+    for j, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            _bad(key, "bad_tools", f"tools[{j}] has no function name: {tool!r:.80}{fix}")
+        params = fn.get("parameters")
+        if params is not None and (not isinstance(params, dict) or not isinstance(
+                params.get("properties", {}), dict)):
+            _bad(key, "bad_tools", f"tools[{j}] ({fn['name']}): \"parameters\" must be a JSON "
+                 f"schema object with a \"properties\" object, got {params!r:.80}{fix}")
+        if not isinstance(fn.get("description", ""), str):
+            _bad(key, "bad_tools", f"tools[{j}] ({fn['name']}): \"description\" must be text"
+                 f"{fix}")
+    return tuple(tools)
+
+
+def _tool_calls(calls: Any, key: str, i: int) -> tuple[ToolCall, ...]:
+    """The tool calls of turn `i`: a list (or one call) of `{"type": "function", "function":
+    {"name", "arguments"}}` or `{"name", "arguments"}`; `arguments` an object or a JSON string
+    holding one."""
+    fix = ('; a call is {"type": "function", "function": {"name": NAME, "arguments": '
+           '{...}}}')
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        _bad(key, "bad_tool_call", f"turn {i}: tool calls must be a non-empty list, got "
+             f"{calls!r:.80}{fix}")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            _bad(key, "bad_tool_call", f"turn {i}, call {j} has no function name: "
+                 f"{call!r:.80}{fix}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                _bad(key, "bad_tool_call", f"turn {i}, call {j} ({fn['name']}): its arguments "
+                     f"string is not JSON ({e.msg} at column {e.colno}){fix}")
+        if not isinstance(args, dict):
+            _bad(key, "bad_tool_call", f"turn {i}, call {j} ({fn['name']}): arguments must be "
+                 f"a JSON object, got {args!r:.80}{fix}")
+        out.append(ToolCall(fn["name"], args))
+    return tuple(out)
 
 
 def _messages_turns(messages: Any, key: str) -> _Turns:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         _bad(key, "bad_schema", '"messages" must be a list of {"role", "content"} objects')
     turns: _Turns = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role = _role(m.get("role"), key, "role")
         content = m.get("content")
-        if isinstance(content, str):
-            turns.append((role, [content]))
+        calls = ()
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                _bad(key, "bad_tool_call", f"turn {i}: a {role} turn has tool_calls; only "
+                     "assistant turns call tools")
+            calls = _tool_calls(m["tool_calls"], key, i)
+        if content is None and calls:
+            parts = []
+        elif isinstance(content, str):
+            parts = [content]
         elif isinstance(content, list):
-            turns.append((role, [_content_item(item, key) for item in content]))
+            parts = [_content_item(item, key) for item in content]
         else:
             _bad(key, "bad_schema", f"a {role} message needs a string or list content")
+        turns.append(_Turn(role, parts, calls, _loss(m, role, key, i)))
     return turns
 
 
@@ -312,7 +427,19 @@ def _sharegpt_turns(conversations: Any, key: str) -> _Turns:
         isinstance(t, dict) and isinstance(t.get("value"), str) for t in conversations
     ):
         _bad(key, "bad_schema", '"conversations" must be a list of {"from", "value": str} objects')
-    return [(_role(t.get("from"), key, '"from"'), [t["value"]]) for t in conversations]
+    turns: _Turns = []
+    for i, t in enumerate(conversations):
+        role = _role(t.get("from"), key, '"from"')
+        if t["from"] != "function_call":
+            turns.append(_Turn(role, [t["value"]], loss=_loss(t, role, key, i)))
+            continue
+        try:
+            calls = json.loads(t["value"])
+        except json.JSONDecodeError as e:
+            _bad(key, "bad_tool_call", f"turn {i}: a function_call value must be a call (or a "
+                 f"list of calls) as JSON ({e.msg} at column {e.colno})")
+        turns.append(_Turn(role, [], _tool_calls(calls, key, i), _loss(t, role, key, i)))
+    return turns
 
 
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
@@ -336,10 +463,10 @@ def _validate(conv: Conversation) -> None:
         _bad(key, "bad_schema", "a system message may only come first: merge it into the first")
     for m in conv.messages:
         texts = [c for c in m.content if isinstance(c, str)]
-        if m.role != "user" and len(texts) != len(m.content):
+        if m.role not in ("user", "tool") and len(texts) != len(m.content):
             _bad(key, "bad_schema",
-                 f"images and videos are only supported in user turns, found one in a {m.role} "
-                 "turn")
+                 f"images and videos are only supported in user and tool turns, found one in a "
+                 f"{m.role} turn")
         for t in texts:
             if any(r in t for r in RESERVED):
                 _bad(key, "bad_schema",
@@ -348,6 +475,10 @@ def _validate(conv: Conversation) -> None:
                      "instead")
     if "assistant" not in roles:
         _bad(key, "no_assistant_turn", "no assistant turn: nothing to learn from; add an answer")
+    if not any(m.loss for m in conv.messages if m.role == "assistant"):
+        _bad(key, "no_supervised_turn", 'every assistant turn has "loss": false: nothing to '
+             "learn from; supervise one or drop the sample")
+    _validate_tools(conv)
     if "user" not in roles:
         _bad(key, "bad_schema", "no user turn: add the question the assistant answers")
     turns = [r for r in roles if r != "system"]
@@ -355,12 +486,28 @@ def _validate(conv: Conversation) -> None:
         _bad(key, "bad_schema",
              "the conversation starts with an assistant turn, an answer to no question: start "
              "with the user's turn (after an optional system message) or drop the answer")
-    if turns[-1] == "user":
+    if turns[-1] in ("user", "tool"):
         _bad(key, "bad_schema",
-             "the conversation ends with a user turn that nothing answers (training supervises "
-             "only answers, so it would be input with no target): add the answer or drop the "
-             "turn")
+             f"the conversation ends with a {turns[-1]} turn that nothing answers (training "
+             "supervises only answers, so it would be input with no target): add the answer or "
+             "drop the turn")
     for i, m in enumerate(conv.messages):
-        if m.role == "assistant" and not "".join(m.content).strip():  # type: ignore[arg-type]
+        if m.role == "assistant" and not m.tool_calls and not "".join(m.content).strip():  # type: ignore[arg-type]
             _bad(key, "empty_assistant_turn",
                  f"assistant turn {i} is empty: drop the turn or give it text")  # fmt: skip
+
+
+def _validate_tools(conv: Conversation) -> None:
+    """Each tool result follows an assistant turn (its call, as tool_calls or in its text) or
+    another result; with `tools` given, each call names one of them."""
+    names = {t.get("function", t)["name"] for t in conv.tools}
+    for i, m in enumerate(conv.messages):
+        if m.role == "tool" and (i == 0 or conv.messages[i - 1].role not in ("assistant",
+                                                                              "tool")):
+            _bad(conv.key, "bad_schema", f"tool turn {i} answers no call: put it after the "
+                 "assistant turn that calls the tool")
+        for call in m.tool_calls:
+            if names and call.name not in names:
+                _bad(conv.key, "bad_tool_call", f"turn {i} calls {call.name!r}, which is not in "
+                     f"the record's tools ({', '.join(sorted(names))}): add its schema to "
+                     '"tools" or fix the name')

@@ -5,15 +5,18 @@ A folder fine-tuned or published with its own template (`chat_template.jinja`,
 template through the tokenizer's `apply_chat_template`, so training sees the prompts that
 inference will. Supervision is found in the rendered text: every Qwen template is ChatML, so
 each assistant turn is `<|im_start|>assistant\\n` … `<|im_end|>`; the labels cover what follows
-the header up to and including `<|im_end|>` (a think block the template writes included), as on
-the built-in path.
+the header up to and including `<|im_end|>` (a think block the template writes included, its
+tool calls too), as on the built-in path; a turn with `"loss": false` is left out, and so is an
+empty `<think>\n\n</think>\n\n` block at the start of a turn with `supervise_empty_think=False`.
+Tools and tool calls go to the template as transformers takes them (`tools=`, and `tool_calls`
+of `{"type": "function", "function": {"name", "arguments"}}` on assistant messages).
 
 A template is tried on a fixed conversation when it is loaded: one that does not write ChatML
 turns, drops the answers' text or the images is refused there, with its file named. Per
 sample, a conversation the template cannot render (its own `raise_exception`), message text
 holding `<|im_start|>` / `<|im_end|>` (which would make the turns ambiguous), or a rendering
-whose assistant turns, answers or image placeholders do not match the sample is a bad sample
-(`template_mismatch`): skipped and counted in training, listed by `vlpack data validate`.
+whose assistant turns, answers, tool calls, tools or image placeholders do not match the sample
+is a bad sample (`template_mismatch`): skipped and counted in training, listed by `vlpack data validate`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from vlpack.data.types import BadSampleError, ImageRef, Message, VideoRef
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END = "<|im_end|>"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,14 @@ def hf_messages(messages) -> list[dict]:
     for m in messages:
         if all(isinstance(c, str) for c in m.content):
             out.append({"role": m.role, "content": "".join(m.content)})
-            continue
-        items = [{"type": "text", "text": c} if isinstance(c, str) else
-                 {"type": "video"} if isinstance(c, VideoRef) else {"type": "image"}
-                 for c in m.content]
-        out.append({"role": m.role, "content": items})
+        else:
+            out.append({"role": m.role, "content": [
+                {"type": "text", "text": c} if isinstance(c, str) else
+                {"type": "video"} if isinstance(c, VideoRef) else {"type": "image"}
+                for c in m.content]})
+        if m.tool_calls:
+            out[-1]["tool_calls"] = [{"type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
     return out
 
 
@@ -118,9 +125,11 @@ def _answer(message: Message) -> str:
     return re.sub(r"(?s)^.*</think>", "", text).strip()
 
 
-def render(tokenizer, template: FolderTemplate, messages, key: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and its supervised character spans [(start, end), ...];
-    BadSampleError("template_mismatch") when the sample cannot be rendered and labelled."""
+def render(tokenizer, template: FolderTemplate, messages, key: str, tools: tuple[dict, ...] = (),
+           supervise_empty_think: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with `tools`) and its supervised character spans
+    [(start, end), ...]; BadSampleError("template_mismatch") when the sample cannot be rendered
+    and labelled."""
     def bad(why: str) -> BadSampleError:
         return BadSampleError("template_mismatch", f"{template.file}: {why} ({key})")
 
@@ -133,7 +142,8 @@ def render(tokenizer, template: FolderTemplate, messages, key: str) -> tuple[str
 
     try:
         text = tokenizer.apply_chat_template(hf_messages(messages), chat_template=template.source,
-                                             tokenize=False, add_generation_prompt=False)
+                                             tools=list(tools) or None, tokenize=False,
+                                             add_generation_prompt=False)
     except jinja2.TemplateError as e:
         raise bad(f"the template refuses the conversation: {e}") from None
     spans = []
@@ -152,6 +162,14 @@ def render(tokenizer, template: FolderTemplate, messages, key: str) -> tuple[str
     for m, (a, b) in zip(answers, spans, strict=True):
         if _answer(m) not in text[a:b]:
             raise bad("the template does not write an answer's text into its assistant turn")
+        if any(c.name not in text[a:b] for c in m.tool_calls):
+            raise bad("the template does not write an assistant turn's tool calls into it")
+    for tool in tools:
+        if tool.get("function", tool)["name"] not in text:
+            raise bad("the template does not write the tools (the `tools` of the sample)")
+    spans = [(a + len(EMPTY_THINK) if not supervise_empty_think
+              and text.startswith(EMPTY_THINK, a) else a, b)
+             for m, (a, b) in zip(answers, spans, strict=True) if m.loss]
     for pad, kind, what in (("<|image_pad|>", ImageRef, "image"), ("<|video_pad|>", VideoRef,
                                                                      "video")):
         n = sum(1 for m in messages for c in m.content if isinstance(c, kind))

@@ -54,11 +54,25 @@ class VideoRef:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant turn makes: the function's name and its arguments (a JSON
+    object, keys in the order the data gives them)."""
+
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One turn. `content` interleaves text (str), images and videos in reading order."""
 
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: tuple[str | ImageRef | VideoRef, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The function calls of an assistant turn, written after its text."""
+    loss: bool = True
+    """Whether an assistant turn is supervised (`"loss": false` in the data masks it); system,
+    user and tool turns never are."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +86,10 @@ class Conversation:
     messages: tuple[Message, ...]
     where: str | None = field(default=None, compare=False)
     """`file:line` the record was read from, when the key is its `id` (None otherwise)."""
+    tools: tuple[dict, ...] = ()
+    """The functions the assistant may call: JSON function schemas (`{"type": "function",
+    "function": {"name", "description", "parameters"}}`), as transformers'
+    `apply_chat_template(..., tools=...)` takes them."""
 
     @property
     def name(self) -> str:
@@ -107,8 +125,9 @@ class EncodedSample:
 
     Fields (numpy, CPU):
       input_ids        [L] int64
-      labels           [L] int64 — equal to input_ids on supervised tokens (assistant content and
-                       its <|im_end|>), IGNORE_INDEX elsewhere. NOT shifted: the batch shifts.
+      labels           [L] int64 — equal to input_ids on supervised tokens (the content, tool
+                       calls and <|im_end|> of assistant turns with `loss`), IGNORE_INDEX
+                       elsewhere. NOT shifted: the batch shifts.
       mm_token_type_ids [L] int8 — TOKEN_TYPE_* per token.
       image_grid_thw   [I, 3] int64 — (t, h, w) in patches of every visual item (image or
                        video), in the order they appear; a video's t counts temporal patches.
