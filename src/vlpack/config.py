@@ -93,6 +93,12 @@ class DataConfig:
     chat_template: str = "auto"
     """"auto": the model folder's chat template when it has one, else vlpack's built-in
     rendering; "builtin": always vlpack's; or a .jinja file."""
+    supervise_empty_think: bool = True
+    """Train the empty `<think>\\n\\n</think>\\n\\n` block that Qwen3.5's template writes before
+    each answer without reasoning after the last user query (tool-calling turns included): true
+    teaches the model to emit it, as the template's non-thinking generation prompt does; false
+    leaves it out of the labels. A block that holds reasoning is always trained; families whose
+    template writes no think block ignore this (docs/data.md)."""
     num_workers: int = 0
     """DataLoader worker processes (source=energon: Energon's workers per rank)."""
     shuffle: bool = True

@@ -101,7 +101,8 @@ class Trainer:
                                max_image_pixels=cfg.data.max_image_pixels,
                                video=cfg.data.video, tokens_per_second=self.spec.tokens_per_second,
                                processor_path=str(folder) if folder.is_dir() else None,
-                               chat_template=load_template(cfg.data.chat_template, folder))
+                               chat_template=load_template(cfg.data.chat_template, folder),
+                               supervise_empty_think=cfg.data.supervise_empty_think)
         if self.encoder.chat_template and self.info.is_main:
             log.info("chat template from %s", self.encoder.chat_template.file)
         if self.encoder.video_file and self.info.is_main:
