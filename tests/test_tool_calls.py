@@ -323,3 +323,44 @@ def test_special_tokens_in_tool_calls_or_tools_are_refused(tmp_path):
     with pytest.raises(BadSampleError, match=re.escape("k: the tools holds '<|endoftext|>'")):
         enc.encode(parse_record(_record([_USER, _ANSWER], tools=tools), base_dir=tmp_path,
                                 key="k"))
+
+
+def _tool_jsonl(folder) -> str:
+    """A small agent dataset: calls and results, an image in a tool result, a masked answer."""
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
+        folder / "shot.png")
+    zoom = {"type": "function", "function": {"name": "screenshot", "parameters": {
+        "type": "object", "properties": {"zoom": {"type": "number"}}}}}
+    rows = [
+        {"id": "weather", **AGENT},
+        {"id": "screen", "tools": [zoom], "messages": [
+            {"role": "user", "content": "What is on the screen?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("screenshot", {"zoom": 2})]},
+            {"role": "tool", "content": [{"type": "image", "image": "shot.png"},
+                                         {"type": "text", "text": "zoomed"}]},
+            {"role": "assistant", "content": "A receipt."}]},
+        {"id": "masked", **_MASKED},
+    ]  # fmt: skip
+    path = folder / "agent.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_check_and_validate_pass_on_tool_call_data(tmp_path, capsys):
+    """`vlpack data validate` finds every tool-call sample good (Qwen3-VL and Qwen3.5
+    renderings); `vlpack check --data` packs them (an image in a tool result included) and
+    proves packed == unpacked on the tiny Qwen3-VL."""
+    from vlpack.cli import main
+    from vlpack.data.validate import validate
+
+    data = _tool_jsonl(tmp_path)
+    for family in ("qwen3_vl", "qwen3_5"):
+        report = validate(data, {"family": family}, workers=1)
+        assert report["good"] == 3 and not report["problems"], report["problems"]
+    args = ["check", "--model", "tiny-qwen3_vl", "--data", data, "--samples", "3", "--json"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["passed"], r["failures"]
+    assert sorted(r["sample_keys"]) == ["masked", "screen", "weather"]
