@@ -76,7 +76,8 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(tmp_path: Path)
     the trained model's logits."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=3", "train.export_hf=true", *LORA), CPU)
+    t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=3", "train.export_hf=true",
+                          "train.export_dtype=float32", *LORA), CPU)
     summary = t.fit()
     adapter = Path(summary["adapter"])
     config = json.loads((adapter / "adapter_config.json").read_text())

@@ -147,7 +147,7 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
 
 def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
     t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4",
-                          "train.export_hf=true"), CPU)
+                          "train.export_hf=true", "train.export_dtype=float32"), CPU)
     summary = t.fit()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]

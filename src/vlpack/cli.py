@@ -207,6 +207,31 @@ def _run_train(args: argparse.Namespace) -> int:
     return train_command(args)
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a run's checkpoint as a folder transformers and serving "
+                                      "engines load")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                   help="a run folder (its latest checkpoint) or OUTPUT_DIR/checkpoints/step_N")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--hf", action="store_true",
+                      help="a transformers folder, LoRA folded in (the default)")
+    kind.add_argument("--adapter", action="store_true",
+                      help="a LoRA run's adapter in peft's format")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the exported weights and of config.json's dtype")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: RUN/export/step_N-hf or step_N-adapter)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB)")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from vlpack.train.export import export_command
+
+    return export_command(args)
+
+
 def _add_plot(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="overlay loss curves of runs")
     p.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
@@ -236,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pack(sub)
     _add_check(sub)
     _add_train(sub)
+    _add_export(sub)
     _add_plot(sub)
     return parser
 

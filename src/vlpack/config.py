@@ -313,7 +313,11 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
     export_hf: bool = False
-    """Also export the final model as a HF folder (output_dir/hf)."""
+    """Also export the final model as a HF folder (output_dir/hf), as `vlpack export` does."""
+    export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """The dtype of that folder's weights (and of its config.json's `dtype`)."""
+    keep_checkpoints: int = 2
+    """Checkpoints of this run kept in output_dir/checkpoints (the newest; 0 keeps all)."""
     memory_check: Literal["refuse", "warn", "skip"] = "refuse"
     """Before building: `refuse` a run whose memory plan (train/memory.py, `vlpack train
     --dry-run`) exceeds the free memory, `warn` and start it anyway, or `skip` the check."""
@@ -350,6 +354,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
         _positive("train.save_every", self.save_every, allow_zero=True)
+        _positive("train.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
+        _choice("train.export_dtype", self.export_dtype, ("bfloat16", "float16", "float32"))
         _positive("train.stop_after", self.stop_after)
         _positive("train.stop_grace_s", self.stop_grace_s)
         _positive("train.micro_batches", self.micro_batches)

@@ -118,6 +118,12 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     return sum(1 for m in model.modules() if hasattr(m, "lora_A"))
 
 
+def _clean(name: str) -> str:
+    """A module or parameter name as a state dict names it (no compile or checkpoint wrapper
+    parts)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def _wrapped_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     """{state-dict prefix of a ParamWrapper: (the wrapped parameter's full key, the wrapper)}."""
     out = {}
@@ -128,8 +134,33 @@ def _wrapped_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
                 inner += ".base_layer"
                 if not hasattr(model.get_submodule(inner), "lora_A"):
                     break
-            out[name] = (f"{inner}.{m.parameter_name}", m)
+            out[_clean(name)] = (f"{_clean(inner)}.{m.parameter_name}", m)
     return out
+
+
+def merge_groups(model: nn.Module, keys) -> dict[str, list[str]]:
+    """{key of the plain model's state: the keys of `keys` (a LoRA model's state) it is made
+    from}: a base weight with its adapter's A and B, every other tensor alone; adapter-only
+    keys belong to their base weight's group. A model without LoRA maps each key to itself."""
+    if getattr(model, "_vlpack_lora", None) is None:
+        return {k: [k] for k in keys}
+    wrapped = {key: prefix for prefix, (key, _) in _wrapped_parameters(model).items()}
+    groups = {}
+    for key in keys:
+        if ".lora_" in key:
+            continue
+        if key in wrapped:
+            p = wrapped[key]
+            groups[key.replace(".base_layer", "")] = [key, f"{p}.lora_A.default.weight",
+                                                      f"{p}.lora_B.default.weight"]
+        elif ".base_layer." in key:
+            prefix, leaf = key.split(".base_layer.")
+            adapter = ([f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight"]
+                       if leaf == "weight" else [])
+            groups[f"{prefix}.{leaf}"] = [key, *adapter]
+        else:
+            groups[key] = [key]
+    return groups
 
 
 def _expert_delta(wrapper: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -164,34 +195,23 @@ def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None 
 
 
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
-    """`state_dict` (the full state of a LoRA model) with each adapter folded into its base
-    weight (W + scale · B A; per expert for the routed experts' weights) under the base
-    layer's own name: the state of the plain model. A merged weight is float32 whatever the
-    base's dtype (a base held in bf16 plus a float32 update is not a bf16 number); every other
-    tensor keeps its dtype."""
+    """`state_dict` (the state of a LoRA model, or whole groups of `merge_groups` of it) with
+    each adapter folded into its base weight (W + scale · B A; per expert for the routed
+    experts' weights) under the base layer's own name: the state of the plain model. A merged
+    weight is float32 whatever the base's dtype (a base held in bf16 plus a float32 update is
+    not a bf16 number); every other tensor keeps its dtype."""
     pc = model._vlpack_lora
     scale = pc.lora_alpha / pc.r
-    wrapped = _wrapped_parameters(model)
-    deltas = {}
-    for prefix, (key, wrapper) in wrapped.items():
-        a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
-        b = state_dict[f"{prefix}.lora_B.default.weight"].to(torch.float32)
-        deltas[key] = _expert_delta(wrapper, a, b)
+    wrappers = {key: w for key, w in _wrapped_parameters(model).values()}
     out = {}
-    for key, value in state_dict.items():
-        if ".lora_" in key:
-            continue
-        if key in deltas:
-            value = value.to(torch.float32) + deltas[key]
-            key = key.replace(".base_layer", "")
-        elif ".base_layer." in key:
-            prefix, leaf = key.split(".base_layer.")
-            if leaf == "weight":
-                a = state_dict[f"{prefix}.lora_A.default.weight"].to(torch.float32)
-                b = state_dict[f"{prefix}.lora_B.default.weight"].to(torch.float32)
-                value = value.to(torch.float32) + scale * (b @ a)
-            key = f"{prefix}.{leaf}"
-        out[key] = value
+    for plain, sources in merge_groups(model, state_dict).items():
+        value = state_dict[sources[0]]
+        if len(sources) == 3:
+            a, b = (state_dict[k].to(torch.float32) for k in sources[1:])
+            delta = (_expert_delta(wrappers[sources[0]], a, b) if sources[0] in wrappers
+                     else scale * (b @ a))
+            value = value.to(torch.float32) + delta
+        out[plain] = value
     return out
 
 

@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -114,7 +113,9 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def marker(path: Path) -> dict[str, Any]:
-    """The COMPLETE marker of a checkpoint folder: step, world_size, run_id (None if older)."""
+    """The COMPLETE marker of a checkpoint folder: step, world_size, run_id (None if older),
+    the digest of the frozen parameters' names, the device type the run trained on and whether
+    FSDP2 sharded it (where the frozen base was drawn: vlpack.train.export rebuilds it)."""
     return json.loads((path / MARKER).read_text())
 
 
@@ -141,6 +142,11 @@ def _trainable_state(model: torch.nn.Module, model_sd: dict) -> dict:
     """`model_sd` without the parameters that get no gradient (buffers stay)."""
     frozen = _frozen(model)
     return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards `model` (its parameters are DTensors)."""
+    return any(hasattr(p, "to_local") for p in model.parameters())
 
 
 def frozen_fingerprint(model: torch.nn.Module) -> str:
@@ -208,7 +214,9 @@ def save_checkpoint(
     if info.is_main:
         (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size,
                                                "run_id": run_id,
-                                               "frozen": frozen_fingerprint(model)}))
+                                               "frozen": frozen_fingerprint(model),
+                                               "device": info.device.type,
+                                               "sharded": _is_sharded(model)}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         _rotate(root, run_id, keep)
@@ -269,30 +277,20 @@ def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: Topology, *,
     return out
 
 
-def export_hf(
-    model: torch.nn.Module, out_dir: str | Path, info: Topology, *, tokenizer=None, processor=None,
-    chat_template: str | None = None,
-) -> Path:
-    """Write a HF folder (safetensors, config, tokenizer, image processor, and the chat template
-    the run rendered with as `chat_template.jinja`) that transformers loads and `vlpack train
-    model.name=FOLDER` fine-tunes further. Collective."""
+def export_hf(model: torch.nn.Module, out_dir: str | Path, info: Topology, cfg,
+              *, dtype: str = "bfloat16") -> Path:
+    """Write the live `model` of run `cfg` as a transformers folder in `dtype` (sharded
+    safetensors with their index, the LoRA adapter folded in, and the files a serving engine
+    reads; vlpack.train.export), gathering one shard at a time. Collective."""
+    from vlpack.train.export import DTYPES, live_fetch, write_config, write_weights
+    from vlpack.train.serving import write_serving_files
+
     out = Path(out_dir)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if getattr(model, "_vlpack_lora", None) is not None:  # the adapter folded in
-            from vlpack.model.lora import merged_state_dict
-
-            full = merged_state_dict(model, full)
-        model.save_pretrained(out, state_dict=full, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        if processor is not None:
-            processor.save_pretrained(out)
-        if chat_template is not None:
-            (out / "chat_template.jinja").write_text(chat_template)
-        elif getattr(tokenizer, "chat_template", None):
-            log.warning("%s carries the tokenizer folder's own chat template, but this run "
-                        "rendered with vlpack's built-in ChatML (data.chat_template=builtin)", out)
+    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=info.is_main)
+    if info.is_main:
+        write_config(model, out, DTYPES[dtype])
+        write_serving_files(out, cfg, model.config.model_type)
     barrier(info)
     return out

@@ -225,7 +225,7 @@ class Trainer:
     def save(self) -> Path:
         self.last_checkpoint = ckpt.save_checkpoint(
             self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(),
-            self.info, run_id=self.run_id,
+            self.info, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
         )
         return self.last_checkpoint
 
@@ -467,9 +467,8 @@ class Trainer:
                                                        base=self.cfg.model.name))
         if self.cfg.train.export_hf:
             self._say("exporting the HF folder")
-            hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, tokenizer=self.encoder.tokenizer,
-                                processor=self.encoder.image_processor,
-                                chat_template=getattr(self.encoder.chat_template, "source", None))
+            hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, self.cfg,
+                                dtype=self.cfg.train.export_dtype)
             summary["hf_export"] = str(hf)
         if self.info.is_main:
             self._say(f"plotting {out_dir / 'loss.png'}")
