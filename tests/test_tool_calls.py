@@ -364,3 +364,13 @@ def test_check_and_validate_pass_on_tool_call_data(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["passed"], r["failures"]
     assert sorted(r["sample_keys"]) == ["masked", "screen", "weather"]
+
+
+def test_the_trainer_hands_supervise_empty_think_to_its_encoder(tmp_path):
+    """`data.supervise_empty_think=false` reaches the encoder the trainer builds (default true)."""
+    from tests.test_train import CPU, small_cfg
+    from vlpack.train.loop import Trainer
+
+    assert small_cfg(tmp_path / "d").data.supervise_empty_think is True
+    cfg = small_cfg(tmp_path / "run", "data.supervise_empty_think=false")
+    assert Trainer(cfg, CPU).encoder.supervise_empty_think is False
