@@ -165,3 +165,26 @@ def test_the_family_chat_template_renders_as_the_builtin_one(family: str) -> Non
         assert np.array_equal(a.input_ids, b.input_ids), (conv.key, builtin.tokenizer.decode(
             b.input_ids[:40]))
         assert np.array_equal(a.labels, b.labels), conv.key
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2_vl", "tiny-qwen3_5_moe"])
+def test_published_tensor_names_load_back(name: str, tmp_path: Path) -> None:
+    """Families whose published checkpoints name or lay out tensors unlike transformers' modules
+    (Qwen2-VL's `model.layers`, Qwen3.5-MoE's per-expert weights) are written in the published
+    form, shard by shard (an experts tensor split in its own shard), and load back equal."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlpack.model.build import build_model
+    from vlpack.train.export import live_fetch, write_config, write_weights
+
+    model, _ = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    write_weights(model, tmp_path, live_fetch(model), dtype=torch.float32, max_shard_bytes=50_000)
+    write_config(model, tmp_path, torch.float32)
+    names = set(json.loads((tmp_path / INDEX).read_text())["weight_map"])
+    if name == "tiny-qwen2_vl":
+        assert "model.layers.0.mlp.down_proj.weight" in names
+    else:
+        assert "model.language_model.layers.0.mlp.experts.0.down_proj.weight" in names
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, local_files_only=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(n), p), n
