@@ -374,3 +374,27 @@ def test_the_trainer_hands_supervise_empty_think_to_its_encoder(tmp_path):
     assert small_cfg(tmp_path / "d").data.supervise_empty_think is True
     cfg = small_cfg(tmp_path / "run", "data.supervise_empty_think=false")
     assert Trainer(cfg, CPU).encoder.supervise_empty_think is False
+
+
+def test_the_checks_transformers_reference_gets_the_tools(tmp_path):
+    """`vlpack check --model FOLDER` compares the encoding with transformers' processor: that
+    reference renders the folder's template with the sample's tools, so a tool-call sample
+    gets the ids vlpack trains on."""
+    from transformers import AutoConfig
+
+    from vlpack.data.template import load_template
+    from vlpack.data.tokenizer import load_image_processor, load_tokenizer
+    from vlpack.model.check_encoding import _hf_inputs, build_processor
+
+    load_tokenizer("qwen3_vl").save_pretrained(tmp_path)
+    load_image_processor("qwen3_vl").save_pretrained(tmp_path)
+    AutoConfig.for_model("qwen3_vl").save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(_FOLDER)
+    proc, _, skipped = build_processor(tmp_path)
+    assert skipped is None, skipped
+    # the folder's tokenizer is the built-in one, saved: the encoder keeps its cached copy
+    enc = Encoder("qwen3_vl", chat_template=load_template("auto", tmp_path))
+    conv = parse_record({**AGENT, "messages": AGENT["messages"][1:]}, base_dir=tmp_path, key="k")
+    ids = enc.encode(conv).input_ids.tolist()
+    assert _hf_inputs(proc, conv)["input_ids"][0].tolist() == ids
+    assert enc.tokenizer.decode(ids).startswith("<|im_start|>system\nTools:\n- get_weather: {")

@@ -98,8 +98,8 @@ def _hf_inputs(proc, conv: Conversation) -> dict:
 
     from vlpack.data.template import hf_messages
 
-    text = proc.apply_chat_template(hf_messages(conv.messages), tokenize=False,
-                                    add_generation_prompt=False)
+    text = proc.apply_chat_template(hf_messages(conv.messages), tools=list(conv.tools) or None,
+                                    tokenize=False, add_generation_prompt=False)
     images = [load_image(str(ref.path)) for ref in conv.images]
     refs = _videos(conv)
     kwargs: dict = dict(text=[text], return_tensors="pt", return_mm_token_type_ids=True)
