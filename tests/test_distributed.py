@@ -274,12 +274,15 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
     """LoRA under FSDP2 (frozen base weights and trainable adapters in one FSDP unit) on 2
     processes gives the 1-process losses, and rank 0 writes the adapter from the gathered
     shards; also with the routed experts' weights adapted (peft's parametrization inside the
-    sharded layer)."""
+    sharded layer). The merged export gathered shard by shard from the FSDP2 shards equals the
+    1-process one, and `vlpack export` of the 2-process checkpoint (its frozen base drawn again
+    as rank 0 drew it) equals both."""
     from safetensors.torch import load_file
 
     pytest.importorskip("peft")
     args = [*SMALL, "train.max_steps=3", "data.shuffle=false", "model.lora.rank=4",
-            "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0", *extra]
+            "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0", "train.export_hf=true",
+            "train.export_dtype=float32", *extra]
     _two_and_one(tmp_path, args)
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
@@ -290,3 +293,11 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
     if extra:
         assert any(".experts.lora_A" in k for k in w1)
+    from vlpack.train.export import export_checkpoint
+
+    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", dtype="float32")
+    h1, h2, h3 = ({k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
+                  for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
+    assert set(h1) == set(h2) == set(h3) and not any("lora" in k for k in h1)
+    assert max((h1[k] - h2[k]).abs().max().item() for k in h1) < 1e-5
+    assert all(torch.equal(h2[k], h3[k]) for k in h2)

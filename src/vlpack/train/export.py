@@ -99,6 +99,7 @@ def write_weights(model: nn.Module, out: Path, fetch: Fetch, *, dtype: torch.dty
                           torch.tensor([], dtype=dtype).element_size(), max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
+    named = _plain(model)
     for i, plain_keys in enumerate(shards):
         sources = [s for k in plain_keys for s in groups[k]]
         tensors = fetch(sources)
@@ -107,7 +108,7 @@ def write_weights(model: nn.Module, out: Path, fetch: Fetch, *, dtype: torch.dty
         if getattr(model, "_vlpack_lora", None) is not None:
             tensors = lora.merged_state_dict(model, tensors)
         part = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        part = revert_weight_conversion(model, part)
+        part = revert_weight_conversion(named, part)
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(out / name),
                   metadata={"format": "pt"})
@@ -118,6 +119,17 @@ def write_weights(model: nn.Module, out: Path, fetch: Fetch, *, dtype: torch.dty
     if is_main:
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return index
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """`model` without LoRA layers, as shapes (the module names transformers' weight
+    conversions look parameters up by); `model` itself when it has none."""
+    if getattr(model, "_vlpack_lora", None) is None:
+        return model
+    import copy
+
+    with torch.device("meta"):
+        return type(model)._from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
 
 
 def write_config(model: nn.Module, out: Path, dtype: torch.dtype) -> None:
