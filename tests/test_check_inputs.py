@@ -216,7 +216,8 @@ GOOD_TEMPLATE = (
 def _processor_folder(path: Path, name: str) -> Path:
     """A checkpoint folder transformers builds a processor from: a tiny preset's config and
     weights, the offline tokenizer, the image processor's config and a chat template."""
-    from vlpack.data.tokenizer import load_image_processor, load_tokenizer
+    from vlpack.data.processor import load_image_processor
+    from vlpack.data.tokenizer import load_tokenizer
     from vlpack.model.build import build_model
 
     model, _ = build_model(f"tiny-{name}", device="cpu", dtype="float32")

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from vlpack.data.encode import Encoder
+from vlpack.data.processor import load_image_processor
 from vlpack.data.sources import parse_record, read_jsonl
 from vlpack.data.synth import write_synthetic
-from vlpack.data.tokenizer import load_image_processor
 from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, ImageRef, Message
 
 SMALL = 128 * 28 * 28  # small max_pixels where the exact size does not matter

@@ -17,7 +17,7 @@ from vlpack.data.types import BadSampleError, EncodedSample, SampleSize
 class FakeEncoder:
     """Items are EncodedSamples already (or errors); encode returns them, measure sizes them."""
 
-    class spec:  # noqa: N801 - mimics FamilySpec
+    class spec:  # noqa: N801 - mimics vlpack.families.Family
         merge_size = 2
 
     def measure(self, item: EncodedSample) -> SampleSize:

@@ -457,7 +457,6 @@ def test_family_registry_names_real_classes(name):
 
     import transformers
 
-    from vlpack.data.tokenizer import family_spec
     from vlpack.families import family
 
     f = family(name)
@@ -466,7 +465,7 @@ def test_family_registry_names_real_classes(name):
     for cls in (f.vision_attention, f.vision_tower, f.deepstack_text_model, f.gated_deltanet,
                 f.model_class):
         assert cls is None or isinstance(getattr(mod, cls), type), cls
-    spec = family_spec(name)
+    spec = family(name)
     assert spec.image_pad_id == f.ids["image_token_id"] and spec.patch_size == f.patch_size
     assert spec.vision_start_id == f.ids["vision_start_token_id"]
     with pytest.raises(ValueError, match="not supported: vlpack runs qwen2_vl"):

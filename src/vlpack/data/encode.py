@@ -43,13 +43,8 @@ from vlpack.data import template as chat
 from vlpack.data import tools
 from vlpack.data import video as vid
 from vlpack.data.media import image_size, open_image
-from vlpack.data.tokenizer import (
-    FamilySpec,
-    family_spec,
-    folder_processor,
-    load_image_processor,
-    load_tokenizer,
-)
+from vlpack.data.processor import folder_processor, load_image_processor
+from vlpack.data.tokenizer import load_tokenizer
 from vlpack.data.types import (
     IGNORE_INDEX,
     TOKEN_TYPE_IMAGE,
@@ -63,6 +58,7 @@ from vlpack.data.types import (
     SampleSize,
     VideoRef,
 )
+from vlpack.families import Family
 from vlpack.families import family as family_of
 
 _ATOMIC_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -116,7 +112,7 @@ class Encoder:
 
     `min_pixels`/`max_pixels` bound the resized image area (defaults: those of
     `processor_path`'s `preprocessor_config.json` when given, else the family's, see
-    `vlpack.data.tokenizer`; the folder's normalisation too); `tokenizer_path` is a local HF
+    `vlpack.families`; the folder's normalisation too); `tokenizer_path` is a local HF
     checkpoint folder, else the built-in offline tokenizer is used. `max_image_pixels` raises
     Pillow's decompression-bomb limit on the source images; Pillow keeps that limit process-wide,
     so the encoder sets it before each open. `chat_template` (a checkpoint folder's, see
@@ -158,7 +154,7 @@ class Encoder:
         self.max_image_pixels = max_image_pixels
         """Largest source image (width × height) opened; None: Pillow's decompression-bomb
         limit (about 179 M pixels)."""
-        self.spec: FamilySpec = family_spec(family)
+        self.spec: Family = family_of(family)
         folder = folder_processor(processor_path, family) if processor_path else None
         self.processor_file = folder.file if folder else None
         """The `preprocessor_config.json` whose settings this encoder uses, if any."""
@@ -311,7 +307,7 @@ class Encoder:
     def _safe_cut(self, sample: EncodedSample, max_tokens: int) -> tuple[int, int]:
         """Largest cut ≤ max_tokens outside visual spans, and the number of items kept."""
         cut, kept = max_tokens, 0
-        wrapped = self.spec.family.video_style == "qwen3"  # an outer start/end around a video
+        wrapped = self.spec.video_style == "qwen3"  # an outer start/end around a video
         for i, (first, last) in enumerate(_item_spans(sample, self.spec.merge_size)):
             video = sample.visual_kinds[i] == TOKEN_TYPE_VIDEO
             start, end = first - 1, last + 1  # its <|vision_start|> and <|vision_end|>
@@ -335,7 +331,7 @@ class Encoder:
         self._refuse_control_tokens(conv.key, None, Message("tools", (tools.tojson(conv.tools),)))
         if self.chat_template is not None:
             return self._render_template(conv, items)
-        fmt = self.spec.family.tool_format
+        fmt = self.spec.tool_format
         if fmt is None and (conv.tools or any(m.tool_calls for m in conv.messages)):
             raise BadSampleError(
                 "tools_unsupported",
@@ -443,7 +439,7 @@ class Encoder:
         """A video's pads: one span (qwen2 families), or a timed span per temporal patch
         (qwen3 families: transformers' processor expands the template's `<|video_pad|>`
         between its `<|vision_start|>` and `<|vision_end|>`, which stay)."""
-        if self.spec.family.video_style != "qwen3":
+        if self.spec.video_style != "qwen3":
             r.video(index)
             return
         start, end = self._ids["<|vision_start|>"], self._ids["<|vision_end|>"]

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlpack.data.tokenizer import read_processor_config
+from vlpack.data.processor import read_processor_config
 from vlpack.data.types import BadSampleError, VideoRef
 from vlpack.families import family as family_of
 

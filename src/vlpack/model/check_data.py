@@ -91,10 +91,11 @@ def _encoder(spec: ModelSpec, folder: Path):
     images and clips (a CPU check)."""
     from vlpack.data.encode import Encoder
     from vlpack.data.template import load_template
-    from vlpack.data.tokenizer import family_spec, has_tokenizer
+    from vlpack.data.tokenizer import has_tokenizer
     from vlpack.data.video import VideoSettings
+    from vlpack.families import family as family_of
 
-    fam = family_spec(spec.family)
+    fam = family_of(spec.family)
     if (spec.patch_size, spec.merge_size) != (fam.patch_size, fam.merge_size):
         raise CheckUnsupportedError(
             f"--data: {spec.name} has vision patch {spec.patch_size} and merge "

@@ -66,7 +66,7 @@ def write_serving_files(out: Path, cfg: Config, family: str) -> None:
 def _write_image_settings(out: Path, cfg: Config, family: str, *, copied: bool) -> None:
     """`preprocessor_config.json`: the folder's with the run's pixel bounds, else the family's
     image processor with them."""
-    from vlpack.data.tokenizer import load_image_processor
+    from vlpack.data.processor import load_image_processor
 
     lo, hi = cfg.data.min_pixels, cfg.data.max_pixels
     path = out / "preprocessor_config.json"
@@ -86,10 +86,9 @@ def _write_video_settings(out: Path, cfg: Config, family: str) -> None:
     """`video_preprocessor_config.json` of the family's video processor with the settings the
     run sampled and sized videos with (data.video over the family's defaults)."""
     from vlpack.data import video as vid
-    from vlpack.data.tokenizer import family_spec
     from vlpack.families import family as family_of
 
-    spec, rules = family_spec(family), vid.rules(family)
+    spec, rules = family_of(family), vid.rules(family)
     settings = cfg.data.video.over(vid.DEFAULTS)
     lo = rules.min_pixels if settings.min_pixels is None else settings.min_pixels
     hi = rules.max_pixels if settings.max_pixels is None else settings.max_pixels
