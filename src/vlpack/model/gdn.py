@@ -309,6 +309,7 @@ class GatedDeltaNet:
             return self._packed(hidden_states, split.row_segments, bounds, torch_only=False,
                                 split=split)
         if bounds is None or bounds.text is None:
+            self._approve_stock_backward(hidden_states)
             return super().forward(hidden_states, *args, **kwargs)
         if args or kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
             raise ValueError("packed Gated-DeltaNet runs without a cache: call with "
@@ -319,6 +320,21 @@ class GatedDeltaNet:
         if kwargs.get("seq_idx") is not None:
             raise ValueError("pass boundaries as vlpack's Boundaries, not seq_idx")
         return self._packed(hidden_states, bounds.text, bounds, torch_only=False)
+
+    def _approve_stock_backward(self, x: torch.Tensor) -> None:
+        """The stock forward (padded batches, unpacked samples) calls fla's delta rule where fla
+        is importable (transformers picks it); on Hopper with Triton 3.4-3.7.0 fla refuses its own backward
+        (fla #640) unless vlpack's backend approved the layer's head shape. Decide it here, as
+        the packed path does; a refused shape is a clear error instead of fla's."""
+        if not (x.is_cuda and torch.is_grad_enabled() and _fla() is not None):
+            return
+        torch_fn = _stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
+        decision = fla_hopper.decide(self.head_k_dim, self.head_v_dim, x.device, torch_fn,
+                                     heads=self.num_v_heads)
+        if not decision.ok:
+            raise ValueError(f"{decision.describe()}: transformers' Gated-DeltaNet forward (padded "
+                             "batches) would call fla's refused backward. Train packed "
+                             "(data.packing=bfd), or install tilelang or Triton >= 3.7.1")
 
     def _packed(self, x_BTD: torch.Tensor, segs: Segments, bounds: Boundaries, *,
                 torch_only: bool, split=None) -> torch.Tensor:
