@@ -96,6 +96,9 @@ def test_the_default_export_is_bf16_sharded_with_its_index(run, tmp_path: Path) 
                                                         dtype=torch.float32)
     for n, p in second.model.named_parameters():
         assert torch.equal(model.get_parameter(n), p.detach().to(torch.bfloat16).float()), n
+    # exported again into the same folder: no shard of the first export is left behind
+    assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0
+    assert [p.name for p in folder.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
 
 
 def test_keep_checkpoints_is_the_configured_number(run) -> None:

@@ -97,6 +97,9 @@ def write_weights(model: nn.Module, out: Path, fetch: Fetch, *, dtype: torch.dty
     groups = lora.merge_groups(model, [k for k in sd if k not in tied])
     shards = _plan_shards(groups, {k: v.shape for k, v in sd.items()},
                           torch.tensor([], dtype=dtype).element_size(), max_shard_bytes)
+    if is_main:  # an earlier export's shards, which the new index would not name
+        for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors"]:
+            old.unlink(missing_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
     named = _plain(model)
