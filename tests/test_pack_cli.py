@@ -164,3 +164,15 @@ def test_validate_uses_the_folders_chat_template(capsys, tmp_path: Path) -> None
     assert v["samples"] == 3 and v["bad"] == {"template_mismatch": 1}, v
     assert main([*args, "--chat-template", "builtin"]) == 0
     capsys.readouterr()
+
+
+def test_pack_without_flags_packs_as_train_does() -> None:
+    """`vlpack pack`'s defaults are data.*'s: with no flags it predicts what `vlpack train` packs."""
+    from vlpack.cli import build_parser
+    from vlpack.config import DataConfig
+
+    args = build_parser().parse_args(["pack"])
+    d = DataConfig()
+    assert (args.seq_len, args.algo, args.buffer, args.max_patches, args.overlong,
+            args.pad_to_multiple_of) == (d.seq_len, d.packing, d.buffer_size, d.max_patches,
+                                         d.overlong, d.pad_to_multiple_of)

@@ -118,14 +118,27 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="pack a dataset into bins and report how well it packs")
     p.add_argument("data", nargs="?", default=None,
                    help="DATA.jsonl (default: the built-in synthetic dataset)")
-    p.add_argument("--seq-len", type=int, default=8192, help="tokens per bin")
-    p.add_argument("--algo", choices=["greedy", "ffd", "bfd"], default="bfd")
-    p.add_argument("--buffer", type=int, default=512, help="samples per planning buffer")
-    p.add_argument("--max-patches", type=int, default=None, help="ViT patches per bin (optional)")
-    p.add_argument("--overlong", choices=["error", "truncate", "skip"], default="error")
+    from typing import get_args, get_type_hints
+
+    from vlpack.config import DataConfig
+
+    d = DataConfig()  # the defaults `vlpack train` packs with: `pack` with no flags predicts it
+    hints = get_type_hints(DataConfig)
+    algos = [a for a in get_args(hints["packing"]) if a != "none"]
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per bin (data.seq_len; default %(default)s)")
+    p.add_argument("--algo", choices=algos, default=d.packing,
+                   help="bin packing algorithm (data.packing; default %(default)s)")
+    p.add_argument("--buffer", type=int, default=d.buffer_size,
+                   help="samples per planning buffer (data.buffer_size; default %(default)s)")
+    p.add_argument("--max-patches", type=int, default=d.max_patches,
+                   help="ViT patches per bin (data.max_patches; default none)")
+    p.add_argument("--overlong", choices=list(get_args(hints["overlong"])),
+                   default=d.overlong, help="data.overlong (default %(default)s)")
     _add_encoder_flags(p)
-    p.add_argument("--pad-to-multiple-of", type=int, default=1,
-                   help="align each sample's segment, as data.pad_to_multiple_of does")
+    p.add_argument("--pad-to-multiple-of", type=int, default=d.pad_to_multiple_of,
+                   help="align each sample's segment (data.pad_to_multiple_of; default "
+                        "%(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_pack)
 
