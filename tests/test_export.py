@@ -191,3 +191,15 @@ def test_published_tensor_names_load_back(name: str, tmp_path: Path) -> None:
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, local_files_only=True)
     for n, p in model.named_parameters():
         assert torch.equal(loaded.get_parameter(n), p), n
+
+
+def test_a_frozen_part_is_rebuilt_and_the_rest_read_from_the_checkpoint(tmp_path: Path) -> None:
+    """model.freeze_vision: the checkpoint holds the LLM and merger, the export draws the vision
+    tower again; every exported tensor equals the trained model's."""
+    t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=1", "model.freeze_vision=true"), CPU)
+    t.fit()
+    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", dtype="float32")
+    got = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
+    want = {k: v for k, v in t.model.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
