@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_right
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlpack.data.plan import algorithms as P
 from vlpack.data.plan import (
+    ALGOS,
     assign_bins_to_ranks,
-    best_fit_decreasing,
     bin_stats,
     estimate_bin_cost,
-    first_fit_decreasing,
-    greedy_knapsack,
     plan_bins,
+    trees,
 )
-
-ALGOS = ["greedy", "ffd", "bfd"]
 
 # ----------------------------------------------------------------- slow, obviously-right references
 
@@ -32,16 +29,18 @@ def ref_greedy(lens, cap, pats=None, max_p=None):
     pats = pats or [0] * len(lens)
     max_p = 0 if max_p is None else max_p
     items = sorted(range(len(lens)), key=lambda i: lens[i])
+    sorted_lens = [lens[i] for i in items]
     bins = []
     while items:
         room, proom, b = cap, max_p, []
         while True:
-            k = bisect_right([lens[i] for i in items], room) - 1
+            k = bisect_right(sorted_lens, room) - 1
             while k >= 0 and pats[items[k]] > proom:
                 k -= 1
             if k < 0:
                 break
             i = items.pop(k)
+            sorted_lens.pop(k)
             b.append(i)
             room -= lens[i]
             proom -= pats[i]
@@ -119,19 +118,21 @@ def check_partition(bins, n, lens, cap, pats=None, max_p=None):
 # ----------------------------------------------------------------- properties
 
 
-SHORT_PATH_LIMITS = ("_GREEDY_LIST_MAX_ITEMS", "_FFD_RECORDS_MAX_ITEMS", "_BFD_KEYS_MAX_ITEMS")
-
-
-def plan_long_path(*args, **kw):
-    """plan_bins with the short-input limits at 0, so the tree-based paths run."""
-    saved = {k: getattr(P, k) for k in SHORT_PATH_LIMITS}
+@contextmanager
+def scan_limit(limit):
+    """Best fit scans `limit` bins on a patch miss before it builds its patch tree (1: the tree
+    answers nearly every miss; greedy and first fit always ask theirs)."""
+    saved = trees.SCAN_LIMIT
+    trees.SCAN_LIMIT = limit
     try:
-        for k in SHORT_PATH_LIMITS:
-            setattr(P, k, 0)
-        return plan_bins(*args, **kw)
+        yield
     finally:
-        for k, v in saved.items():
-            setattr(P, k, v)
+        trees.SCAN_LIMIT = saved
+
+
+def plan_with_trees(*args, **kw):
+    with scan_limit(1):
+        return plan_bins(*args, **kw)
 
 
 @settings(max_examples=80, deadline=None)
@@ -142,7 +143,7 @@ def test_partition_budgets_and_reference(data, algo, two_budgets):
     max_p = 40 if two_budgets else None
     kw = {"patches": pats, "max_patches": max_p} if two_budgets else {}
     bins = plan_bins(lens, CAP, algo, **kw)
-    assert plan_long_path(lens, CAP, algo, **kw) == bins, "short and long paths agree"
+    assert plan_with_trees(lens, CAP, algo, **kw) == bins, "scans and patch trees agree"
     check_partition(bins, len(lens), lens, CAP, pats, max_p)
     args = (lens, CAP, pats, max_p) if two_budgets else (lens, CAP)
     assert bins == REFS[algo](*args)
@@ -202,49 +203,63 @@ def test_greedy_knapsack_hand_worked():
     # bin 1: take 5 (idx 1), room 5 → 3 (idx 4: equal lengths, highest index first) → room 2,
     #        no 3 left that fits, 1 (idx 5)                                    → [1, 4, 5]
     # bin 2: the other 3 (idx 3)                                               → [3]
-    assert greedy_knapsack([8, 5, 2, 3, 3, 1], 10) == [[0, 2], [1, 4, 5], [3]]
+    assert plan_bins([8, 5, 2, 3, 3, 1], 10, "greedy") == [[0, 2], [1, 4, 5], [3]]
 
 
 def test_first_fit_decreasing_hand_worked():
     # descending: 6(0) 5(1) 4(2) 3(3) 3(4) 2(5) 1(6) into 10
     # 6→b0(4) 5→b1(5) 4→b0(0) 3→b1(2) 3→b2(7) 2→b1(0) 1→b2(6)
-    assert first_fit_decreasing([6, 5, 4, 3, 3, 2, 1], 10) == [[0, 2], [1, 3, 5], [4, 6]]
+    assert plan_bins([6, 5, 4, 3, 3, 2, 1], 10, "ffd") == [[0, 2], [1, 3, 5], [4, 6]]
 
 
 def test_best_fit_decreasing_hand_worked():
     # cap 12, descending 9(0) 7(1) 4(2) 1(3): 9→b0 room 3 ; 7→b1 room 5 ; 4→b1 room 1 ;
     # 1 → FFD: b0 (first that fits) ; BFD: b1 (room 1 is tighter than b0's 3).
-    assert first_fit_decreasing([9, 7, 4, 1], 12) == [[0, 3], [1, 2]]
-    assert best_fit_decreasing([9, 7, 4, 1], 12) == [[0], [1, 2, 3]]
+    assert plan_bins([9, 7, 4, 1], 12, "ffd") == [[0, 3], [1, 2]]
+    assert plan_bins([9, 7, 4, 1], 12, "bfd") == [[0], [1, 2, 3]]
     # Equal rooms tie to the lowest bin: 5(0)→b0 r3, 5(1)→b1 r3, 3(2)→b0.
-    assert best_fit_decreasing([5, 5, 3], 8) == [[0, 2], [1]]
+    assert plan_bins([5, 5, 3], 8, "bfd") == [[0, 2], [1]]
 
 
 def test_two_budget_hand_worked():
     # cap 10 tokens, 8 patches. Greedy: bin 0 takes 6 (idx 0, 6 patches), room 4/2 → 4 (idx 1)
     # has 4 patches > 2, skip to 3 (idx 2, 0 patches) → room 1/2 → 1 (idx 3). bin 1: 4.
     lens, pats = [6, 4, 3, 1], [6, 4, 0, 0]
-    assert greedy_knapsack(lens, 10, patches=pats, max_patches=8) == [[0, 2, 3], [1]]
-    assert first_fit_decreasing(lens, 10, patches=pats, max_patches=8) == [[0, 2, 3], [1]]
-    assert best_fit_decreasing(lens, 10, patches=pats, max_patches=8) == [[0, 2, 3], [1]]
+    for algo in ALGOS:
+        assert plan_bins(lens, 10, algo, patches=pats, max_patches=8) == [[0, 2, 3], [1]]
     # Without the patch budget the 4 joins the 6.
-    assert greedy_knapsack(lens, 10) == [[0, 1], [2, 3]]
+    assert plan_bins(lens, 10, "greedy") == [[0, 1], [2, 3]]
 
 
 # ----------------------------------------------------------------- fast paths and quality
 
 
-def test_long_input_paths_equal_short_ones():
-    lens, _ = receipts(3000, seed=1)
-    assert P._greedy_tokens(lens, 8192) == P._greedy_small(lens, 8192)
-    assert P._ffd_tree(lens, 8192) == P._ffd_records(lens, 8192)
-    lens, pats = receipts(2000, seed=2)
-    for algo in ALGOS:  # the patch budget binds often at 16k patches per 8k tokens
-        kw = {"patches": pats, "max_patches": 16384}
-        assert plan_long_path(lens, 8192, algo, **kw) == plan_bins(lens, 8192, algo, **kw)
-    rng = random.Random(0)
-    lens = [rng.randint(1, 100) for _ in range(2000)]
-    assert P._ffd_tree(lens, 100) == P._ffd_records(lens, 100) == ref_fit(lens, 100)
+def random_items(n, cap, max_p, rng):
+    """Mostly short items, a few long ones (up to the capacity); a quarter of the items
+    (text-only) carry no patches, the others up to 60."""
+    lens = [rng.randint(1, cap) if rng.random() < 0.03 else rng.randint(1, max(cap // 40, 4))
+            for _ in range(n)]  # fmt: skip
+    pats = [0 if rng.random() < 0.25 else rng.randint(0, min(max_p, 60)) for _ in range(n)]
+    return lens, pats
+
+
+@pytest.mark.parametrize("limit", [trees.SCAN_LIMIT, 1])
+@pytest.mark.parametrize(
+    ("n", "cap", "max_p"),
+    [(0, 16, 50), (1, 1000, 0), (7, 16, 50), (60, 16, 50), (300, 16, 50), (300, 8192, 1000),
+     (4500, 1000, 500)],
+)  # fmt: skip
+def test_matches_reference_on_random_inputs(n, cap, max_p, limit):
+    """Several sizes (4,500 > the 4,096-item buffer), with and without a patch budget that
+    binds in most bins; capacity 16 makes many bins tie on free tokens. With limit 1 best fit's
+    patch tree answers nearly every patch miss."""
+    lens, pats = random_items(n, cap, max_p, random.Random(n + cap))
+    for algo in ALGOS:
+        with scan_limit(limit):
+            one = plan_bins(lens, cap, algo)
+            two = plan_bins(lens, cap, algo, patches=pats, max_patches=max_p)
+        assert one == REFS[algo](lens, cap)
+        assert two == REFS[algo](lens, cap, pats, max_p)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -1,30 +1,34 @@
-"""Bin planning: pure functions from sample lengths to bins of sample indices.
+"""Bin planning: a pure function from sample lengths to bins of sample indices.
 
-Lengths in, groups out; no tensors (see `plan_online.py` for the bounded-buffer planner). Every
-item lands in exactly one bin; a bin's token sum is ≤ `capacity` and, when `max_patches` is
-given, its ViT-patch sum is ≤ `max_patches`. An item that cannot fit an empty bin raises
-`ValueError`: apply the overlong policy (truncate or drop) before planning, never here.
+Lengths in, groups out; no tensors (`online.py` runs it over a bounded buffer). Every item
+lands in exactly one bin; a bin's token sum is ≤ `capacity` and, when `max_patches` is given,
+its ViT-patch sum is ≤ `max_patches`. An item that cannot fit an empty bin raises `ValueError`:
+apply the overlong policy (truncate or drop) before planning, never here.
 
-Algorithms (all deterministic; items of equal length keep a fixed, index-based order):
+`plan_bins(lengths, capacity, algo)` runs one of three algorithms, chosen by name (`Algo`), each
+with one implementation for every input size (all deterministic; items of equal length keep a
+fixed, index-based order):
 
-- `greedy_knapsack` — Megatron-Bridge/Energon's packing recipe: sort ascending; fill one bin at
-  a time, repeatedly taking the largest remaining item that still fits (binary search).
-- `first_fit_decreasing` — items longest first, each into the lowest-numbered bin it fits,
-  else a new bin; a prefix-maximum "record" list (short inputs) or a segment tree finds it.
-- `best_fit_decreasing` — items longest first, each into the bin it fits with the least room
-  left (ties: lowest bin number), else a new bin; bins kept in one sorted list of int keys.
+- `greedy` — Megatron-Bridge/Energon's packing recipe: sort ascending (stable); fill one bin at
+  a time, repeatedly taking the largest remaining item that still fits (equal lengths: highest
+  index first). The distinct lengths left form one sorted list, so a pick is one bisect.
+- `ffd` (first fit decreasing) — items longest first (ties: lower index first), each into the
+  lowest-numbered bin it fits, else a new bin. A max-tree over the bins' free tokens finds it.
+- `bfd` (best fit decreasing) — items longest first (ties: lower index first), each into the
+  bin it fits with the fewest free tokens (ties: lowest bin number), else a new bin. Bins live
+  in one sorted list of keys free tokens·K + bin, so a search is one bisect.
 
-With a patch budget "fits" means both budgets. Short inputs (≤ 4,096 items: a buffer) take
-list-based paths, long ones tree-based paths with no quadratic cases; both give the same bins.
+With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
+candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
+patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
+that has them (best fit scans a few bins on before it builds its tree). Every step is a bisect or
+O(log) tree steps, so no input has quadratic cases; inputs whose patch budget never binds (a
+generous `max_patches`) build no tree.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
 were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
 so that a stream of bins does not run from the longest items to the shortest. Bins themselves
 are identical with or without a seed.
-
-`plan_lists` is the core both `plan_bins` and `OnlinePlanner` (online.py) run. The product
-plans buffers of `data.buffer_size` items (256 by default) with the list-based paths; a buffer of
-more than 4,096 items takes the tree-based paths.
 """
 
 from __future__ import annotations
@@ -32,23 +36,63 @@ from __future__ import annotations
 import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = [
-    "ALGORITHMS",
-    "Algo",
-    "best_fit_decreasing",
-    "check_algo",
-    "first_fit_decreasing",
-    "greedy_knapsack",
-    "plan_bins",
-    "plan_lists",
-]
+from vlpack.data.plan import trees
+from vlpack.data.plan.trees import BinPatches, LengthPatches, RoomPatches, grown_max_tree
+
+__all__ = ["ALGOS", "Algo", "check_algo", "plan_bins"]
 
 Algo = Literal["greedy", "ffd", "bfd"]
+"""Planner names; the default one is `DataConfig.packing` (config.py)."""
+ALGOS: tuple[Algo, ...] = get_args(Algo)
 Bins = list[list[int]]
 
-_INF = float("inf")
+
+def check_algo(algo: str) -> None:
+    """Raises ValueError naming the choices when `algo` is not a planner name."""
+    if algo not in ALGOS:
+        raise ValueError(f"unknown packing algo {algo!r}; choose one of {sorted(ALGOS)}")
+
+
+def plan_bins(
+    lengths: Sequence[int],
+    capacity: int,
+    algo: Algo,
+    *,
+    patches: Sequence[int] | None = None,
+    max_patches: int | None = None,
+    seed: int | None = None,
+) -> Bins:
+    """Plans `lengths` (tokens per item) into bins of at most `capacity` tokens with the named
+    algorithm; returns bins of item indices.
+
+    `patches` (ViT patches per item) only count when `max_patches` is given. `seed` shuffles the
+    order of the bins (not their contents); None keeps the order in which bins were opened.
+
+    >>> plan_bins([6, 5, 4, 3, 3, 2, 1], 10, "ffd")
+    [[0, 2], [1, 3, 5], [4, 6]]
+    """
+    check_algo(algo)
+    lens, pats = _validate(lengths, capacity, patches, max_patches)
+    bins = _plan_checked(algo, lens, pats, capacity, max_patches)
+    if seed is not None:
+        random.Random(seed).shuffle(bins)
+    return bins
+
+
+def _plan_checked(
+    algo: str,
+    lens: Sequence[int],
+    pats: Sequence[int] | None,
+    capacity: int,
+    max_patches: int | None,
+) -> Bins:
+    """Runs `algo` on validated int sequences (no checks, no shuffle): the core `plan_bins`
+    and `OnlinePlanner` share. `pats` is ignored when `max_patches` is None."""
+    if max_patches is None:
+        pats, max_patches = None, 0
+    return _RUN[algo](lens, pats, capacity, max_patches)
 
 
 # --------------------------------------------------------------------------- validation
@@ -113,52 +157,14 @@ def _validate(
     return lens, pats
 
 
-def _shuffled(bins: Bins, seed: int | None) -> Bins:
-    if seed is not None:
-        random.Random(seed).shuffle(bins)
-    return bins
+# --------------------------------------------------------------------------- the algorithms
+# Each takes validated lengths, patches (None: no patch budget), capacity and max_patches.
 
 
-# --------------------------------------------------------------------------- greedy knapsack
-
-
-_GREEDY_LIST_MAX_ITEMS = 4096
-"""Up to this many items greedy keeps one sorted list and pops from it (fastest for buffers);
-above, list pops cost O(n) each and per-length stacks (or, with patches, a tree) take over."""
-
-
-def _greedy_small(
-    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
-) -> Bins:
-    """Greedy knapsack, short inputs: a stably sorted list; each pick is the rightmost bisect
-    hit (equal lengths go highest index first), popped. With a patch budget the pick walks left
-    to the first item whose patches fit (worst case O(n) per pick; fine for a buffer)."""
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    slens = [lens[i] for i in order]
-    spats = None if pats is None else [pats[i] for i in order]
-    bins: Bins = []
-    while slens:
-        room, proom = capacity, max_p
-        b: list[int] = []
-        while True:
-            k = bisect_right(slens, room) - 1
-            if spats is not None:
-                while k >= 0 and spats[k] > proom:
-                    k -= 1
-                if k >= 0:
-                    proom -= spats.pop(k)
-            if k < 0:
-                break
-            room -= slens.pop(k)
-            b.append(order.pop(k))
-        bins.append(b)
-    return bins
-
-
-def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
-    """Greedy knapsack, one budget, long inputs. Items of one length form a stack (highest
-    index on top, as a stable ascending sort plus a rightmost bisect would pick); `vals` holds
-    the lengths still present, so each pick is one bisect over ≤ capacity distinct values."""
+def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
+    """Items of one length form a stack (highest index on top, as a stable ascending sort
+    plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
+    largest fitting item is one bisect away. A patch miss asks `LengthPatches`."""
     stacks: dict[int, list[int]] = {}
     for i, v in enumerate(lens):
         st = stacks.get(v)
@@ -167,9 +173,10 @@ def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
         else:
             st.append(i)
     vals = sorted(stacks)
+    index: LengthPatches | None = None
     bins: Bins = []
     while vals:
-        room = capacity
+        room, proom = capacity, max_p
         b: list[int] = []
         while True:
             k = bisect_right(vals, room)
@@ -177,7 +184,25 @@ def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
                 break
             v = vals[k - 1]
             st = stacks[v]
-            b.append(st.pop())
+            if pats is not None:
+                if pats[st[-1]] <= proom:
+                    at = -1
+                else:
+                    if index is None:
+                        index = LengthPatches(vals, stacks, pats)
+                    k, at = index.rightmost(vals, k - 1, proom)
+                    if k < 0:
+                        break
+                    k += 1
+                    v = vals[k - 1]
+                    st = stacks[v]
+                i = st.pop(at)
+                proom -= pats[i]
+                if index is not None:
+                    index.dirty.add(v)
+            else:
+                i = st.pop()
+            b.append(i)
             room -= v
             if not st:
                 del vals[k - 1]
@@ -185,171 +210,20 @@ def _greedy_tokens(lens: Sequence[int], capacity: int) -> Bins:
     return bins
 
 
-def _greedy_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
-    """Greedy knapsack, tokens and patches, long inputs. Items sorted by (length, index); a
-    min-segment tree over their patch counts (taken items = ∞) finds, among the items whose
-    tokens fit, the rightmost one whose patches fit too."""
-    n = len(lens)
-    order = sorted(range(n), key=lens.__getitem__)
-    slens = [lens[i] for i in order]
-    size = 1 << max(n - 1, 0).bit_length()
-    tree: list[float] = [_INF] * (2 * size)
-    tree[size : size + n] = [pats[i] for i in order]
-    for node in range(size - 1, 0, -1):
-        tree[node] = min(tree[2 * node], tree[2 * node + 1])
-
-    def rightmost(end: int, budget: int) -> int:
-        """Rightmost position < end whose patch count ≤ budget, else -1."""
-        if end <= 0:
-            return -1
-        node = end - 1 + size
-        while tree[node] > budget:
-            while not node & 1:
-                node >>= 1
-            if node == 1:
-                return -1
-            node -= 1
-        while node < size:
-            node = 2 * node + 1 if tree[2 * node + 1] <= budget else 2 * node
-        return node - size
-
-    bins: Bins = []
-    left = n
-    while left:
-        room, proom = capacity, max_p
-        b: list[int] = []
-        while True:
-            pos = rightmost(bisect_right(slens, room), proom)
-            if pos < 0:
-                break
-            i = order[pos]
-            b.append(i)
-            room -= lens[i]
-            proom -= pats[i]
-            node = pos + size
-            tree[node] = _INF
-            node >>= 1
-            while node:
-                a, c = tree[2 * node], tree[2 * node + 1]
-                m = a if a < c else c
-                if tree[node] == m:
-                    break
-                tree[node] = m
-                node >>= 1
-        assert b, "an empty bin must accept the largest remaining item"
-        left -= len(b)
-        bins.append(b)
-    return bins
-
-
-def greedy_knapsack(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    patches: Sequence[int] | None = None,
-    max_patches: int | None = None,
-    seed: int | None = None,
-) -> Bins:
-    """Energon/Megatron-Bridge greedy knapsack: fill bins one at a time, each time taking the
-    largest remaining item that still fits. Returns bins of item indices."""
-    lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(plan_lists("greedy", lens, pats, capacity, max_patches), seed)
-
-
-# --------------------------------------------------------------------------- first fit
-
-
-_FFD_RECORDS_MAX_ITEMS = 4096
-"""Above this many items FFD uses segment trees: the record scan (and, with patches, the bin
-scan) can degrade on long inputs (many nearly full bins in one gap); below, records are
-faster."""
-
-
-def _ffd_records(
-    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
-) -> Bins:
-    """First-fit decreasing for short inputs.
-
-    `room[j]` is bin j's free space. The first bin that fits s is the first prefix maximum
-    ("record") of `room` that is ≥ s; records are increasing in both bin number (`rb`) and
-    room (`rv`), so one bisect finds it. A sentinel record (room capacity + 1, bin = the next
-    bin to open) ends the list. After a bin shrinks, only the records between it and the next
-    record can change; a scan of that gap rebuilds them. With a patch budget, when the found
-    bin lacks patch room the bins after it are scanned in order.
-    """
+def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
+    """A max-tree over bins holds free tokens (unopened bins are empty, so the leftmost leaf
+    that fits is the answer, opened or not); it starts at the fewest bins possible and doubles
+    when every leaf is opened. A patch miss asks `BinPatches` from the next bin on."""
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-    room: list[int] = []
-    proom: list[int] = []
-    bins: Bins = []
-    rv: list[int] = [capacity + 1]
-    rb: list[int] = [0]
-    nb = 0
-    for i in order:
-        s = lens[i]
-        p = bisect_left(rv, s)
-        j = rb[p]
-        if pats is not None:
-            q = pats[i]
-            if j != nb and proom[j] < q:
-                j = next((k for k in range(j + 1, nb) if room[k] >= s and proom[k] >= q), nb)
-                p = bisect_left(rb, j)
-                if rb[p] != j:  # a bin that is not a record: no record changes
-                    room[j] -= s
-                    proom[j] -= q
-                    bins[j].append(i)
-                    continue
-            if j == nb:
-                proom.append(max_p - q)
-            else:
-                proom[j] -= q
-        if j == nb:  # the sentinel: open a bin
-            r = capacity - s
-            room.append(r)
-            bins.append([i])
-            nb += 1
-            if not p or r > rv[p - 1]:
-                rv.insert(p, r)
-                rb.insert(p, j)
-            rb[-1] = nb
-            continue
-        r = rv[p] - s
-        room[j] = r
-        bins[j].append(i)
-        low = rv[p - 1] if p else -1
-        end = rb[p + 1]
-        if j + 1 == end:
-            if r > low:
-                rv[p] = r
-            else:
-                del rv[p], rb[p]
-            continue
-        new_v: list[int] = []
-        new_b: list[int] = []
-        m = low
-        if r > m:
-            new_v.append(r)
-            new_b.append(j)
-            m = r
-        for k in range(j + 1, end):
-            x = room[k]
-            if x > m:
-                new_v.append(x)
-                new_b.append(k)
-                m = x
-        rv[p : p + 1] = new_v
-        rb[p : p + 1] = new_b
-    return bins
-
-
-def _ffd_tree(lens: list[int], capacity: int) -> Bins:
-    """First-fit decreasing, one budget, for long inputs: a max-segment tree over bins (free
-    tokens; unopened bins are full) and a leftmost descent. O(n log n) with no bad cases."""
-    n = len(lens)
-    order = sorted(range(n), key=lens.__getitem__, reverse=True)
-    size = 1 << max(n - 1, 0).bit_length()
+    size = 1 << (-(-sum(lens) // capacity)).bit_length()
     tree = [capacity] * (2 * size)
     bins: Bins = []
+    proom: list[int] = []
+    index: BinPatches | None = None
     for i in order:
+        if len(bins) == size:  # keep one unopened leaf, so every search ends on a leaf
+            size, tree = grown_max_tree(tree, size, capacity)
+            index = None
         s = lens[i]
         node = 1
         while node < size:
@@ -357,6 +231,19 @@ def _ffd_tree(lens: list[int], capacity: int) -> Bins:
             if tree[node] < s:
                 node += 1
         j = node - size
+        if pats is not None:
+            q = pats[i]
+            if j < len(bins) and proom[j] < q:
+                if index is None:
+                    index = BinPatches(size, proom, max_p)
+                j = index.first_fit(tree, j + 1, s, q)
+                node = j + size
+            if j == len(bins):
+                proom.append(max_p - q)
+            else:
+                proom[j] -= q
+            if index is not None:
+                index.dirty.append(j)
         if j == len(bins):
             bins.append([i])
         else:
@@ -364,9 +251,8 @@ def _ffd_tree(lens: list[int], capacity: int) -> Bins:
         tree[node] -= s
         node >>= 1
         while node:
-            a = tree[2 * node]
-            b = tree[2 * node + 1]
-            m = a if a > b else b
+            a, c = tree[2 * node], tree[2 * node + 1]
+            m = a if a > c else c
             if tree[node] == m:
                 break
             tree[node] = m
@@ -374,237 +260,54 @@ def _ffd_tree(lens: list[int], capacity: int) -> Bins:
     return bins
 
 
-def _ffd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
-    """First-fit decreasing, tokens and patches: a segment tree over bins holding the max
-    free tokens and max free patches of each subtree; a pruned depth-first search finds the
-    leftmost bin that fits both. Unopened bins are leaves with full room, so "no open bin
-    fits" naturally opens the next one."""
-    n = len(lens)
-    order = sorted(range(n), key=lens.__getitem__, reverse=True)
-    size = 1 << max(n - 1, 0).bit_length()
-    tt = [capacity] * (2 * size)
-    tp = [max_p] * (2 * size)
-    bins: Bins = []
-    for i in order:
-        s, q = lens[i], pats[i]
-        stack = [1]
-        node = 0
-        while stack:
-            node = stack.pop()
-            if tt[node] < s or tp[node] < q:
-                continue
-            if node >= size:
-                break
-            stack.append(2 * node + 1)
-            stack.append(2 * node)
-        j = node - size
-        assert 0 <= j <= len(bins), "an unopened bin always fits a validated item"
-        if j == len(bins):
-            bins.append([])
-        bins[j].append(i)
-        tt[node] -= s
-        tp[node] -= q
-        node >>= 1
-        while node:
-            a, b = 2 * node, 2 * node + 1
-            tt[node] = tt[a] if tt[a] > tt[b] else tt[b]
-            tp[node] = tp[a] if tp[a] > tp[b] else tp[b]
-            node >>= 1
-    return bins
-
-
-def first_fit_decreasing(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    patches: Sequence[int] | None = None,
-    max_patches: int | None = None,
-    seed: int | None = None,
-) -> Bins:
-    """First-fit decreasing: longest item first (ties: lower index first), each into the
-    lowest-numbered open bin that fits, else a new bin. Returns bins of item indices."""
-    lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(plan_lists("ffd", lens, pats, capacity, max_patches), seed)
-
-
-# --------------------------------------------------------------------------- best fit
-
-_BFD_KEYS_MAX_ITEMS = 4096
-"""With a patch budget and more items than this, BFD uses the room-indexed tree: the key
-list's upward scan for patch room is O(bins) per item in the worst case."""
-
-
-
-def _bfd_keys(
-    lens: Sequence[int], capacity: int, pats: Sequence[int] | None = None, max_p: int = 0
-) -> Bins:
-    """Best-fit decreasing. Open bins live in one sorted list of keys room·K + bin (K > bins),
-    so `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. With a patch
-    budget the scan walks up from there to the first bin whose patches fit (worst case O(bins)
-    per item: used for short inputs only)."""
+def _bfd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
+    """Bins live in one sorted list of keys free tokens·K + bin (K > bins), so
+    `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A patch miss scans
+    on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss asks
+    `RoomPatches`."""
     n = len(lens)
     K = n + 1
     order = sorted(range(n), key=lens.__getitem__, reverse=True)
     keys: list[int] = []
     bins: Bins = []
     proom: list[int] = []
+    index: RoomPatches | None = None
     for i in order:
         s = lens[i]
         p = bisect_left(keys, s * K)
         if pats is not None:
             q = pats[i]
-            while p < len(keys) and proom[keys[p] % K] < q:
-                p += 1
-            if p == len(keys):
-                proom.append(max_p - q)
-            else:
-                proom[keys[p] % K] -= q
+            if p < len(keys) and proom[keys[p] % K] < q:
+                if index is None:  # scan on in key order
+                    end = min(p + trees.SCAN_LIMIT, len(keys))
+                    p += 1
+                    while p < end and proom[keys[p] % K] < q:
+                        p += 1
+                    if p == end < len(keys):  # too far: from now on the tree answers
+                        index = RoomPatches(capacity, keys, K, proom)
+                if index is not None:
+                    p = index.tightest(s, q)
         if p == len(keys):
-            insort(keys, (capacity - s) * K + len(bins))
+            r = capacity - s
+            insort(keys, r * K + len(bins))
             bins.append([i])
+            if pats is not None:
+                proom.append(max_p - q)
+                if index is not None:
+                    index.opened(r, max_p - q)
         else:
             r, j = divmod(keys.pop(p), K)
             bins[j].append(i)
             insort(keys, (r - s) * K + j)
+            if pats is not None:
+                proom[j] -= q
+                if index is not None:
+                    index.moved(r, proom[j] + q, r - s, proom[j])
     return bins
 
 
-def _bfd_two_budgets(lens: list[int], pats: list[int], capacity: int, max_p: int) -> Bins:
-    """Best-fit decreasing, tokens and patches, long inputs. Leaf r of a max-segment tree over
-    token room (0..capacity) holds the largest patch room among bins with exactly r free tokens
-    (-1: none); "leftmost r ≥ s with value ≥ q" is the tightest bin that fits both budgets, and
-    the lowest-numbered bin of that leaf with enough patch room wins the tie."""
-    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-    size = 1 << (capacity + 1).bit_length()
-    tree = [-1] * (2 * size)
-    at: dict[int, list[int]] = {}  # token room → its bins, ascending
-    proom: list[int] = []
-    bins: Bins = []
-
-    def set_leaf(r: int, value: int) -> None:
-        node = r + size
-        tree[node] = value
-        node >>= 1
-        while node:
-            a, b = tree[2 * node], tree[2 * node + 1]
-            m = a if a > b else b
-            if tree[node] == m:
-                break
-            tree[node] = m
-            node >>= 1
-
-    def tightest(s: int, q: int) -> int:
-        node = s + size
-        while tree[node] < q:
-            while node & 1:
-                node >>= 1
-            if not node:
-                return -1
-            node += 1
-        while node < size:
-            node = 2 * node if tree[2 * node] >= q else 2 * node + 1
-        return node - size
-
-    for i in order:
-        s, q = lens[i], pats[i]
-        r = tightest(s, q)
-        if r < 0:
-            j = len(bins)
-            bins.append([i])
-            proom.append(max_p - q)
-            r = capacity
-        else:
-            members = at[r]
-            j = next(b for b in members if proom[b] >= q)
-            members.remove(j)
-            if proom[j] == tree[r + size]:  # it may have held the leaf's maximum
-                set_leaf(r, max(map(proom.__getitem__, members)) if members else -1)
-            bins[j].append(i)
-            proom[j] -= q
-        members = at.setdefault(r - s, [])
-        insort(members, j)
-        if proom[j] > tree[r - s + size]:
-            set_leaf(r - s, proom[j])
-    return bins
-
-
-def best_fit_decreasing(
-    lengths: Sequence[int],
-    capacity: int,
-    *,
-    patches: Sequence[int] | None = None,
-    max_patches: int | None = None,
-    seed: int | None = None,
-) -> Bins:
-    """Best-fit decreasing: longest item first (ties: lower index first), each into the open
-    bin with the least token room that still fits it (ties: lowest bin number), else a new
-    bin. Returns bins of item indices."""
-    lens, pats = _validate(lengths, capacity, patches, max_patches)
-    return _shuffled(plan_lists("bfd", lens, pats, capacity, max_patches), seed)
-
-
-# --------------------------------------------------------------------------- dispatcher
-
-
-def plan_lists(
-    algo: str,
-    lens: Sequence[int],
-    pats: Sequence[int] | None,
-    capacity: int,
-    max_patches: int | None,
-) -> Bins:
-    """Runs `algo` on validated int sequences (no checks, no shuffle): the shared core of the
-    offline functions and `OnlinePlanner`. Short inputs (a buffer) take the list-based paths,
-    long ones the tree-based paths; both give identical bins."""
-    if max_patches is None:
-        pats = None
-    n, mp = len(lens), max_patches or 0
-    if algo == "greedy":
-        if n <= _GREEDY_LIST_MAX_ITEMS:
-            return _greedy_small(lens, capacity, pats, mp)
-        if pats is None:
-            return _greedy_tokens(lens, capacity)
-        return _greedy_two_budgets(lens, pats, capacity, mp)
-    if algo == "ffd":
-        if n <= _FFD_RECORDS_MAX_ITEMS:
-            return _ffd_records(lens, capacity, pats, mp)
-        if pats is None:
-            return _ffd_tree(lens, capacity)
-        return _ffd_two_budgets(lens, pats, capacity, mp)
-    if n <= _BFD_KEYS_MAX_ITEMS or pats is None:
-        return _bfd_keys(lens, capacity, pats, mp)
-    return _bfd_two_budgets(lens, pats, capacity, mp)
-
-
-ALGORITHMS: dict[str, Callable[..., Bins]] = {
-    "greedy": greedy_knapsack,
-    "ffd": first_fit_decreasing,
-    "bfd": best_fit_decreasing,
+_RUN: dict[str, Callable[[Sequence[int], Sequence[int] | None, int, int], Bins]] = {
+    "greedy": _greedy,
+    "ffd": _ffd,
+    "bfd": _bfd,
 }
-"""Planner name → offline function."""
-
-
-def check_algo(algo: str) -> None:
-    """Raises ValueError naming the choices when `algo` is not a known planner."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"unknown packing algo {algo!r}; choose one of {sorted(ALGORITHMS)}")
-
-
-def plan_bins(
-    lengths: Sequence[int],
-    capacity: int,
-    algo: Algo = "ffd",
-    *,
-    patches: Sequence[int] | None = None,
-    max_patches: int | None = None,
-    seed: int | None = None,
-) -> Bins:
-    """Plans `lengths` into bins with the named algorithm ("greedy", "ffd" or "bfd").
-
-    `patches` only count when `max_patches` is given. `seed` shuffles the order of the bins
-    (not their contents); None keeps the order in which bins were opened.
-    """
-    check_algo(algo)
-    return ALGORITHMS[algo](
-        lengths, capacity, patches=patches, max_patches=max_patches, seed=seed
-    )

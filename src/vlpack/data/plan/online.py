@@ -21,7 +21,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import repeat
 
-from vlpack.data.plan.algorithms import Algo, check_algo, plan_lists
+from vlpack.data.plan.algorithms import Algo, _plan_checked, check_algo
 
 __all__ = ["OnlinePlanner"]
 
@@ -44,7 +44,8 @@ class OnlinePlanner:
 
     Args:
       capacity: tokens per bin.
-      algo: "greedy", "ffd" or "bfd" (see `vlpack.data.plan.algorithms`).
+      algo: "greedy", "ffd" or "bfd" (see `vlpack.data.plan.algorithms`; the default is
+        `DataConfig.packing`).
       buffer_size: items planned together; a round runs when the buffer is full.
       max_patches: ViT patches per bin (None: no patch budget).
       seed: seeds the per-round shuffle of the emitted bins.
@@ -59,8 +60,8 @@ class OnlinePlanner:
     def __init__(
         self,
         capacity: int,
-        algo: Algo = "ffd",
-        buffer_size: int = 1024,
+        algo: Algo,
+        buffer_size: int,
         *,
         max_patches: int | None = None,
         seed: int = 0,
@@ -162,7 +163,7 @@ class OnlinePlanner:
     def _plan(self, *, final: bool) -> Bins:
         buf = self._buf
         ids, tok, pat, born = (list(c) for c in zip(*buf, strict=True))
-        bins = plan_lists(self.algo, tok, pat, self.capacity, self.max_patches)
+        bins = _plan_checked(self.algo, tok, pat, self.capacity, self.max_patches)
         if final:
             ready, carried = bins, []
         else:

@@ -1,0 +1,195 @@
+"""Patch-budget indexes of the planners (algorithms.py): segment trees built on first need.
+
+With a patch budget, a planner first checks the bin (or item) its token rule picks. When that
+one lacks the patches, one of these trees answers "the first candidate, in the rule's own
+order, whose patches fit too" in O(log) steps: greedy and first fit ask their tree on every
+such miss; best fit first scans on over at most `SCAN_LIMIT` bins and builds its tree only
+when a scan runs past that. A tree is built on the first miss that needs it, from the
+planner's state at that moment; inputs whose patch budget never binds build none.
+
+Node k's children are 2k and 2k+1; the root is node 1; leaves start at `size`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+SCAN_LIMIT = 64
+"""Bins best fit scans on a patch miss before it builds its tree (and asks it from then on)."""
+
+_INF = float("inf")
+
+
+def _raise_max(tree: list, node: int) -> None:
+    """Restores max(children) on the path above leaf `node`; stops where nothing changes."""
+    node >>= 1
+    while node:
+        a, c = tree[2 * node], tree[2 * node + 1]
+        m = a if a > c else c
+        if tree[node] == m:
+            return
+        tree[node] = m
+        node >>= 1
+
+
+class LengthPatches:
+    """Greedy's index: leaf g holds the fewest patches among the items left of the g-th
+    distinct length (∞: none left). The planner adds every length it takes from to `dirty`;
+    a search first brings those leaves up to date."""
+
+    __slots__ = ("dirty", "lengths", "pats", "size", "stacks", "tree")
+
+    def __init__(self, vals: list[int], stacks: dict[int, list[int]], pats: Sequence[int]) -> None:
+        self.lengths = lengths = sorted(stacks)
+        self.stacks, self.pats = stacks, pats
+        self.size = size = 1 << max(len(lengths) - 1, 0).bit_length()
+        self.tree: list[float] = [_INF] * (2 * size)
+        self.dirty: set[int] = set(vals)
+        """Lengths whose stacks changed since the last search."""
+
+    def rightmost(self, vals: list[int], k: int, budget: int) -> tuple[int, int]:
+        """The item the greedy rule takes: the largest length vals[≤ k] with an item of
+        ≤ budget patches, and in its stack the last such item. Returns (its index in vals,
+        its position in the stack), or (-1, -1)."""
+        g = self._rightmost_length(bisect_left(self.lengths, vals[k]), budget)
+        if g < 0:
+            return -1, -1
+        v = self.lengths[g]
+        st, pats = self.stacks[v], self.pats
+        at = len(st) - 1
+        while pats[st[at]] > budget:
+            at -= 1
+        return bisect_left(vals, v), at
+
+    def _rightmost_length(self, g: int, budget: int) -> int:
+        """Largest g' ≤ g whose stack holds an item of ≤ budget patches, else -1."""
+        tree, size, stacks, pats, lengths = (
+            self.tree, self.size, self.stacks, self.pats, self.lengths
+        )
+        for v in self.dirty:
+            node = size + bisect_left(lengths, v)
+            st = stacks[v]
+            tree[node] = min(map(pats.__getitem__, st)) if st else _INF
+            node >>= 1
+            while node:
+                a, c = tree[2 * node], tree[2 * node + 1]
+                m = a if a < c else c
+                if tree[node] == m:
+                    break
+                tree[node] = m
+                node >>= 1
+        self.dirty.clear()
+        node = g + size
+        while tree[node] > budget:  # on to the next subtree to the left
+            while not node & 1:
+                node >>= 1
+            if node == 1:
+                return -1
+            node -= 1
+        while node < size:
+            node = 2 * node + 1 if tree[2 * node + 1] <= budget else 2 * node
+        return node - size
+
+
+class BinPatches:
+    """First fit's index: leaf j holds bin j's free patches (unopened bins: the full budget);
+    `first_fit` searches it together with the planner's free-token tree over the same bins.
+    The planner adds every bin it changes to `dirty`; a search first updates those leaves."""
+
+    __slots__ = ("dirty", "proom", "size", "tree")
+
+    def __init__(self, size: int, proom: list[int], max_patches: int) -> None:
+        self.size, self.proom = size, proom
+        tree = [max_patches] * (2 * size)
+        tree[size : size + len(proom)] = proom
+        for node in range(size - 1, 0, -1):
+            a, c = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a > c else c
+        self.tree = tree
+        self.dirty: list[int] = []
+        """Bins whose free patches changed since the last search."""
+
+    def first_fit(self, tokens: list[int], start: int, s: int, q: int) -> int:
+        """Lowest bin ≥ start with ≥ s free tokens (max-tree `tokens`) and ≥ q free patches.
+        An unopened bin fits both, so the search always ends."""
+        tp, size, proom = self.tree, self.size, self.proom
+        for j in self.dirty:
+            tp[size + j] = proom[j]
+            _raise_max(tp, size + j)
+        self.dirty.clear()
+        node = start + size
+        while True:
+            while tokens[node] < s or tp[node] < q:  # on to the next subtree to the right
+                while node & 1:
+                    node >>= 1
+                node += 1
+            while node < size:
+                node <<= 1
+                if tokens[node] < s or tp[node] < q:
+                    node += 1
+            if tokens[node] >= s and tp[node] >= q:  # both maxima may come from different bins
+                return node - size
+
+
+class RoomPatches:
+    """Best fit's index: leaf r holds the most free patches among bins with exactly r free
+    tokens (-1: no such bin), read from the planner's sorted keys (free tokens·K + bin). The
+    planner reports every bin it changes with `moved` or `opened`."""
+
+    __slots__ = ("K", "keys", "proom", "size", "tree")
+
+    def __init__(self, capacity: int, keys: list[int], K: int, proom: list[int]) -> None:
+        self.size = size = 1 << (capacity + 1).bit_length()
+        self.keys, self.K, self.proom = keys, K, proom
+        self.tree = tree = [-1] * (2 * size)
+        for key in keys:
+            r, j = divmod(key, K)
+            if proom[j] > tree[size + r]:
+                tree[size + r] = proom[j]
+                _raise_max(tree, size + r)
+
+    def opened(self, r: int, free_patches: int) -> None:
+        """A bin with r free tokens and `free_patches` free patches joined the keys."""
+        node = self.size + r
+        if free_patches > self.tree[node]:
+            self.tree[node] = free_patches
+            _raise_max(self.tree, node)
+
+    def moved(self, r: int, old_patches: int, r_new: int, new_patches: int) -> None:
+        """A bin went from (r, old_patches) free to (r_new, new_patches); keys are updated."""
+        tree, node = self.tree, self.size + r
+        if tree[node] == old_patches:  # it may have held the leaf's maximum
+            keys, K, proom = self.keys, self.K, self.proom
+            lo, hi = bisect_left(keys, r * K), bisect_left(keys, (r + 1) * K)
+            tree[node] = max((proom[k % K] for k in keys[lo:hi]), default=-1)
+            _raise_max(tree, node)
+        self.opened(r_new, new_patches)
+
+    def tightest(self, s: int, q: int) -> int:
+        """Position in keys of the bin with the fewest free tokens ≥ s whose free patches are
+        ≥ q (ties: lowest bin), else len(keys)."""
+        tree, size, keys, K, proom = self.tree, self.size, self.keys, self.K, self.proom
+        node = s + size
+        while tree[node] < q:  # on to the next subtree to the right
+            while node & 1:
+                node >>= 1
+            if not node:
+                return len(keys)
+            node += 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= q else 2 * node + 1
+        p = bisect_left(keys, (node - size) * K)
+        while proom[keys[p] % K] < q:
+            p += 1
+        return p
+
+
+def grown_max_tree(tree: list[int], size: int, fill: int) -> tuple[int, list[int]]:
+    """A max-tree over twice as many leaves, the new ones holding `fill`."""
+    new = [fill] * (4 * size)
+    new[2 * size : 3 * size] = tree[size:]
+    for node in range(2 * size - 1, 0, -1):
+        a, c = new[2 * node], new[2 * node + 1]
+        new[node] = a if a > c else c
+    return 2 * size, new
