@@ -66,9 +66,7 @@ class Trainer:
     """Builds model, data, optimizer; runs, checkpoints and resumes."""
 
     def __init__(self, cfg: Config, info: Topology | None = None):
-        from vlpack.data.encode import Encoder
-        from vlpack.data.template import load_template
-        from vlpack.data.tokenizer import has_tokenizer
+        from vlpack.data.setup import build_encoder
 
         self.cfg = cfg
         self.info = info or init_distributed(cfg.parallel.cp)
@@ -87,35 +85,8 @@ class Trainer:
                                          device_type=self.info.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
-        tok_path = cfg.data.tokenizer
-        if tok_path is None and has_tokenizer(cfg.model.name):
-            tok_path = cfg.model.name
-        folder = Path(cfg.model.name)
-        if tok_path is None and folder.is_dir() and self.info.is_main:
-            log.warning("%s has no tokenizer files (tokenizer.json / vocab.json): vlpack's "
-                        "built-in %s tokenizer encodes the data; copy the checkpoint's tokenizer "
-                        "files into the folder, or set data.tokenizer=FOLDER", folder,
-                        self.spec.family)
-        self.encoder = Encoder(self.spec.family, tokenizer_path=tok_path,
-                               min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
-                               max_image_pixels=cfg.data.max_image_pixels,
-                               video=cfg.data.video, tokens_per_second=self.spec.tokens_per_second,
-                               processor_path=str(folder) if folder.is_dir() else None,
-                               chat_template=load_template(cfg.data.chat_template, folder),
-                               supervise_empty_think=cfg.data.supervise_empty_think)
-        if self.encoder.chat_template and self.info.is_main:
-            log.info("chat template from %s", self.encoder.chat_template.file)
-        if self.encoder.video_file and self.info.is_main:
-            log.info("video settings from %s: %s", self.encoder.video_file, self.encoder.video)
-        if self.encoder.processor_file and self.info.is_main:
-            log.info("image settings from %s: %d-%d pixels per image", self.encoder.processor_file,
-                     self.encoder.min_pixels, self.encoder.max_pixels)
-        if self.encoder.image_pad_id != self.spec.image_token_id:
-            raise ValueError(
-                f"tokenizer image_pad id {self.encoder.image_pad_id} != model image_token_id "
-                f"{self.spec.image_token_id}: use the tokenizer that belongs to {cfg.model.name} "
-                "(data.tokenizer=FOLDER)"
-            )
+        self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,
+                                     announce=self.info.is_main)
         self.train_loader, self.eval_loader = self._loaders()
         self.step = 0
         self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
