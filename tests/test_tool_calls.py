@@ -40,7 +40,8 @@ _SCHEMA = ('{"type": "function", "function": {"name": "get_weather", "descriptio
 _RESULTS = ("<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nrain\n"
             "</tool_response><|im_end|>\n")
 # What the released templates render for AGENT (hand-transcribed from Qwen3-VL-*-Instruct's and
-# Qwen3.5's chat_template.jinja, and checked against them with transformers' apply_chat_template).
+# Qwen3.5's chat_template.jinja; `python -m tests.tool_templates_reference VL.jinja 3_5.jinja`
+# renders those files with transformers and compares).
 EXPECTED = {
     "qwen3_vl": (
         "<|im_start|>system\nYou help.\n\n# Tools\n\nYou may call one or more functions to assist "
