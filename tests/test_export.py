@@ -92,6 +92,11 @@ def test_the_default_export_is_bf16_sharded_with_its_index(run, tmp_path: Path) 
     for name in ("chat_template.jinja", "tokenizer.json", "preprocessor_config.json",
                  "video_preprocessor_config.json", "generation_config.json"):
         assert (folder / name).is_file(), name
+    from vlpack.data.encode import Encoder
+
+    served = Encoder("qwen3_vl", processor_path=str(folder))  # the run's image and video settings
+    assert (served.min_pixels, served.max_pixels, served.video) == (
+        second.encoder.min_pixels, second.encoder.max_pixels, second.encoder.video)
     model = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True,
                                                         dtype=torch.float32)
     for n, p in second.model.named_parameters():
