@@ -400,3 +400,37 @@ def test_the_checks_transformers_reference_gets_the_tools(tmp_path):
     ids = enc.encode(conv).input_ids.tolist()
     assert _hf_inputs(proc, conv)["input_ids"][0].tolist() == ids
     assert enc.tokenizer.decode(ids).startswith("<|im_start|>system\nTools:\n- get_weather: {")
+
+
+def test_reasoning_content_goes_into_the_think_block(tmp_path):
+    """Qwen3.5 writes an answer's `reasoning_content` (trimmed) into its think block after the
+    last user query, and drops it before; Qwen3-VL's template writes no think block, so the
+    reasoning is not in its rendering. Supervised as the answer is."""
+    rec = _record([
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "old"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": None, "reasoning_content": " need f\n",
+         "tool_calls": [_call("get_weather", {"city": "Rome"})]},
+        {"role": "tool", "content": "sun"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "it said sun"}],
+        tools=[WEATHER])  # fmt: skip
+    conv = parse_record(rec, base_dir=tmp_path, key="k")
+    enc = Encoder("qwen3_5", supervise_empty_think=False)
+    sample = enc.encode(conv)
+    assert enc.tokenizer.decode(sample.input_ids).endswith(
+        "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n"
+        "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n<think>\nneed f\n</think>\n\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n"
+        "</tool_call><|im_end|>\n" "<|im_start|>user\n<tool_response>\nsun\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n<think>\nit said sun\n</think>\n\nSunny.<|im_end|>\n")
+    assert _runs(enc, sample) == [
+        "a1<|im_end|>",
+        "<think>\nneed f\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n"
+        "</parameter>\n</function>\n</tool_call><|im_end|>",
+        "<think>\nit said sun\n</think>\n\nSunny.<|im_end|>"]
+    vl = Encoder("qwen3_vl")
+    assert "said" not in vl.tokenizer.decode(vl.encode(conv).input_ids)
+    with pytest.raises(BadSampleError, match=r'k: turn 0: "reasoning_content" must be'):
+        parse_record(_record([{**_USER, "reasoning_content": "x"}, _ANSWER]), base_dir=tmp_path,
+                     key="k")

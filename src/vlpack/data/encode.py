@@ -13,8 +13,8 @@ Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
   message is not a system message; qwen3_vl / qwen3_5 insert none.
 - qwen3_5 strips whitespace around each message's content, skips an empty system turn, and
   writes `<think>\\n{reasoning}\\n</think>\\n\\n` before every assistant answer after the last
-  user turn (reasoning is empty unless the answer holds `<think>…</think>`); earlier answers
-  lose their reasoning. We supervise that block: it is what the model emits after the bare
+  user turn (reasoning is the message's `reasoning_content`, else what the answer holds in
+  `<think>…</think>`, else empty); earlier answers lose their reasoning. We supervise that block: it is what the model emits after the bare
   `<|im_start|>assistant\\n` header, and keeping it makes training match the template.
 
 Tools, `tool` turns and assistant `tool_calls` are written as each family's template writes
@@ -372,7 +372,8 @@ class Encoder:
             r.token(ids["<|im_start|>"])
             r.text(m.role + "\n")
             if answer and spec.think_prefix:
-                reasoning, text = _split_reasoning("".join(content))  # type: ignore[arg-type]
+                reasoning, text = _split_reasoning("".join(content)) if m.reasoning is None \
+                    else (m.reasoning.strip(), "".join(content))  # type: ignore[arg-type]
                 if i > last_query:
                     r.text(f"<think>\n{reasoning}\n</think>\n\n",
                            supervised=sup and (bool(reasoning) or self.supervise_empty_think))

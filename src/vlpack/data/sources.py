@@ -194,7 +194,7 @@ def parse_record(
             else:
                 content.append(ImageRef(path=join(str(part))))
         messages.append(Message(role=turn.role, content=tuple(content), tool_calls=turn.calls,
-                                loss=turn.loss))
+                                loss=turn.loss, reasoning=turn.reasoning))
     conv = Conversation(key=key, messages=tuple(messages), tools=tools)
     _validate(conv)
     return conv
@@ -240,6 +240,7 @@ class _Turn:
     parts: list[str | Path | _RawVideo]
     calls: tuple[ToolCall, ...] = ()
     loss: bool = True
+    reasoning: str | None = None
 
 
 _Turns = list[_Turn]
@@ -316,6 +317,15 @@ def _loss(turn: dict, role: str, key: str, i: int) -> bool:
              "assistant turns are trained (tool results, user and system turns never are): "
              'drop the key')
     return loss if role == "assistant" else True  # the flag only masks answers
+
+
+def _reasoning(turn: dict, role: str, key: str, i: int) -> str | None:
+    """A messages-style turn's `reasoning_content`: text, on an assistant turn only."""
+    reasoning = turn.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        _bad(key, "bad_schema", f'turn {i}: "reasoning_content" must be the text of an '
+             f"assistant turn's reasoning, got {reasoning!r:.60} on a {role} turn")
+    return reasoning
 
 
 def _tools(tools: Any, key: str) -> tuple[dict, ...]:
@@ -400,7 +410,7 @@ def _messages_turns(messages: Any, key: str) -> _Turns:
             parts = [_content_item(item, key) for item in content]
         else:
             _bad(key, "bad_schema", f"a {role} message needs a string or list content")
-        turns.append(_Turn(role, parts, calls, _loss(m, role, key, i)))
+        turns.append(_Turn(role, parts, calls, _loss(m, role, key, i), _reasoning(m, role, key, i)))
     return turns
 
 
@@ -492,7 +502,8 @@ def _validate(conv: Conversation) -> None:
              "supervises only answers, so it would be input with no target): add the answer or "
              "drop the turn")
     for i, m in enumerate(conv.messages):
-        if m.role == "assistant" and not m.tool_calls and not "".join(m.content).strip():  # type: ignore[arg-type]
+        if m.role == "assistant" and not m.tool_calls and not (m.reasoning or "").strip() \
+                and not "".join(m.content).strip():  # type: ignore[arg-type]
             _bad(key, "empty_assistant_turn",
                  f"assistant turn {i} is empty: drop the turn or give it text")  # fmt: skip
 

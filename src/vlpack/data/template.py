@@ -113,6 +113,8 @@ def hf_messages(messages) -> list[dict]:
                 {"type": "text", "text": c} if isinstance(c, str) else
                 {"type": "video"} if isinstance(c, VideoRef) else {"type": "image"}
                 for c in m.content]})
+        if m.reasoning is not None:
+            out[-1]["reasoning_content"] = m.reasoning
         if m.tool_calls:
             out[-1]["tool_calls"] = [{"type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]

@@ -73,6 +73,9 @@ class Message:
     loss: bool = True
     """Whether an assistant turn is supervised (`"loss": false` in the data masks it); system,
     user and tool turns never are."""
+    reasoning: str | None = None
+    """An assistant turn's reasoning given apart from its text (`reasoning_content`), which a
+    template with a think block writes there; None: the text may hold `<think>...</think>`."""
 
 
 @dataclass(frozen=True, slots=True)
