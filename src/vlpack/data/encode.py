@@ -13,9 +13,11 @@ Qwen2-VL, Qwen3-VL and Qwen3.5 templates):
   message is not a system message; qwen3_vl / qwen3_5 insert none.
 - qwen3_5 strips whitespace around each message's content, skips an empty system turn, and
   writes `<think>\\n{reasoning}\\n</think>\\n\\n` before every assistant answer after the last
-  user turn (reasoning is the message's `reasoning_content`, else what the answer holds in
-  `<think>…</think>`, else empty); earlier answers lose their reasoning. We supervise that block: it is what the model emits after the bare
-  `<|im_start|>assistant\\n` header, and keeping it makes training match the template.
+  user query (a user message that only wraps a `<tool_response>` is none); the reasoning is
+  the message's `reasoning_content`, else what the answer holds in `<think>…</think>`, else
+  empty, and earlier answers lose theirs. We supervise that block: it is what the model emits
+  after the bare `<|im_start|>assistant\\n` header, and keeping it makes training match the
+  template (`supervise_empty_think=False` leaves an empty one out).
 
 Tools, `tool` turns and assistant `tool_calls` are written as each family's template writes
 them (`vlpack.data.tools`): a system turn with the tool schemas, the calls after the answer text,
