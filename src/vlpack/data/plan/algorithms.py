@@ -164,46 +164,50 @@ def _validate(
 def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Items of one length form a stack (highest index on top, as a stable ascending sort
     plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
-    largest fitting item is one bisect away. A patch miss asks `LengthPatches`."""
+    largest fitting item is one bisect away. A patch miss asks `LengthPatches`. (The loop
+    without a patch budget is the same loop with the patch steps left out.)"""
     stacks: dict[int, list[int]] = {}
+    stack_of = stacks.setdefault
     for i, v in enumerate(lens):
-        st = stacks.get(v)
-        if st is None:
-            stacks[v] = [i]
-        else:
-            st.append(i)
+        stack_of(v, []).append(i)
     vals = sorted(stacks)
-    index: LengthPatches | None = None
     bins: Bins = []
+    if pats is None:
+        while vals:
+            room = capacity
+            b: list[int] = []
+            while k := bisect_right(vals, room):
+                v = vals[k - 1]
+                st = stacks[v]
+                b.append(st.pop())
+                room -= v
+                if not st:
+                    del vals[k - 1]
+            bins.append(b)
+        return bins
+    index: LengthPatches | None = None
     while vals:
         room, proom = capacity, max_p
-        b: list[int] = []
-        while True:
-            k = bisect_right(vals, room)
-            if not k:
-                break
+        b = []
+        while k := bisect_right(vals, room):
             v = vals[k - 1]
             st = stacks[v]
-            if pats is not None:
-                if pats[st[-1]] <= proom:
-                    at = -1
-                else:
-                    if index is None:
-                        index = LengthPatches(vals, stacks, pats)
-                    k, at = index.rightmost(vals, k - 1, proom)
-                    if k < 0:
-                        break
-                    k += 1
-                    v = vals[k - 1]
-                    st = stacks[v]
-                i = st.pop(at)
-                proom -= pats[i]
-                if index is not None:
-                    index.dirty.add(v)
-            else:
-                i = st.pop()
+            at = -1
+            if pats[st[-1]] > proom:
+                if index is None:
+                    index = LengthPatches(vals, stacks, pats)
+                k, at = index.rightmost(vals, k - 1, proom)
+                if k < 0:
+                    break
+                k += 1
+                v = vals[k - 1]
+                st = stacks[v]
+            i = st.pop(at)
             b.append(i)
             room -= v
+            proom -= pats[i]
+            if index is not None:
+                index.dirty.add(v)
             if not st:
                 del vals[k - 1]
         bins.append(b)
