@@ -434,3 +434,17 @@ def test_reasoning_content_goes_into_the_think_block(tmp_path):
     with pytest.raises(BadSampleError, match=r'k: turn 0: "reasoning_content" must be'):
         parse_record(_record([{**_USER, "reasoning_content": "x"}, _ANSWER]), base_dir=tmp_path,
                      key="k")
+
+
+def test_a_user_turn_that_wraps_a_tool_response_is_not_a_query(tmp_path):
+    """Qwen3.5 counts think blocks from the last user query; a user message that only holds a
+    `<tool_response>` (calls and results written as text) is not one, so both answers get it."""
+    rec = _record([_USER, {"role": "assistant", "content": "<tool_call>f</tool_call>"},
+                   {"role": "user", "content": " <tool_response>\nr\n</tool_response>\n"},
+                   {"role": "assistant", "content": "done"}])
+    enc = Encoder("qwen3_5")
+    text = enc.tokenizer.decode(enc.encode(parse_record(rec, base_dir=tmp_path, key="k")).input_ids)
+    assert text == ("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                    "<tool_call>f</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nr\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                    "done<|im_end|>\n")
