@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 import yaml
 
+from vlpack.data.plan.algorithms import ALGOS, Algo
 from vlpack.data.video import VideoSettings
 
-PACKING_CHOICES = ("bfd", "ffd", "greedy", "none")
+PACKING_CHOICES = (*ALGOS, "none")
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -47,7 +48,7 @@ class DataConfig:
     written by `vlpack data energon-prepare`."""
     synthetic_samples: int = 512
     """Size of the built-in synthetic dataset."""
-    packing: Literal["bfd", "ffd", "greedy", "none"] = "bfd"
+    packing: Literal[Algo, "none"] = "bfd"
     """Bin-packing algorithm; `none` trains on right-padded batches of `batch_size` samples."""
     seq_len: int = 4096
     """Tokens per packed bin (also the cap on one sample's length)."""
