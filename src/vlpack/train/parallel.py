@@ -2,8 +2,9 @@
 
 `torchrun --nproc-per-node N -m vlpack train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; multi-node
 runs add `--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT` (torchrun's standard
-rendezvous). NCCL on GPUs, gloo on CPUs. Model code never imports torch.distributed: sharding is
-applied from here, one `fully_shard` per decoder block and per vision block, then the root.
+rendezvous); `srun` with one task per GPU works without torchrun (`train/slurm.py`). NCCL on
+GPUs, gloo on CPUs. Model code never imports torch.distributed: sharding is applied from here,
+one `fully_shard` per decoder block and per vision block, then the root.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+
+from vlpack.train.slurm import torchrun_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +69,17 @@ class Topology:
 
 
 def init_distributed(cp: int = 1) -> Topology:
-    """Join the process group torchrun describes (or run alone); pick this rank's device; `cp`
-    ranks share each row (parallel.cp)."""
+    """Join the process group torchrun (or srun, `train/slurm.py`) describes, or run alone;
+    pick this rank's device; `cp` ranks share each row (parallel.cp)."""
+    os.environ.update(torchrun_env(os.environ))  # srun's task variables as torchrun's
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     topo_ = Topology(rank=rank, world_size=world, local_rank=local, device=torch.device("cpu"),
                      cp=cp)  # checks the grid before any group is joined
     if torch.cuda.is_available():
-        device = torch.device("cuda", local)
+        # srun --gpus-per-task=1 shows each task only its own GPU
+        device = torch.device("cuda", local if torch.cuda.device_count() > 1 else 0)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
