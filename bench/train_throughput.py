@@ -56,11 +56,11 @@ from vlpack.model.build import build_model
 from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
-from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer
 from vlpack.train.parallel import Topology
 from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.profile import StepProfiler, count_host_syncs
+from vlpack.train.stack import build_stack
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
 PEAK = 989e12
@@ -214,32 +214,49 @@ def _progress(mode: str, what: str, t0: float) -> None:
     print(f"{mode:>16}: {what} at {time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
 
 
+def vlpack_config(mode: str, args):
+    """The trainer's config of a vlpack mode: the bench's flags as `model.*` / `train.*` keys."""
+    from vlpack.config import load_config
+
+    compile_scope = "layers" if args.compile_layers else "regions" if args.compile else None
+    keys = [f"model.name={model_name(args)}", "model.init=random",
+            f"data.packing={'bfd' if mode == 'vlpack_packed' else 'none'}",
+            f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+            f"model.checkpoint_share={args.checkpoint_share}",
+            f"model.compile={str(compile_scope is not None).lower()}",
+            f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
+            f"train.fsdp={'always' if args.bf16_params else 'auto'}",
+            "train.memory_check=skip", "train.kernel_cache=default",
+            "optim.lr=1e-5", "optim.weight_decay=0.0"]
+    if compile_scope:
+        keys.append(f"model.compile_scope={compile_scope}")
+    return load_config("tiny", keys)
+
+
 def run_mode(mode: str, args, samples, device) -> dict:
     t0 = time.perf_counter()
-    backend = "auto" if mode == "vlpack_packed" else "sdpa"
-    model, spec = build_model(model_name(args), backend=backend, dtype=torch.float32,
-                              device=device, seed=0)
-    if args.experts and mode.startswith("vlpack") and spec.is_moe:
-        model.set_experts_implementation(args.experts)
-    if args.lora_rank and mode.startswith("vlpack"):  # the trainer's model.lora.rank
-        from vlpack.config import LoraConfig
-        from vlpack.model.lora import apply_lora
-
-        apply_lora(model, LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank))
-    module = TrainModule(model, spec, loss_method=args.loss)
-    # the trainer's own preparation; --bf16-params is what `train.fsdp=always` does: FSDP2 on
-    # one rank, bf16 compute weights
-    parallelize(model, module if mode.startswith("vlpack") else model,
-                Topology(rank=0, world_size=1, local_rank=0, device=device), Parallelism(
-                    activation_checkpointing=args.activation_checkpointing,
-                    checkpoint_share=args.checkpoint_share,
-                    compile_scope="layers" if args.compile_layers else
-                    "regions" if args.compile else None,
-                    trace_vision_attention=args.trace_vision_attention,
-                    fsdp=args.bf16_params, param_dtype=torch.bfloat16))
-    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], argparse.Namespace(
-        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8), device_type=device.type
-    ) if args.optimizer else None
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
+    if mode.startswith("vlpack"):  # the model `vlpack train` builds (train/stack.py)
+        cfg = vlpack_config(mode, args)
+        stack = build_stack(cfg, topo, loss_method=None if args.loss == "auto" else args.loss,
+                            trace_vision_attention=args.trace_vision_attention)
+        model, spec, module = stack.model, stack.spec, stack.module
+        if args.experts and spec.is_moe:
+            model.set_experts_implementation(args.experts)
+        opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type) \
+            if args.optimizer else None
+    else:  # stock transformers: the HF model as built, its own loss
+        model, spec = build_model(model_name(args), backend="sdpa", dtype=torch.float32,
+                                  device=device, seed=0)
+        parallelize(model, model, topo, Parallelism(
+            activation_checkpointing=args.activation_checkpointing,
+            checkpoint_share=args.checkpoint_share,
+            compile_scope="layers" if args.compile_layers else "regions" if args.compile else None,
+            trace_vision_attention=args.trace_vision_attention,
+            fsdp=args.bf16_params, param_dtype=torch.bfloat16))
+        opt = build_optimizer([p for p in model.parameters() if p.requires_grad],
+                              vlpack_config(mode, args).optim, device_type=device.type) \
+            if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
     _progress(mode, f"model built, {len(batches)} distinct batches", t0)

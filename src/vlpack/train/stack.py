@@ -113,9 +113,12 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         log.warning("train.memory_check=warn: starting although %s", e)
 
 
-def build_stack(cfg: Config, info: Topology, *, context=None) -> Stack:
+def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str | None = None,
+                trace_vision_attention: bool = False) -> Stack:
     """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
-    context-parallel group, None without CP)."""
+    context-parallel group, None without CP). Benchmarks' levers beyond the config:
+    `loss_method` (`liger`, `plain`; None: the config's) and `trace_vision_attention` (with
+    whole layers compiled, docs/benchmarks/levers.md)."""
     from vlpack.model.build import build_model
 
     m, t = cfg.model, cfg.train
@@ -150,11 +153,13 @@ def build_stack(cfg: Config, info: Topology, *, context=None) -> Stack:
 
         log.info(lora.describe(model))
     module = TrainModule(model, spec, touch_vision=info.distributed,
-                         loss_method="chunked" if m.chunked_loss else "plain", context=context)
+                         loss_method=loss_method or ("chunked" if m.chunked_loss else "plain"),
+                         context=context)
     parallelize(model, module, info, Parallelism(
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
         frozen_dtype=low, activation_checkpointing=m.activation_checkpointing,
         checkpoint_share=m.checkpoint_share, compile_scope=m.compile_scope if m.compile else None,
+        trace_vision_attention=trace_vision_attention,
         fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
         reshard_after_forward=t.reshard_after_forward))
     flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
