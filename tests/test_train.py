@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -145,20 +146,31 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
     assert ckpt.latest_checkpoint(tmp_path).name == "step_00000002"
 
 
-def test_run_outputs_metrics_plot_and_summary(tmp_path: Path) -> None:
-    t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4",
+def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4", "train.progress=true",
                           "train.export_hf=true", "train.export_dtype=float32"), CPU)
     summary = t.fit()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for key in ("lr", "grad_norm", "real_tokens", "padded_tokens", "tokens_per_s", "mfu",
-                "peak_mem_gib", "skipped", "packing_efficiency"):
+                "peak_mem_gib", "peak_reserved_gib", "skipped", "packing_efficiency", "time",
+                "elapsed_s", "eta_s"):
         assert key in steps[0]
+    assert [r["tokens_seen"] for r in steps] == list(itertools.accumulate(r["real_tokens"] for r in steps))
+    assert [r["epoch"] for r in steps] == [round(r["samples"] / 20, 4) for r in steps]  # 24 - 4 eval
+    assert steps[0]["eta_s"] is None and steps[2]["eta_s"] == 0.0
+    # stderr is no terminal here: one plain line per step, then the final eval and save, named
+    err = [x for x in capfd.readouterr().err.splitlines() if x.startswith("vlpack: ")]
+    assert [x.split(" loss ")[0] for x in err[:3]] == [f"vlpack: step {s}/3" for s in (1, 2, 3)]
+    assert err[3:5] == ["vlpack: evaluating step 3…", err[4]] and err[4].startswith(
+        "vlpack: evaluated step 3 in ") and err[4].endswith(f": eval loss {summary['eval_loss']:.4f}")
+    assert err[5] == "vlpack: saving step 3…" and err[6].startswith("vlpack: saved step 3 in ")
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3] and evals[0]["eval_loss"] == summary["eval_loss"]
+    assert evals[0]["eval_s"] > 0
     assert summary["steps"] == 3 and summary["samples"] > 0
 
     # The HF export loads in transformers and fine-tunes further as model.name=FOLDER.

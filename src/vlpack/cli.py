@@ -211,6 +211,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run's memory plan per device (weights, gradients, optimizer "
                         "state, activations) and whether it fits, without building or training")
+    p.add_argument("--quiet", action="store_true",
+                   help="show warnings and errors only (rank 0 shows INFO messages by default)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+                   help="level of vlpack's messages on rank 0 (default: info; other ranks: warning)")
     p.set_defaults(func=_run_train)
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from vlpack.config import Config, load_config, save_config
 from vlpack.data.accounting import Tally
@@ -33,7 +32,7 @@ from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
 from vlpack.train.flops import peak_flops
-from vlpack.train.metrics import MetricsWriter, format_summary
+from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import (
     Topology,
@@ -47,6 +46,7 @@ from vlpack.train.parallel import (
 )
 from vlpack.train.plot import plot_runs
 from vlpack.train.profile import StepProfiler
+from vlpack.train.progress import Eta, Progress, setup_logging
 from vlpack.train.runlock import claim_output_dir
 from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
 from vlpack.train.step import StepResult, optimizer_step
@@ -99,6 +99,8 @@ class Trainer:
         self._signal_at = 0.0
         self._grace_timer: threading.Timer | None = None
         self._stop = False
+        self.progress = Progress(total=cfg.train.max_steps, initial=0, log_every=1, enabled=False)
+        """The live view; `fit` shows it on rank 0 with train.progress."""
 
     # ------------------------------------------------------------------ data
 
@@ -194,10 +196,12 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(),
-            self.info, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
-        )
+        with self.progress.phase(f"saving step {self.step}", f"saved step {self.step}") as done:
+            self.last_checkpoint = ckpt.save_checkpoint(
+                self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(),
+                self.info, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
+            )
+            done["detail"] = f": {self.last_checkpoint}"
         return self.last_checkpoint
 
     def _claim_output_dir(self) -> None:
@@ -298,8 +302,10 @@ class Trainer:
         old = {s: signal.signal(s, self._on_signal) for s in handled}
         writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main)
         peak = peak_flops(info.device)
-        bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (cfg.train.progress and info.is_main), dynamic_ncols=True)
+        self.progress = Progress(total=cfg.train.max_steps, initial=self.step,
+                                 log_every=cfg.train.log_every,
+                                 enabled=cfg.train.progress and info.is_main)
+        eta = Eta(self.step, cfg.train.max_steps)
         it = iter(self.train_loader)
         first_step = self.step
         profiler = StepProfiler(out_dir / f"profile_rank{info.rank}.txt", device=info.device,
@@ -324,7 +330,7 @@ class Trainer:
                 if not profiler.covers(self.step) and self.step > 1:
                     plain_s, plain_n = plain_s + r.seconds, plain_n + 1
                 profiler.after(self.step, plain_s / plain_n if plain_n else None)
-                self._record(r, data_wait, peak, writer, bar)
+                self._record(r, data_wait, peak, writer, eta.update(self.step))
                 if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
                     self._stop = self.step < cfg.train.max_steps
                 # every rank learns whether any rank was signalled (and by which signal)
@@ -334,12 +340,9 @@ class Trainer:
                 if flag >= 1:
                     self._stop, self.stop_signal = True, int(flag)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    bar.set_description_str("eval")  # the bar names what the run waits for
                     self._eval(writer)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
-                    bar.set_description_str("save")
                     self.save()
-                bar.set_description_str("train")
                 if stop:
                     if self._grace_timer is not None:  # saved in time
                         self._grace_timer.cancel()
@@ -347,17 +350,15 @@ class Trainer:
             if not self._stop and self.eval_loader is not None and (
                 not cfg.train.eval_every or self.step % cfg.train.eval_every
             ):
-                bar.set_description_str("final eval")
                 self._eval(writer)  # the final evaluation, unless the last step just ran one
         finally:
-            bar.close()
+            self.progress.close()
             writer.close()
             if self.stop_signal is None:  # once signalled, a further signal aborts at once,
                 for sig, handler in old.items():  # until the process ends
                     signal.signal(sig, handler)
         saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
         if not self._stop and cfg.train.save_final and not saved:
-            self._say(f"saving the final checkpoint (step {self.step})")
             self.save()
         return self._finish(out_dir)
 
@@ -378,10 +379,13 @@ class Trainer:
                 + ". `vlpack train ... --dry-run` prints the plan of a setting without training")
 
     def _eval(self, writer: MetricsWriter) -> None:
-        self.eval_loss = self.evaluate()
-        writer.write({"step": self.step, "samples": self.totals["samples"], "eval_loss": self.eval_loss})
+        with self.progress.phase(f"evaluating step {self.step}", f"evaluated step {self.step}") as done:
+            self.eval_loss = self.evaluate()
+            done["detail"] = f": eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        writer.write({"step": self.step, "samples": self.totals["samples"], "eval_loss": self.eval_loss,
+                      "eval_s": done["seconds"]})
 
-    def _record(self, r: StepResult, data_wait: float, peak, writer, bar) -> None:
+    def _record(self, r: StepResult, data_wait: float, peak, writer, eta_s: float | None) -> None:
         t = self.totals
         t["samples"] += r.samples
         t["real_tokens"] += r.real_tokens
@@ -389,25 +393,14 @@ class Trainer:
         t["seconds"] += r.seconds + data_wait
         self.first_loss = r.loss if self.first_loss is None else self.first_loss
         self.last_loss = r.loss
-        mem = (torch.cuda.max_memory_allocated(self.info.device) / 2**30
-               if self.info.device.type == "cuda" else None)
-        row = {
-            "step": self.step, "loss": r.loss, "aux_loss": r.aux_loss, "lr": r.lr,
-            "grad_norm": r.grad_norm, "samples": t["samples"], "label_tokens": r.label_tokens,
-            "real_tokens": r.real_tokens, "padded_tokens": r.tokens - r.real_tokens,
-            "tokens_per_s": r.real_tokens / (r.seconds + data_wait),
-            "packing_efficiency": r.real_tokens / max(r.tokens, 1),
-            "mfu": (r.flops / r.seconds / (peak * self.info.world_size)) if peak else None,
-            "peak_mem_gib": mem, "step_s": r.seconds, "data_wait_s": data_wait,
-        }
+        row = step_row(self.step, r, data_wait=data_wait, totals=t, peak_flops=peak,
+                       world_size=self.info.world_size, device=self.info.device, eta_s=eta_s)
         if self.step % self.cfg.train.log_every == 0:  # the same steps on every rank
             acc = self.accounting()
-            row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"])
+            row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"],
+                       epoch=epoch_of(acc, len(getattr(self.train_loader, "items", ()))))
             writer.write(row)
-        # the postfix first: update() draws the bar, which then shows this step's loss
-        bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                        eff=f"{100 * row['packing_efficiency']:.0f}%", refresh=False)
-        bar.update(1)
+        self.progress.step(row)
 
     def _say(self, what: str) -> None:
         """One line on stderr for work after the progress bar closed (with train.progress)."""
@@ -567,7 +560,7 @@ def dry_run(cfg: Config) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(getattr(args, "log_level", None), quiet=getattr(args, "quiet", False))
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `vlpack train key=value ...`: no config file
         config, overrides = None, [config, *overrides]

@@ -1,11 +1,48 @@
-"""Per-step metrics: one JSON line per step in `output_dir/metrics.jsonl`, plus the end summary."""
+"""Per-step metrics: one JSON line per step in `output_dir/metrics.jsonl`, plus the end summary.
+
+A training row (`step_row`) holds the step's figures (loss, aux_loss, lr, grad_norm, tokens,
+tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s), the memory of the step's busiest
+moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
+allocator: what other processes cannot use), and where the run stands: `time` (Unix seconds),
+`elapsed_s` (training time so far, resumed runs included), `samples`, `tokens_seen` (real tokens
+so far), `eta_s` and, on logged steps, `epoch` (samples consumed / training samples) with the
+skipped and truncated counts. An evaluation row holds step, samples, eval_loss and eval_s.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+
+def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], peak_flops: float | None,
+             world_size: int, device: torch.device, eta_s: float | None) -> dict[str, Any]:
+    """The metrics row of a finished step `r` (a `StepResult`); `totals` already include it."""
+    cuda = device.type == "cuda"
+    return {
+        "step": step, "loss": r.loss, "aux_loss": r.aux_loss, "lr": r.lr,
+        "grad_norm": r.grad_norm, "samples": totals["samples"], "label_tokens": r.label_tokens,
+        "real_tokens": r.real_tokens, "padded_tokens": r.tokens - r.real_tokens,
+        "tokens_per_s": r.real_tokens / (r.seconds + data_wait),
+        "packing_efficiency": r.real_tokens / max(r.tokens, 1),
+        "mfu": (r.flops / r.seconds / (peak_flops * world_size)) if peak_flops else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+        "step_s": r.seconds, "data_wait_s": data_wait,
+        "time": round(time.time(), 3), "elapsed_s": totals["seconds"],
+        "tokens_seen": totals["real_tokens"], "eta_s": eta_s,
+    }
+
+
+def epoch_of(accounting: dict[str, Any], n_items: int | None) -> float | None:
+    """Epochs consumed: samples consumed (trained or skipped, all ranks) over the training set's
+    size (None when the size is unknown, as for a streamed Energon dataset)."""
+    return round(accounting["samples"] / n_items, 4) if n_items else None
 
 
 class MetricsWriter:
