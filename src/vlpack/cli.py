@@ -255,7 +255,8 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="PNG path (default: first run's folder)")
     p.add_argument("--metrics", default="loss",
                    help="comma list of per-step metrics, one panel each (e.g. "
-                        "loss,aux_loss,grad_norm); default: loss")
+                        "loss,lr,grad_norm,tokens_per_s,memory,aux_loss; memory draws allocated "
+                        "and reserved); default: loss")
     p.add_argument("--x", default="samples", choices=("samples", "step"),
                    help="horizontal axis: samples seen (default) or step")
     p.set_defaults(func=_run_plot)

@@ -1,5 +1,6 @@
 """Curves of runs: the loss PNG written at the end of a run, and `vlpack plot` overlaying runs
-(the loss, and optionally the MoE aux loss, the gradient norm or any other per-step metric)."""
+(the loss, and optionally the learning rate, the gradient norm, tokens/s, the device memory, the
+MoE aux loss or any other per-step metric)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 from vlpack.train.metrics import read_metrics
 
 LABELS = {"loss": "loss (token mean)", "aux_loss": "MoE aux loss", "grad_norm": "gradient norm",
-          "tokens_per_s": "real tokens/s", "lr": "learning rate"}
+          "tokens_per_s": "real tokens/s", "lr": "learning rate", "memory": "peak memory (GiB)",
+          "peak_mem_gib": "peak allocated (GiB)", "peak_reserved_gib": "peak reserved (GiB)"}
+PANELS = {"memory": ("peak_mem_gib", "peak_reserved_gib")}
+"""Panels that draw several keys: `memory` = allocated (solid) and reserved (dotted)."""
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, x: str = "samples",
@@ -25,17 +29,22 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, x: str = "samp
     rows = {Path(run).name: read_metrics(run) for run in run_dirs}
     recorded = {k for rs in rows.values() for r in rs for k, v in r.items() if v is not None}
     for m in metrics:
-        if m not in recorded:
-            raise ValueError(f"no run recorded {m!r} (dense models have no aux_loss): drop it from "
-                             f"--metrics; these runs record {sorted(recorded)}")
+        if not set(PANELS.get(m, (m,))) <= recorded:
+            raise ValueError(f"no run recorded {m!r} (dense models have no aux_loss, CPU runs no "
+                             f"memory): drop it from --metrics; these runs record {sorted(recorded)}")
     fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 3.2 * len(metrics) + 1.0), dpi=120,
                              sharex=True, squeeze=False)
     for ax, m in zip(axes[:, 0], metrics, strict=True):
         for name, rs in rows.items():
-            pts = [(r.get(x, r["step"]), r[m]) for r in rs if r.get(m) is not None]
-            if not pts:
+            line = None
+            for key, style in zip(PANELS.get(m, (m,)), ("-", ":"), strict=False):
+                pts = [(r.get(x, r["step"]), r[key]) for r in rs if r.get(key) is not None]
+                if pts:
+                    label = name if key == m else f"{name} ({LABELS[key].split(' (')[0]})"
+                    (line,) = ax.plot(*zip(*pts, strict=True), ls=style, label=label, lw=1.4,
+                                      color=line.get_color() if line else None)
+            if line is None:
                 continue
-            (line,) = ax.plot(*zip(*pts, strict=True), label=name, lw=1.4)
             ev = [(r.get(x, r["step"]), r["eval_loss"]) for r in rs
                   if m == "loss" and r.get("eval_loss") is not None]
             if ev:
