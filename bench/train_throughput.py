@@ -248,7 +248,12 @@ def run_mode(mode: str, args, samples, device) -> dict:
     else:  # stock transformers: the HF model as built, its own loss
         model, spec = build_model(model_name(args), backend="sdpa", dtype=torch.float32,
                                   device=device, seed=0)
+        if args.lora_rank:  # stock + peft, the frozen base in bf16 as a peft user loads it
+            from vlpack.model.lora import apply_lora
+
+            apply_lora(model, vlpack_config(mode, args).model.lora)
         parallelize(model, model, topo, Parallelism(
+            frozen_dtype=torch.bfloat16 if args.lora_rank and device.type == "cuda" else None,
             activation_checkpointing=args.activation_checkpointing,
             checkpoint_share=args.checkpoint_share,
             compile_scope="layers" if args.compile_layers else "regions" if args.compile else None,
@@ -414,10 +419,10 @@ def main(argv=None) -> int:
                    help="MoE experts implementation of the vlpack modes (default: the build's, "
                         "vlpack_grouped_mm)")
     p.add_argument("--lora-rank", type=int, default=0,
-                   help="vlpack modes: LoRA of this rank (alpha 2·rank) on the LLM's projections, "
-                        "as model.lora.rank; the optimizer steps the adapters only. MFU still "
-                        "counts full fine-tuning's FLOPs (the frozen weights' gradients are not "
-                        "computed), so compare tokens/s")
+                   help="LoRA of this rank (alpha 2·rank) on the LLM's projections, as "
+                        "model.lora.rank, the frozen base held in bf16 on a GPU; stock modes get "
+                        "the same adapters through peft; the optimizer steps the adapters only "
+                        "and MFU counts a frozen weight at 4 FLOPs")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     p.add_argument("--stacks-every", type=float, default=0, metavar="S",
