@@ -217,50 +217,73 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
 def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """A max-tree over bins holds free tokens (unopened bins are empty, so the leftmost leaf
     that fits is the answer, opened or not); it starts at the fewest bins possible and doubles
-    when every leaf is opened. A patch miss asks `BinPatches` from the next bin on."""
+    when every leaf is opened. A patch miss asks `BinPatches` from the next bin on. (The loop
+    without a patch budget is the same loop with the patch steps left out.)"""
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     size = 1 << (-(-sum(lens) // capacity)).bit_length()
     tree = [capacity] * (2 * size)
     bins: Bins = []
+    nb = 0
+    if pats is None:
+        for i in order:
+            if nb == size:  # keep one unopened leaf, so every search ends on a leaf
+                size, tree = grown_max_tree(tree, size, capacity)
+            s = lens[i]
+            node = 1
+            while node < size:
+                node <<= 1
+                if tree[node] < s:
+                    node += 1
+            j = node - size
+            if j == nb:
+                bins.append([i])
+                nb += 1
+            else:
+                bins[j].append(i)
+            v = tree[node] = tree[node] - s
+            while node > 1:  # parents hold the max of their children
+                sib = tree[node ^ 1]
+                node >>= 1
+                v = v if v > sib else sib
+                if tree[node] == v:
+                    break
+                tree[node] = v
+        return bins
     proom: list[int] = []
     index: BinPatches | None = None
     for i in order:
-        if len(bins) == size:  # keep one unopened leaf, so every search ends on a leaf
+        if nb == size:
             size, tree = grown_max_tree(tree, size, capacity)
             index = None
-        s = lens[i]
+        s, q = lens[i], pats[i]
         node = 1
         while node < size:
             node <<= 1
             if tree[node] < s:
                 node += 1
         j = node - size
-        if pats is not None:
-            q = pats[i]
-            if j < len(bins) and proom[j] < q:
-                if index is None:
-                    index = BinPatches(size, proom, max_p)
-                j = index.first_fit(tree, j + 1, s, q)
-                node = j + size
-            if j == len(bins):
-                proom.append(max_p - q)
-            else:
-                proom[j] -= q
-            if index is not None:
-                index.dirty.append(j)
-        if j == len(bins):
+        if j < nb and proom[j] < q:
+            if index is None:
+                index = BinPatches(size, proom, max_p)
+            j = index.first_fit(tree, j + 1, s, q)
+            node = j + size
+        if j == nb:
             bins.append([i])
+            proom.append(max_p - q)
+            nb += 1
         else:
             bins[j].append(i)
-        tree[node] -= s
-        node >>= 1
-        while node:
-            a, c = tree[2 * node], tree[2 * node + 1]
-            m = a if a > c else c
-            if tree[node] == m:
-                break
-            tree[node] = m
+            proom[j] -= q
+        if index is not None:
+            index.dirty.append(j)
+        v = tree[node] = tree[node] - s
+        while node > 1:
+            sib = tree[node ^ 1]
             node >>= 1
+            v = v if v > sib else sib
+            if tree[node] == v:
+                break
+            tree[node] = v
     return bins
 
 
