@@ -148,7 +148,8 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
 
 def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4", "train.progress=true",
-                          "train.export_hf=true", "train.export_dtype=float32"), CPU)
+                          "train.export_hf=true", "train.export_dtype=float32",
+                          "train.report_to=[tensorboard]"), CPU)
     summary = t.fit()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
@@ -171,6 +172,14 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3] and evals[0]["eval_loss"] == summary["eval_loss"]
     assert evals[0]["eval_s"] > 0
+    # train.report_to mirrors every row (tests/test_tracking.py reads the trackers back in detail)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in steps]
+    assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [(3, pytest.approx(summary["eval_loss"]))]
     assert summary["steps"] == 3 and summary["samples"] > 0
 
     # The HF export loads in transformers and fine-tunes further as model.name=FOLDER.

@@ -309,6 +309,11 @@ class TrainConfig:
     aux_loss_coef: float = 0.001
     """MoE router load-balancing loss coefficient."""
     log_every: int = 1
+    """Write a metrics row (and, when stderr is not a terminal, a progress line) every N steps."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(default_factory=list)
+    """Experiment trackers that mirror every metrics row on rank 0, with the run's config
+    (train/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
+    metrics.jsonl is written either way."""
     eval_every: int = 0
     """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
     progress: bool = True

@@ -50,6 +50,7 @@ from vlpack.train.progress import Eta, Progress, setup_logging
 from vlpack.train.runlock import claim_output_dir
 from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
 from vlpack.train.step import StepResult, optimizer_step
+from vlpack.train.tracking import build_trackers, check_installed
 
 log = logging.getLogger("vlpack.train")
 
@@ -76,6 +77,7 @@ class Trainer:
         self.context = context_group(self.info)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
+        check_installed(cfg.train.report_to)  # before the model is built, on every rank
         claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
         stack = build_stack(cfg, self.info, context=self.context)
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
@@ -300,7 +302,10 @@ class Trainer:
                           ": nothing to train (raise train.max_steps to continue it)")
         handled = (signal.SIGINT, signal.SIGTERM)
         old = {s: signal.signal(s, self._on_signal) for s in handled}
-        writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main)
+        trackers = build_trackers(cfg.train.report_to, out_dir=out_dir, config=cfg.to_dict(),
+                                  run_id=self.run_id, resume_step=self.step) if info.is_main else []
+        writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main,
+                               mirrors=tuple(trackers))
         peak = peak_flops(info.device)
         self.progress = Progress(total=cfg.train.max_steps, initial=self.step,
                                  log_every=cfg.train.log_every,
@@ -354,6 +359,8 @@ class Trainer:
         finally:
             self.progress.close()
             writer.close()
+            for tracker in trackers:
+                tracker.close()
             if self.stop_signal is None:  # once signalled, a further signal aborts at once,
                 for sig, handler in old.items():  # until the process ends
                     signal.signal(sig, handler)

@@ -14,10 +14,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+Mirror = Callable[[dict[str, Any]], None]
+"""Receives every row written (an experiment tracker, `vlpack.train.tracking`)."""
 
 
 def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], peak_flops: float | None,
@@ -46,12 +50,14 @@ def epoch_of(accounting: dict[str, Any], n_items: int | None) -> float | None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step. On resume, lines past the resumed step are dropped so
-    the file reads as one uninterrupted run."""
+    """Appends one JSON object per step and hands it to each of `mirrors`. On resume, lines past
+    the resumed step are dropped so the file reads as one uninterrupted run."""
 
-    def __init__(self, path: str | Path, *, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, path: str | Path, *, resume_step: int = 0, enabled: bool = True,
+                 mirrors: tuple[Mirror, ...] = ()):
         self.path = Path(path)
         self.enabled = enabled
+        self.mirrors = mirrors
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +76,8 @@ class MetricsWriter:
                  for k, v in row.items()}
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
+        for mirror in self.mirrors:
+            mirror(clean)
 
     def close(self) -> None:
         if self.enabled:
