@@ -448,8 +448,10 @@ class Trainer:
 
 
 UNTRACKED = ("train.resume", "train.overwrite", "train.progress", "train.max_steps",
-             "train.stop_after", "train.output_dir")
-"""Settings a resumed run may change without a warning."""
+             "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
+             "train.export_dtype", "train.kernel_cache", "train.memory_check",
+             "train.profile_steps", "train.profile_from")
+"""Settings a resumed run may change without a warning: none changes what is trained."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
