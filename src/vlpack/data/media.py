@@ -10,6 +10,7 @@ training read only what the dataset names, so a dataset from elsewhere cannot pu
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,7 @@ def open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
 
     _image_limit(max_image_pixels)
     try:
-        image = Image.open(ref.path)
+        image = Image.open(_file(ref))
         image.load()  # decode now so a truncated or corrupt file fails here
         return ImageOps.exif_transpose(image)
     except FileNotFoundError:
@@ -86,7 +87,7 @@ def image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
 
     _image_limit(max_image_pixels)
     try:
-        with Image.open(ref.path) as image:
+        with Image.open(_file(ref)) as image:
             # Image.getexif reads what the header gave; PNG's override would decode the pixels
             turned = Image.Image.getexif(image).get(ORIENTATION, 1) in (5, 6, 7, 8)
             width, height = image.size
@@ -97,6 +98,11 @@ def image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
         raise _too_large(key, ref, e) from None
     except Exception as e:
         raise _corrupt(key, ref, e) from None
+
+
+def _file(ref: ImageRef) -> Path | io.BytesIO:
+    """What Pillow opens: the file, or the bytes a dataset holds (the same checks apply)."""
+    return ref.path if ref.data is None else io.BytesIO(ref.data)
 
 
 def _missing(key: str, ref: ImageRef) -> BadSampleError:

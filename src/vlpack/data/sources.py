@@ -148,16 +148,19 @@ def read_jsonl(path: str | Path, media_root: str | Path | None = None) -> list[C
 
 
 def parse_record(
-    obj: Any, *, base_dir: str | Path, key: str, media_root: str | Path | None = None
+    obj: Any, *, base_dir: str | Path, key: str, media_root: str | Path | None = None,
+    images: list[ImageRef] | None = None,
 ) -> Conversation:
     """Turn one decoded JSON record into a `Conversation`; raises `BadSampleError` whose
     message names `key`, the problem and the fix. Media paths are joined to `base_dir` and must
-    resolve inside `media_root` (None: `base_dir`)."""
+    resolve inside `media_root` (None: `base_dir`). `images`, when given, are the record's
+    top-level images already read (a Hugging Face dataset's `Image` column, `hf_source.py`)
+    in place of its `image`/`images` paths."""
     if (bad := _surrogate(obj)) is not None:  # records that did not come through iter_jsonl
         _bad(key.encode("utf-8", "backslashreplace").decode(), "bad_json", bad)
     if not isinstance(obj, dict):
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
-    images = _record_images(obj, key)
+    paths = _record_images(obj, key) if images is None else []
     tools = _tools(obj.get("tools"), key)
     if "messages" in obj:
         raw = _messages_turns(obj["messages"], key)
@@ -172,10 +175,10 @@ def parse_record(
         return media_path(p, base, root, key, what)
 
     videos = [_video_ref(v, None, join, key) for v in _record_videos(obj, key)]
-    queues = {IMAGE_PLACEHOLDER: [ImageRef(path=join(p)) for p in images],
-              VIDEO_PLACEHOLDER: videos}
+    refs = [ImageRef(path=join(p)) for p in paths] if images is None else list(images)
+    queues = {IMAGE_PLACEHOLDER: list(refs), VIDEO_PLACEHOLDER: videos}
     for placeholder, items, what, field in (
-            (IMAGE_PLACEHOLDER, images, "image", '"image"/"images"'),
+            (IMAGE_PLACEHOLDER, refs, "image", '"image"/"images"'),
             (VIDEO_PLACEHOLDER, videos, "video", '"video"/"videos"')):
         n = sum(part.count(placeholder) for turn in raw for part in turn.parts
                 if isinstance(part, str))

@@ -27,9 +27,11 @@ TOKEN_TYPE_TEXT, TOKEN_TYPE_IMAGE, TOKEN_TYPE_VIDEO = 0, 1, 2
 
 @dataclass(frozen=True, slots=True)
 class ImageRef:
-    """An image a conversation refers to: an absolute path on disk."""
+    """An image a conversation refers to: an absolute path on disk, or the encoded bytes a
+    Hugging Face dataset holds (`data`; `path` then only names it in messages)."""
 
     path: Path
+    data: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,191 @@
+"""Hugging Face `datasets` as a source (`data.source=hf`): rows read on demand.
+
+`path` is a folder written by `Dataset.save_to_disk`, a `.parquet` or `.arrow` file, or a
+folder of them. The rows stay in Arrow files, memory-mapped (parquet is converted once into
+`datasets`' own cache, as `datasets` does); a row is read when the planner measures it or a
+worker encodes it, so no process holds the whole set in memory.
+
+A row is a record of the JSONL shapes (`sources.py`): a `messages` or a `conversations` column,
+optional `id`, `tools`, `image`/`images`, `video`/`videos`. Differences, all from Arrow:
+
+- Images are an `Image` feature (or a list of them): each value is encoded bytes or a path.
+  Bytes are decoded by `media.open_image` like files are (the pixel limit, EXIF orientation,
+  corrupt data a bad sample); a path must resolve inside the media root (`data.media_root`,
+  by default the dataset's folder), as in JSONL.
+- A content item `{"type": "image"}` without a path (the layout TRL and most hub VLM sets use)
+  takes the next image of the row's `images`, as an `<image>` placeholder does; a
+  `{"type": "video"}` item the next of `videos`.
+- Arrow fills a struct's absent fields with null: null fields are dropped before parsing.
+- Videos are paths or lists of frame paths (strings); a video stored as bytes is refused.
+
+The key of a row is its `id`, else `NAME[ROW]` (0-based, `dataset[ROW]` in `datasets`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from vlpack.data.media import media_path
+from vlpack.data.sources import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, parse_record
+from vlpack.data.types import BadSampleError, Conversation, ImageRef
+
+Item = Conversation | BadSampleError
+
+_BATCH = 1024
+"""Rows read at once when iterating (measuring) in order."""
+
+
+def require_datasets(what: str) -> Any:
+    """The `datasets` module, or a ValueError naming the extra that installs it."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{what} needs the Hugging Face `datasets` package: pip install "
+                         "'vlpack[hf]'") from None
+    return datasets
+
+
+def load_hf(path: str | Path) -> Any:
+    """The `datasets.Dataset` at `path` (a save_to_disk folder, .parquet/.arrow files or a
+    folder of them), memory-mapped; ValueError naming the fix when `path` is none of these."""
+    datasets = require_datasets("data.source=hf")
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data.path={path} does not exist: pass a folder written by "
+                         "Dataset.save_to_disk, or .parquet/.arrow files")
+    if p.is_dir() and (p / "dataset_dict.json").is_file():
+        splits = sorted(q.name for q in p.iterdir() if q.is_dir())
+        raise ValueError(f"{path} holds a DatasetDict (splits: {', '.join(splits)}): pass one "
+                         f"split's folder, e.g. data.path={p / (splits[0] if splits else 'train')}")
+    if p.is_dir() and (p / "state.json").is_file():
+        return datasets.load_from_disk(str(p))
+    files = (sorted(p.glob("*.parquet")) or sorted(p.glob("*.arrow"))) if p.is_dir() else [p]
+    if not files or files[0].suffix not in (".parquet", ".arrow"):
+        raise ValueError(f"{path} is not a Hugging Face dataset: pass a folder written by "
+                         "Dataset.save_to_disk, a .parquet or .arrow file, or a folder of them")
+    if files[0].suffix == ".parquet":
+        return datasets.Dataset.from_parquet([str(f) for f in files])
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+
+
+class HFRows(Sequence[Item]):
+    """The rows of a Hugging Face dataset as `Conversation`s (bad rows as their
+    `BadSampleError`), converted when indexed; picklable (workers reopen the memory-map)."""
+
+    def __init__(self, path: str | Path, media_root: str | Path | None = None, *,
+                 _table: Any = None, _rows: range | None = None) -> None:
+        p = Path(path)
+        self.path, self.name = p, p.name
+        self.base = (p if p.is_dir() else p.parent).absolute()
+        self.root = Path(media_root if media_root is not None else self.base).resolve()
+        self.table = (_table if _table is not None else load_hf(p)).with_format("arrow")
+        self.rows = _rows if _rows is not None else range(len(self.table))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> Item: ...
+    @overload
+    def __getitem__(self, i: slice) -> HFRows: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return HFRows(self.path, self.root, _table=self.table, _rows=self.rows[i])
+        row = self.rows[i]
+        return self.item(row, self.table[row].to_pylist()[0])
+
+    def __iter__(self) -> Iterator[Item]:
+        for start in range(0, len(self.rows), _BATCH):
+            chunk = self.rows[start:start + _BATCH]
+            part = self.table[chunk.start:chunk.stop] if chunk.step == 1 else \
+                self.table.select(list(chunk))[:]
+            records = part.to_pylist()
+            for row, record in zip(chunk, records, strict=True):
+                yield self.item(row, record)
+
+    def item(self, row: int, record: dict) -> Item:
+        """Row `row` (its raw Arrow values in `record`) as a Conversation or its error."""
+        where = f"{self.name}[{row}]"
+        has_id = record.get("id") not in (None, "")
+        key = str(record["id"]) if has_id else where
+        try:
+            obj = _drop_nulls(record)
+            listed = _listed(obj, key, "image", "images")
+            images = [self._image(v, key, j) for j, v in enumerate(listed)]
+            obj.pop("image", None)
+            obj.pop("images", None)
+            for name in ("video", "videos"):
+                if name in obj:
+                    obj[name] = _video_paths(obj[name], key)
+            _placeholders(obj)
+            conv = parse_record(obj, base_dir=self.base, key=key, media_root=self.root,
+                                images=images)
+            return conv if not has_id else _with_where(conv, where)
+        except BadSampleError as e:
+            if has_id:
+                e.args = (f"{e} [{where}]",)
+            return e
+
+    def _image(self, value: Any, key: str, j: int) -> ImageRef:
+        """An `Image` value ({bytes, path}) or a path string as an ImageRef."""
+        if isinstance(value, str):
+            value = {"path": value}
+        if not isinstance(value, dict) or not (value.get("bytes") or value.get("path")):
+            raise BadSampleError("bad_schema", f"{key}: image {j} is {value!r:.80}: store "
+                                 "images as a datasets Image feature (bytes or a path)")
+        if value.get("bytes"):
+            return ImageRef(path=Path(f"{key} image {j}"), data=value["bytes"])
+        return ImageRef(path=media_path(value["path"], self.base, self.root, key, "image"))
+
+
+def _with_where(conv: Conversation, where: str) -> Conversation:
+    import dataclasses
+
+    return dataclasses.replace(conv, where=where)
+
+
+def _drop_nulls(x: Any) -> Any:
+    """`x` without the null fields Arrow fills absent struct fields with."""
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
+
+
+def _listed(obj: dict, key: str, one: str, many: str) -> list:
+    """The row's values under `one` or `many` (not both) as a list."""
+    if one in obj and many in obj:
+        raise BadSampleError("bad_schema", f'{key}: the row has both "{one}" and "{many}" '
+                             "set: keep one of them")
+    value = obj.get(many, obj.get(one, []))
+    return value if isinstance(value, list) else [value]
+
+
+def _video_paths(value: Any, key: str) -> Any:
+    """Videos as JSONL gives them: a path, frame paths, or `Video`/`Image` values by path."""
+    if isinstance(value, dict):
+        if value.get("path") and not value.get("bytes"):
+            return value["path"]
+        raise BadSampleError("bad_schema", f"{key}: a video stored as bytes is not read: store "
+                             "videos as file paths or lists of frame paths")
+    if isinstance(value, list):
+        return [_video_paths(v, key) for v in value]
+    return value
+
+
+def _placeholders(obj: dict) -> None:
+    """`{"type": "image"}` / `{"type": "video"}` items without a path become `<image>` /
+    `<video>` text, which take the row's next image / video (in place)."""
+    for m in obj.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for n, item in enumerate(content):
+            if isinstance(item, dict) and set(item) == {"type"}:
+                tag = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}.get(item["type"])
+                if tag is not None:
+                    content[n] = {"type": "text", "text": tag}

@@ -1,0 +1,195 @@
+"""Hugging Face datasets as a source (data/hf_source.py): a real `datasets` dataset written here
+equals the same records as JSONL with image files, sample for sample; bad rows are named by row;
+the loader plans and resumes over it exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlpack.data.encode import Encoder
+from vlpack.data.loader import PackedLoader, open_dataset
+from vlpack.data.media import ORIENTATION
+from vlpack.data.types import BadSampleError, Conversation, ImageRef
+
+datasets = pytest.importorskip("datasets")
+
+
+def _jpeg(orientation: int) -> bytes:
+    """A 96×64 picture, left half red, with the EXIF orientation `orientation`, as JPEG bytes."""
+    import io
+
+    a = np.zeros((64, 96, 3), np.uint8)
+    a[:, :48, 0] = 255
+    exif = Image.Exif()
+    exif[ORIENTATION] = orientation
+    out = io.BytesIO()
+    Image.fromarray(a).save(out, format="JPEG", exif=exif.tobytes())
+    return out.getvalue()
+
+
+def _turns(question: str, answer: str, image: bool) -> list[dict]:
+    user = ([{"type": "image", "text": None}] if image else []) + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": user},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """(the save_to_disk folder, the same records as a JSONL file with image files)."""
+    root = tmp_path_factory.mktemp("hf")
+    turned, upright = _jpeg(6), _jpeg(1)
+    (root / "files").mkdir()
+    (root / "files" / "turned.jpg").write_bytes(turned)
+    (root / "ds").mkdir()
+    (root / "ds" / "upright.jpg").write_bytes(upright)
+    (root / "files" / "upright.jpg").write_bytes(upright)
+    rows = [  # (id, question, answer, images as the Image column holds them)
+        ("t0", "Hi", "Hello", []),
+        (None, "Which side is red?", "left", [{"bytes": turned, "path": None}]),
+        ("p2", "And here?", "left", [{"bytes": None, "path": "upright.jpg"}]),
+        (None, "Broken?", "yes", [{"bytes": b"not an image", "path": None}]),
+        ("two", "Both?", "yes", [{"bytes": upright, "path": None}, {"bytes": turned, "path": None}]),
+    ]
+    msgs = [_turns(q, a, bool(im)) for _, q, a, im in rows]
+    msgs[4][0]["content"].insert(0, {"type": "image", "text": None})
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.List(
+            {"type": datasets.Value("string"), "text": datasets.Value("string")})}),
+        "images": datasets.List(datasets.Image()),
+    })  # fmt: skip
+    ds = datasets.Dataset.from_dict(
+        {"id": [r[0] for r in rows], "messages": msgs, "images": [r[3] for r in rows]},
+        features=features)
+    with contextlib.chdir(root / "ds"):  # save_to_disk embeds a path-only image's bytes
+        ds.save_to_disk(str(root / "ds"))
+    names = {0: [], 1: ["turned.jpg"], 2: ["upright.jpg"], 4: ["upright.jpg", "turned.jpg"]}
+    with (root / "files" / "data.jsonl").open("w") as f:
+        for n in (0, 1, 2, 4):  # the rows that are good, as JSONL
+            conv = [{"from": "human", "value": "<image>" * len(names[n]) + rows[n][1]},
+                    {"from": "gpt", "value": rows[n][2]}]
+            f.write(json.dumps({"conversations": conv, "images": names[n]}) + "\n")
+    return root / "ds", root / "files" / "data.jsonl"
+
+
+def _content(conv: Conversation) -> list:
+    """Roles, text and image bytes of `conv` (image names differ between files)."""
+    return [(m.role, [c.data if isinstance(c, ImageRef) else c for c in m.content])
+            for m in conv.messages]
+
+
+@pytest.fixture(scope="module")
+def enc() -> Encoder:
+    return Encoder("qwen3_vl", min_pixels=16384, max_pixels=50176)
+
+
+def test_rows_encode_as_the_same_jsonl_records(data, enc) -> None:
+    rows = open_dataset("hf", str(data[0]))
+    jsonl = open_dataset("jsonl", str(data[1]))
+    assert len(rows) == 5
+    good = [rows[n] for n in (0, 1, 2, 4)]
+    assert all(isinstance(c, Conversation) for c in good)
+    for hf, ref in zip(good, jsonl, strict=True):
+        a, b = enc.encode(hf), enc.encode(ref)
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.labels, b.labels)
+        assert np.array_equal(a.image_grid_thw, b.image_grid_thw)
+        assert (a.pixel_values is None) == (b.pixel_values is None)
+        if a.pixel_values is not None:  # the EXIF-turned bytes decode upright, as the file does
+            assert np.array_equal(a.pixel_values, b.pixel_values)
+        assert enc.measure(hf) == enc.measure(ref)
+    assert enc.measure(rows[1]) != enc.measure(rows[2])  # 64×96 upright vs 96×64
+
+
+def test_bad_rows_are_named_by_row(data, enc) -> None:
+    rows = open_dataset("hf", str(data[0]))
+    assert rows[0].key == "t0" and rows[0].where == "ds[0]" and rows[1].key == "ds[1]"
+    with pytest.raises(BadSampleError, match=r"ds\[3\].*cannot be read") as e:
+        enc.measure(rows[3])
+    assert e.value.reason == "corrupt_image"
+
+
+def test_image_bytes_obey_the_pixel_limit(data, monkeypatch) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # the limit is global
+    rows = open_dataset("hf", str(data[0]))
+    with pytest.raises(BadSampleError) as e:
+        Encoder("qwen3_vl", max_image_pixels=96 * 64 - 1).measure(rows[1])
+    assert e.value.reason == "image_too_large"
+
+
+def test_parquet_and_pickled_rows(data, tmp_path) -> None:
+    ds = datasets.load_from_disk(str(data[0])).select([0, 1, 4])
+    ds.to_parquet(str(tmp_path / "part.parquet"))
+    rows = open_dataset("hf", str(tmp_path / "part.parquet"))
+    ref = open_dataset("hf", str(data[0]))
+    assert [_content(r) for r in rows] == [_content(ref[n]) for n in (0, 1, 4)]
+    again = pickle.loads(pickle.dumps(rows))  # what a DataLoader worker receives
+    assert again[2] == rows[2] and list(again[1:]) == [rows[1], rows[2]]
+
+
+def test_loader_accounts_plans_and_resumes(data, enc) -> None:
+    rows = open_dataset("hf", str(data[0]))
+    jsonl = open_dataset("jsonl", str(data[1]))
+
+    def loader(items, **kw):
+        return PackedLoader(items, enc, seq_len=512, buffer_size=4, overlong="skip", seed=1,
+                            pad_token_id=0, **kw)
+
+    once = loader(rows, epochs=1)
+    batches = list(once)
+    assert once.accounting["packed"] == 4
+    planned = once.stream.account.as_dict()  # the skip after the last bin rides on no bin
+    assert planned["packed"] == 4 and planned["skipped"] == {"corrupt_image": 1}
+    ids = sorted(int(t) for b in batches for t in b.input_ids.flatten().tolist())
+    ref_ids = sorted(int(t) for b in loader(jsonl, epochs=1) for t in b.input_ids.flatten().tolist())
+    assert ids == ref_ids  # the same tokens trained as from the JSONL twin
+    straight = list(itertools.islice(iter(loader(rows, epochs=None)), 8))
+    first = loader(rows, epochs=None)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    resumed = loader(rows, epochs=None)
+    resumed.load_state_dict(first.state_dict())
+    for a, b in zip(straight[3:], itertools.islice(iter(resumed), 5), strict=True):
+        assert a.sample_keys == b.sample_keys and torch.equal(a.input_ids, b.input_ids)
+
+
+def test_image_paths_keep_the_media_root(data, enc, tmp_path) -> None:
+    """Images stored by path (a parquet written without embedding them): joined to the
+    dataset's folder and bounded by the media root, as in JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "pq" / "upright.jpg").write_bytes((data[1].parent / "upright.jpg").read_bytes())
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    msgs = [_turns("And here?", "left", True), _turns("Outside?", "no", True)]
+    table = pa.table({"messages": msgs, "images": pa.array(
+        [[{"bytes": None, "path": "upright.jpg"}], [{"bytes": None, "path": "../x/up.jpg"}]],
+        pa.list_(image))})
+    pq.write_table(table, tmp_path / "pq" / "paths.parquet")
+    rows = open_dataset("hf", str(tmp_path / "pq" / "paths.parquet"))
+    assert rows[0].images[0].data is None
+    ref = open_dataset("jsonl", str(data[1]))[2]
+    assert np.array_equal(enc.encode(rows[0]).pixel_values, enc.encode(ref).pixel_values)
+    assert isinstance(rows[1], BadSampleError) and rows[1].reason == "media_outside_root"
+    assert "paths.parquet[1]" in str(rows[1])
+    wide = open_dataset("hf", str(tmp_path / "pq" / "paths.parquet"), media_root=str(tmp_path))
+    assert isinstance(wide[1], Conversation)
+
+
+def test_dataset_dict_and_missing_path_name_the_fix(data, tmp_path) -> None:
+    dd = datasets.DatasetDict({"train": datasets.load_from_disk(str(data[0]))})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"DatasetDict \(splits: train\).*dd/train"):
+        open_dataset("hf", str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match="does not exist"):
+        open_dataset("hf", str(tmp_path / "nope"))
