@@ -37,12 +37,42 @@ def _positive(key: str, value: float | None, *, allow_zero: bool = False) -> Non
 
 
 @dataclass(kw_only=True, slots=True)
+class MixSource:
+    """One source of a mixture (`data.mix`, data/mixture.py)."""
+
+    path: str | None = None
+    """A JSONL file or a Hugging Face dataset (as data.path); none for `source: synthetic`."""
+    source: Literal["jsonl", "hf", "synthetic"] | None = None
+    """None: `jsonl` for a .jsonl path, else `hf`."""
+    weight: float = 1.0
+    """Share of the mixture's samples: weight / the sum of the weights."""
+    name: str | None = None
+    """Name in the per-source counts (None: the path's file name, or `synthetic`)."""
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            self.source = "synthetic" if self.path is None else (
+                "jsonl" if self.path.endswith(".jsonl") else "hf")
+        if (self.path is None) != (self.source == "synthetic"):
+            raise ValueError(f"data.mix entry {self.name or self.path or self.source}: a "
+                             f"{self.source} source needs a path, synthetic none")
+        if not self.weight > 0:
+            raise ValueError(f"data.mix weight of {self.path or self.source} must be > 0, "
+                             f"got {self.weight}")
+        if self.name is None:
+            self.name = "synthetic" if self.path is None else Path(self.path).name
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where samples come from and how they are packed."""
 
-    source: Literal["jsonl", "synthetic", "energon"] = "synthetic"
+    source: Literal["jsonl", "synthetic", "energon", "hf"] = "synthetic"
     """`synthetic`: the built-in receipts (generated once, cached); `jsonl`: `path` is a JSONL file;
-    `energon`: `path` is a prepared Megatron-Energon dataset folder."""
+    `energon`: `path` is a prepared Megatron-Energon dataset folder; `hf`: `path` is a Hugging
+    Face dataset (a save_to_disk folder, .parquet or .arrow files; data/hf_source.py)."""
+    mix: list[MixSource] | None = None
+    """Several sources drawn by weight (data/mixture.py), in place of data.source/data.path."""
     path: str | None = None
     """DATA.jsonl for source=jsonl (image paths relative to it); for source=energon the folder
     written by `vlpack data energon-prepare`."""
@@ -114,11 +144,12 @@ class DataConfig:
     samples, or once all were seen in a smaller dataset)."""
 
     def __post_init__(self) -> None:
-        _choice("data.source", self.source, ("jsonl", "synthetic", "energon"))
+        _choice("data.source", self.source, ("jsonl", "synthetic", "energon", "hf"))
         _choice("data.packing", self.packing, PACKING_CHOICES)
         _choice("data.overlong", self.overlong, ("error", "truncate", "skip"))
         _choice("data.mrope_after_video", self.mrope_after_video, ("qwen", "transformers"))
-        if self.source in ("jsonl", "energon") and not self.path:
+        self._check_mix()
+        if self.source in ("jsonl", "energon", "hf") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path=...")
         if self.source == "synthetic" and self.path:
             raise ValueError(
@@ -132,7 +163,7 @@ class DataConfig:
         _positive("data.packing_buffer_size", self.packing_buffer_size)
         _positive("data.shuffle_buffer_size", self.shuffle_buffer_size)
         self._check_energon()
-        if self.media_root is not None and self.source != "jsonl":
+        if self.media_root is not None and self.source not in ("jsonl", "hf") and not self.mix:
             raise ValueError(
                 f"data.media_root bounds the media paths of a JSONL file, but data.source="
                 f"{self.source} reads none (energon-prepare applies it when writing shards): "
@@ -147,6 +178,18 @@ class DataConfig:
             )
         if not 0 <= self.max_bad_fraction <= 1:
             raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
+
+    def _check_mix(self) -> None:
+        """data.mix replaces data.source/data.path and has no held-out split."""
+        if self.mix is None:
+            return
+        if not self.mix:
+            raise ValueError("data.mix is an empty list: give at least one {path, weight}")
+        if self.path is not None or self.source != "synthetic":
+            raise ValueError("data.mix names the sources itself: drop data.path and data.source")
+        if self.eval_samples:
+            raise ValueError("data.eval_samples holds out the end of one dataset, which a "
+                             "mixture has not: set data.eval_samples=0 with data.mix")
 
     def _check_energon(self) -> None:
         """Batch-level packing (Energon) excludes the other packing modes."""
@@ -438,13 +481,15 @@ class Config:
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
-        return list(obj)
+    if isinstance(obj, tuple | list):
+        return [_to_plain(x) for x in obj]
     return obj
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert `value` (from YAML or a command line) to the annotated type `tp`."""
+    if dataclasses.is_dataclass(tp):  # an element of a list of sections (data.mix)
+        return _build(tp, value, f"{key}.")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

@@ -32,10 +32,17 @@ class Skip:
 
 
 class Tally:
-    """Per-epoch counts of one rank: `PACKED`, `TRUNCATED` and one key per skip reason."""
+    """Per-epoch counts of one rank: `PACKED`, `TRUNCATED` and one key per skip reason; and,
+    for a mixture (`data.mix`), the samples trained from each source."""
 
-    def __init__(self, epochs: dict[int, Counter] | None = None) -> None:
+    def __init__(self, epochs: dict[int, Counter] | None = None,
+                 sources: Counter | None = None) -> None:
         self.epochs: dict[int, Counter] = epochs or {}
+        self.sources: Counter = sources or Counter()
+
+    def add_source(self, name: str) -> None:
+        """Count one trained (packed or truncated) sample of the mixture's source `name`."""
+        self.sources[name] += 1
 
     def add(self, epoch: int, outcome: str, n: int = 1) -> None:
         """Count `n` samples of `epoch` as `outcome` (PACKED, TRUNCATED or a skip reason)."""
@@ -45,24 +52,31 @@ class Tally:
     def as_dict(self) -> dict:
         """Totals over all epochs, and the same per epoch under "epochs" (JSON-ready)."""
         total: Counter = sum(self.epochs.values(), Counter())
-        return {**_summary(total),
-                "epochs": {e: _summary(c) for e, c in sorted(self.epochs.items())}}  # fmt: skip
+        out = {**_summary(total),
+               "epochs": {e: _summary(c) for e, c in sorted(self.epochs.items())}}  # fmt: skip
+        if self.sources:
+            out["sources"] = dict(sorted(self.sources.items()))
+        return out
 
     def state(self) -> dict:
         """Plain data for a checkpoint (`Tally.from_state` restores it)."""
-        return {str(e): dict(c) for e, c in self.epochs.items()}
+        out = {str(e): dict(c) for e, c in self.epochs.items()}
+        return {**out, "sources": dict(self.sources)} if self.sources else out
 
     @classmethod
     def from_state(cls, state: dict) -> Tally:
-        return cls({int(e): Counter(c) for e, c in state.items()})
+        epochs = {int(e): Counter(c) for e, c in state.items() if e != "sources"}
+        return cls(epochs, Counter(state.get("sources", {})))
 
     @classmethod
     def merged(cls, states: list[dict]) -> Tally:
         """The sum of several ranks' `state()`s."""
         out = cls()
         for s in states:
-            for e, c in cls.from_state(s).epochs.items():
+            one = cls.from_state(s)
+            for e, c in one.epochs.items():
                 out.epochs.setdefault(e, Counter()).update(c)
+            out.sources.update(one.sources)
         return out
 
 

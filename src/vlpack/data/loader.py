@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.mixture import Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
 from vlpack.data.types import BadSampleError, Conversation, EncodedSample
@@ -27,22 +28,38 @@ Item = Conversation | BadSampleError
 
 
 def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
-                 media_root: str | None = None) -> list[Item]:
+                 media_root: str | None = None) -> Sequence[Item]:
     """All records of a dataset, good ones as Conversation, bad ones as their error (media
-    paths must resolve inside `media_root`, None: the JSONL file's folder)."""
+    paths must resolve inside `media_root`, None: the data file's folder). A Hugging Face
+    dataset (`hf`) is read row by row when indexed (`hf_source.HFRows`)."""
     from vlpack.data.sources import iter_jsonl
 
     if source == "synthetic":
         from vlpack.data.synth import default_dataset
 
         path = str(default_dataset(n=synthetic_samples))
+    elif source == "hf":
+        from vlpack.data.hf_source import HFRows
+
+        rows = HFRows(path, media_root)
+        if not len(rows):
+            raise ValueError(f"data.path={path} holds no rows")
+        return rows
     elif source != "jsonl":
-        raise ValueError(f"data.source={source!r} is not readable here; use jsonl or synthetic")
+        raise ValueError(f"data.source={source!r} is not readable here; use jsonl, hf or "
+                         "synthetic")
     items = list(iter_jsonl(path, media_root))
     if not items:
         raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
                          "conversation (see docs/data.md)")
     return items
+
+
+def open_mix(d: DataConfig, seed: int) -> Mixture:
+    """The weighted mixture of `data.mix`'s sources, drawn with `seed` (data/mixture.py)."""
+    sources = [open_dataset(m.source, m.path, synthetic_samples=d.synthetic_samples,
+                            media_root=d.media_root) for m in d.mix]
+    return Mixture(sources, [m.name for m in d.mix], [m.weight for m in d.mix], seed)
 
 
 def located(e: BadSampleError, conv: Conversation) -> BadSampleError:
@@ -230,9 +247,12 @@ class PackedLoader:
         """Tally one consumed bin: its trained samples, and the skips it carries."""
         lost = {s.index for s in failed}
         caps = dict(plan.truncate)
+        source = self.items.source_name if isinstance(self.items, Mixture) else None
         for i, epoch in zip(plan.items, plan.epochs, strict=True):
             if i not in lost:
                 self.tally.add(epoch, TRUNCATED if i in caps else PACKED)
+                if source is not None:
+                    self.tally.add_source(source(i))
         for s in (*plan.skips, *failed):
             self.tally.add(s.epoch, s.reason)
             self.report_skip(s)
@@ -283,13 +303,14 @@ def build_loaders(
             mrope_after_video=d.mrope_after_video,
             max_bad_fraction=d.max_bad_fraction,
         ), None
-    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
-                         media_root=d.media_root)
+    items = open_mix(d, seed) if d.mix else open_dataset(
+        d.source, d.path, synthetic_samples=d.synthetic_samples, media_root=d.media_root)
     if d.eval_samples >= len(items):
         raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
                          f"(the dataset has {len(items)}): lower data.eval_samples")
     n_train = len(items) - d.eval_samples
-    sizes = measure_all(items, encoder, progress=progress)
+    sizes = items.measure(lambda s: measure_all(s, encoder, progress=progress)) \
+        if isinstance(items, Mixture) else measure_all(items, encoder, progress=progress)
     common = dict(
         seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
         buffer_size=d.buffer_size, max_patches=d.max_patches,
