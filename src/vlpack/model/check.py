@@ -59,6 +59,7 @@ from vlpack.model.moe import RouterCapture
 from vlpack.model.reference import stock_reference
 from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import special_ids, text_id_range
+from vlpack.train.memory import available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -385,17 +386,6 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
                 repeat_diff=repeat, paths=paths)
 
 
-def _free_bytes(dev: torch.device) -> int | None:
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 def _check_memory(model_name: str, dev: torch.device, init: str = "auto") -> None:
     """Refuse up front (instead of being killed) when the check cannot fit: it holds fp32
     weights, their gradients and one gradient copy per run (packed and unpacked)."""
@@ -403,7 +393,7 @@ def _check_memory(model_name: str, dev: torch.device, init: str = "auto") -> Non
         return
     meta = meta_model(model_name)
     need = 4 * 4 * sum(p.numel() for p in meta.parameters())
-    free = _free_bytes(dev)
+    free = available_bytes(dev)
     if free is not None and need > 0.9 * free:
         raise ValueError(
             f"vlpack check of {model_name} needs about {need / 2**30:.0f} GiB on {dev} (fp32 "
