@@ -406,6 +406,8 @@ class Trainer:
             acc = self.accounting()
             row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"],
                        epoch=epoch_of(acc, len(getattr(self.train_loader, "items", ()))))
+            if "sources" in acc:  # data.mix: samples trained from each source so far
+                row["sources"] = acc["sources"]
             writer.write(row)
         self.progress.step(row)
 
@@ -425,6 +427,7 @@ class Trainer:
         summary = {
             "steps": self.step, "samples": self.totals["samples"], "truncated": acc["truncated"],
             "skipped": acc["skipped"], "epochs": acc["epochs"], "real_tokens": self.totals["real_tokens"],
+            **({"sources": acc["sources"]} if "sources" in acc else {}),
             "tokens": self.totals["tokens"], "first_loss": self.first_loss,
             "last_loss": self.last_loss, "eval_loss": self.eval_loss,
             "seconds": self.totals["seconds"],

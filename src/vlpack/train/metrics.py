@@ -100,6 +100,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("samples", f"{s['samples']} trained ({s['truncated']} of them truncated); "
                     f"{sum(s['skipped'].values())} skipped ({skipped})"),
         *([("epochs", _epochs(s["epochs"]))] if s.get("epochs") else []),
+        *([("sources", ", ".join(f"{k}: {v}" for k, v in s["sources"].items()))]
+          if s.get("sources") else []),
         ("tokens", f"{s['real_tokens']:,} real of {s['tokens']:,} processed "
                    f"({100 * s['real_tokens'] / max(s['tokens'], 1):.1f}% real)"),
         ("loss", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}"),
