@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# H200 session work, in parts. Run from the repo root on the device, wheels carried in .whl/:
-#   bash bench/h200_session.sh "$OUT" PART [PART ...]
+# Developer script for one particular remote machine (a lent H200 host without network access), not
+# part of vlpack and never cited by the docs: each figure in docs/ names the plain `python3 bench/...`,
+# `vlpack train` or `torchrun` command that this script runs for it. It batches those commands into
+# parts under a per-call time limit. Run from the repo root on that machine, wheels carried in .whl/:
+#   bash tools/h200_session.sh "$OUT" PART [PART ...]
 # A call runs at most 10 minutes; measured: `train prof-2b` 337 s, `conv-2b` 433 s (2B, 4k bins),
 # `bench-8b` + `bench-35b` about 400 s.
 # Everything lands in $OUT/results$TAG.tgz (re-packed after each part, so a cut-off call keeps
@@ -235,7 +238,10 @@ for part in "$@"; do
       done
       (( ${#runs[@]} )) && python3 bench/run_summary.py "${runs[@]}" --out "$R/context_parallel.json" \
         --png "$R/cp-8b/loss.png" --metrics loss,grad_norm \
-        --command "CP_RUNS='${CP_RUNS:-2:1 2:2 4:2 4:4}' bash bench/h200_session.sh OUT cp-8b" ;;
+        --command "for GPUS:CP in ${CP_RUNS:-2:1 2:2 4:2 4:4}: torchrun --standalone --nproc-per-node GPUS -m vlpack train \
+${CP_RECIPE:-qwen3-vl-8b} parallel.cp=CP data.seq_len=${CP_SEQ:-65536} train.max_steps=${CP_STEPS:-50} \
+data.synthetic_samples=${CP_SAMPLES:-4000} data.eval_samples=0 data.num_workers=3 model.checkpoint_share=S \
+train.save_every=0 train.save_final=false (S = 1.0 at CP=1, else 0.5)" ;;
     full-35b)  # the Megatron-Bridge experiment: the qwen3.5-35b-a3b recipe and its -nopack twin on every
                # GPU of the machine, cut to its first $FULL_LAYERS text layers (default all 40),
                # $FULL_STEPS steps each (a run cut off at $FULL_S seconds keeps the steps it made)
@@ -247,7 +253,10 @@ for part in "$@"; do
       done
       python3 bench/run_summary.py "${runs[@]}" --out "$R/full_35b.json" --png "$R/full-35b/curves.png" \
         --metrics loss,aux_loss,grad_norm \
-        --command "FULL_LAYERS=${FULL_LAYERS:-} bash bench/h200_session.sh OUT full-35b ($gpus GPUs)" ;;
+        --command "for R in ${FULL_RECIPES:-qwen3.5-35b-a3b qwen3.5-35b-a3b-nopack}: torchrun --standalone \
+--nproc-per-node $gpus -m vlpack train R model.name=$name train.max_steps=${FULL_STEPS:-300} \
+data.synthetic_samples=${FULL_SAMPLES:-4000} data.eval_samples=0 data.num_workers=4 train.save_every=0 \
+train.save_final=false" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   tar czf "$TGZ" -C "$R" .
