@@ -193,3 +193,21 @@ def test_dataset_dict_and_missing_path_name_the_fix(data, tmp_path) -> None:
         open_dataset("hf", str(tmp_path / "dd"))
     with pytest.raises(ValueError, match="does not exist"):
         open_dataset("hf", str(tmp_path / "nope"))
+
+
+def test_build_loaders_reads_hf_and_a_mix_of_it(data, enc) -> None:
+    from vlpack.config import DataConfig, MixSource
+    from vlpack.data.loader import build_loaders
+
+    kw = dict(seed=0, pad_token_id=0, spatial_merge_size=2)
+    hf, _ = build_loaders(DataConfig(source="hf", path=str(data[0]), seq_len=512,
+                                    max_bad_fraction=0.5), enc, **kw)
+    assert len(hf.items) == 5 and next(iter(hf)).input_ids.numel() > 0
+    mix = DataConfig(seq_len=512, max_bad_fraction=0.5, mix=[MixSource(path=str(data[0]), weight=3),
+                                       MixSource(path=str(data[1]), weight=1)])
+    train, _ = build_loaders(mix, enc, **kw)
+    assert len(train.items) == 9  # 5 rows + 4 lines, drawn 3:1
+    assert [train.items.source_name(i) for i in range(9)].count("ds") == 7
+    for _ in itertools.islice(iter(train), 4):
+        pass
+    assert set(train.accounting["sources"]) <= {"ds", "data.jsonl"}
