@@ -304,6 +304,16 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     warmup_steps: int = 5
+    warmup_ratio: float | None = None
+    """Warmup as a share of train.max_steps (rounded to whole steps); set, it replaces
+    warmup_steps."""
+    lr_vision: float | None = None
+    """Learning rate of the vision tower without its merger (None: optim.lr). The warmup and
+    cosine schedule scale every group's rate alike."""
+    lr_merger: float | None = None
+    """Learning rate of the vision merger, the projector into the LLM (None: optim.lr)."""
+    lr_llm: float | None = None
+    """Learning rate of the language model and lm_head (None: optim.lr)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
 
@@ -311,6 +321,10 @@ class OptimConfig:
         _positive("optim.lr", self.lr)
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        for key in ("lr_vision", "lr_merger", "lr_llm"):
+            _positive(f"optim.{key}", getattr(self, key))
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _positive("optim.grad_clip", self.grad_clip, allow_zero=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

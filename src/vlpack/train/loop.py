@@ -33,6 +33,7 @@ from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
 from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
+from vlpack.train.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import (
     Topology,
@@ -84,7 +85,8 @@ class Trainer:
         self.flops, self.autocast = stack.flops, stack.autocast
         self.plan, self.ways_out = stack.plan, stack.ways_out
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
-                                         device_type=self.info.device.type)
+                                         device_type=self.info.device.type,
+                                         parts=module_groups(self.model))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
         self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,

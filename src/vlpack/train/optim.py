@@ -1,4 +1,4 @@
-"""AdamW and the warmup + cosine learning-rate schedule."""
+"""AdamW with per-part learning rates and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -8,23 +8,53 @@ import torch
 
 from vlpack.config import OptimConfig
 
+PARTS = ("vision", "merger", "llm")
+"""The model parts that may have their own learning rate (`optim.lr_vision`, ...)."""
 
-def build_optimizer(params, cfg: OptimConfig, *, device_type: str) -> torch.optim.AdamW:
-    """AdamW over trainable params; fused kernels on GPU. Norms and biases get no decay."""
+
+def part_lrs(cfg: OptimConfig) -> dict[str, float]:
+    """The learning rate of each part: its own `optim.lr_<part>`, else `optim.lr`."""
+    return {part: getattr(cfg, f"lr_{part}") or cfg.lr for part in PARTS}
+
+
+def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
+                    parts: dict[str, list[torch.nn.Parameter]] | None = None) -> torch.optim.AdamW:
+    """AdamW over trainable params; fused kernels on GPU. Norms and biases get no decay.
+
+    `parts` (`vlpack.train.module.module_groups`: vision, merger, llm) gives each part's
+    parameters `optim.lr_<part>`; parameters outside them keep `optim.lr`. Without per-part rates
+    the groups are [decay, no decay], as a checkpoint of such a run holds them."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    lrs = part_lrs(cfg)
+    if any(lr != cfg.lr for lr in lrs.values()):
+        if parts is None:
+            raise ValueError("optim.lr_vision / lr_merger / lr_llm need the model's parts: pass "
+                             "parts=module_groups(model) to build_optimizer")
+        lr_of = {id(p): lrs[part] for part in PARTS for p in parts[part]}
+    else:
+        lr_of = {}
+    groups: dict[tuple[float, bool], list] = {}
+    for base in (True, False):  # optim.lr's groups first: the metrics report the first's rate
+        for decay in (True, False):  # decay groups first, as without per-part rates
+            for p in params:
+                lr = lr_of.get(id(p), cfg.lr)
+                if (p.ndim >= 2) == decay and (lr == cfg.lr) == base:
+                    groups.setdefault((lr, decay), []).append(p)
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        [{"params": ps, "lr": lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+         for (lr, decay), ps in groups.items()],
         lr=cfg.lr,
         betas=cfg.betas,
         eps=cfg.eps,
         fused=device_type == "cuda",
     )
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """`optim.warmup_ratio` of the run's steps (rounded) when set, else `optim.warmup_steps`."""
+    if cfg.warmup_ratio is None:
+        return cfg.warmup_steps
+    return round(cfg.warmup_ratio * total_steps)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -38,8 +68,9 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """LambdaLR implementing `lr_factor`."""
+    """LambdaLR implementing `lr_factor` (the same factor on every parameter group's rate)."""
+    warmup = warmup_steps(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio),
+        lambda s: lr_factor(s, warmup=warmup, total=total_steps, min_ratio=cfg.min_lr_ratio),
     )

@@ -1,0 +1,80 @@
+"""The optimizer's parameter groups (per-part learning rates) and the warmup of the schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vlpack.config import OptimConfig, load_config
+from vlpack.train.module import module_groups
+from vlpack.train.optim import build_optimizer, build_scheduler, warmup_steps
+
+
+def _model() -> nn.Module:
+    """The module layout of a Qwen-VL model: model.visual (blocks + merger),
+    model.language_model, lm_head."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.model = nn.Module()
+    m.model.visual = nn.Module()
+    m.model.visual.blocks = nn.Linear(2, 2)  # weight decays, bias does not
+    m.model.visual.merger = nn.Linear(2, 2)
+    m.model.language_model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.LayerNorm(2))
+    m.lm_head = nn.Linear(2, 3, bias=False)
+    return m
+
+
+def _rate_of(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, tuple[float, float]]:
+    group = {id(p): g for g in opt.param_groups for p in g["params"]}
+    return {n: (group[id(p)]["lr"], group[id(p)]["weight_decay"]) for n, p in model.named_parameters()}
+
+
+def test_per_part_learning_rates_land_in_the_groups() -> None:
+    model = _model()
+    cfg = OptimConfig(lr=1e-4, lr_vision=1e-6, lr_merger=1e-5, weight_decay=0.1, warmup_steps=4)
+    opt = build_optimizer(model.parameters(), cfg, device_type="cpu", parts=module_groups(model))
+    assert _rate_of(opt, model) == {
+        "model.visual.blocks.weight": (1e-6, 0.1), "model.visual.blocks.bias": (1e-6, 0.0),
+        "model.visual.merger.weight": (1e-5, 0.1), "model.visual.merger.bias": (1e-5, 0.0),
+        "model.language_model.0.weight": (1e-4, 0.1), "model.language_model.1.weight": (1e-4, 0.0),
+        "model.language_model.1.bias": (1e-4, 0.0), "lm_head.weight": (1e-4, 0.1)}
+    assert opt.param_groups[0]["lr"] == 1e-4  # optim.lr's group first: the metrics' lr column
+    build_scheduler(opt, cfg, total_steps=20)  # the warmup scales every part alike
+    assert sorted({round(g["lr"] / g["initial_lr"], 12) for g in opt.param_groups}) == [0.25]
+
+
+def test_without_per_part_rates_the_groups_are_decay_and_no_decay() -> None:
+    model = _model()
+    opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-4, weight_decay=0.1), device_type="cpu",
+                          parts=module_groups(model))
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [
+        (1e-4, 0.1, 4), (1e-4, 0.0, 4)]
+
+
+def test_per_part_rates_need_the_parts() -> None:
+    with pytest.raises(ValueError, match=r"need the model's parts: pass parts=module_groups"):
+        build_optimizer(_model().parameters(), OptimConfig(lr_llm=1e-5), device_type="cpu")
+
+
+def test_warmup_ratio_replaces_warmup_steps() -> None:
+    assert warmup_steps(OptimConfig(warmup_steps=5), 40) == 5
+    assert warmup_steps(OptimConfig(warmup_steps=5, warmup_ratio=0.1), 40) == 4
+    assert warmup_steps(OptimConfig(warmup_ratio=0.03), 1000) == 30
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, OptimConfig(lr=1.0, warmup_ratio=0.1), total_steps=40)
+    rates = []
+    for _ in range(4):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert rates == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("optim.lr_vision=0", r"optim.lr_vision must be > 0"),
+    ("optim.warmup_ratio=1", r"optim.warmup_ratio must be in \[0, 1\), got 1.0"),
+])
+def test_bad_values_are_named(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config("tiny", [override])
