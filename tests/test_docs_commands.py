@@ -141,3 +141,14 @@ def test_cited_train_overrides_name_config_fields() -> None:
     assert len(cited) > 40
     bad = [f"{where}: {k}" for where, k in cited if not config_has(k)]
     assert not bad, "docs cite vlpack train overrides that are no config field:\n" + "\n".join(bad)
+
+
+def test_cited_recipes_exist() -> None:
+    from vlpack.config import RECIPES
+
+    cited = [(where, m.group(1)) for where, c in _all_commands()
+             if (m := re.search(r"vlpack train\s+([a-z0-9][\w.-]*)(?:\s|$)", c)) and "=" not in m.group(1)
+             and not m.group(1).endswith(".yaml")]
+    assert len(cited) > 10
+    bad = [f"{where}: {name}" for where, name in cited if not (RECIPES / f"{name}.yaml").is_file()]
+    assert not bad, "docs cite recipes that do not exist:\n" + "\n".join(bad)
