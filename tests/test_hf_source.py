@@ -203,9 +203,11 @@ def test_build_loaders_reads_hf_and_a_mix_of_it(data, enc) -> None:
     hf, _ = build_loaders(DataConfig(source="hf", path=str(data[0]), seq_len=512,
                                     max_bad_fraction=0.5), enc, **kw)
     assert len(hf.items) == 5 and next(iter(hf)).input_ids.numel() > 0
-    mix = DataConfig(seq_len=512, max_bad_fraction=0.5, mix=[MixSource(path=str(data[0]), weight=3),
-                                       MixSource(path=str(data[1]), weight=1)])
-    train, _ = build_loaders(mix, enc, **kw)
+    mix = DataConfig(seq_len=512, max_bad_fraction=0.5, eval_samples=2,
+                     mix=[MixSource(path=str(data[0]), weight=3),
+                          MixSource(path=str(data[1]), weight=1)])
+    train, held_out = build_loaders(mix, enc, **kw)
+    assert held_out is None  # a mixture has no held-out tail: eval_samples is ignored
     assert len(train.items) == 9  # 5 rows + 4 lines, drawn 3:1
     assert [train.items.source_name(i) for i in range(9)].count("ds") == 7
     for _ in itertools.islice(iter(train), 4):

@@ -80,13 +80,21 @@ def test_resume_equals_uninterrupted() -> None:
 
 
 def test_config_reads_a_mix() -> None:
-    cfg = load_config(None, ["data.mix=[{path: a.jsonl, weight: 3}, {path: hf_dir, name: web}]"])
+    cfg = load_config(None, ["data.mix=[{path: a.jsonl, weight: 3}, {path: hf_dir, name: web}]",
+                             "model.init=random"])
     (a, b) = cfg.data.mix
     assert (a.source, a.weight, a.name, b.source, b.weight, b.name) == \
         ("jsonl", 3.0, "a.jsonl", "hf", 1.0, "web")
     for bad, match in (("data.mix=[{path: a.jsonl, weight: 0}]", "must be > 0"),
                        ("data.mix=[]", "empty list"),
                        ("data.mix=[{path: a.jsonl, weigth: 1}]", "did you mean data.mix.weight"),
-                       ("data.mix=[{source: synthetic}]\ndata.eval_samples=4", "eval_samples")):
+                       ("data.mix=[{path: a.jsonl}]\ndata.path=b.jsonl", "drop data.path")):
         with pytest.raises(ValueError, match=match):
             load_config(None, bad.split("\n"))
+
+
+def test_a_preset_on_mixed_user_data_is_refused() -> None:
+    """As with data.source=jsonl: random weights on your data only when asked for."""
+    with pytest.raises(ValueError, match=r"data.source=hf \(in data.mix\) is your data"):
+        load_config("qwen3-vl-2b", ["data.mix=[{source: synthetic}, {path: d, weight: 2}]"])
+    assert load_config("qwen3-vl-2b", ["data.mix=[{source: synthetic}]"]).data.mix

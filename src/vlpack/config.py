@@ -180,16 +180,13 @@ class DataConfig:
             raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
 
     def _check_mix(self) -> None:
-        """data.mix replaces data.source/data.path and has no held-out split."""
+        """data.mix replaces data.source/data.path."""
         if self.mix is None:
             return
         if not self.mix:
             raise ValueError("data.mix is an empty list: give at least one {path, weight}")
         if self.path is not None or self.source != "synthetic":
             raise ValueError("data.mix names the sources itself: drop data.path and data.source")
-        if self.eval_samples:
-            raise ValueError("data.eval_samples holds out the end of one dataset, which a "
-                             "mixture has not: set data.eval_samples=0 with data.mix")
 
     def _check_energon(self) -> None:
         """Batch-level packing (Energon) excludes the other packing modes."""
@@ -465,11 +462,12 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if (self.data.source != "synthetic" and self.model.init != "random"
-                and not Path(self.model.name).is_dir()):
+        mixed = [f"{m.source} (in data.mix)" for m in self.data.mix or () if m.source != "synthetic"]
+        source = self.data.source if self.data.source != "synthetic" else next(iter(mixed), None)
+        if source is not None and self.model.init != "random" and not Path(self.model.name).is_dir():
             from vlpack.model.presets import random_weights_refusal
 
-            raise ValueError(random_weights_refusal(self.model.name, self.data.source))
+            raise ValueError(random_weights_refusal(self.model.name, source))
         cp = self.parallel.cp
         if cp > 1 and self.data.packing == "none":
             raise ValueError("parallel.cp > 1 splits packed rows: set data.packing to bfd, ffd "

@@ -305,10 +305,16 @@ def build_loaders(
         ), None
     items = open_mix(d, seed) if d.mix else open_dataset(
         d.source, d.path, synthetic_samples=d.synthetic_samples, media_root=d.media_root)
-    if d.eval_samples >= len(items):
-        raise ValueError(f"data.eval_samples={d.eval_samples} leaves no training samples "
+    n_eval = d.eval_samples
+    if d.mix and n_eval:  # a held-out tail would share rows with the training draws
+        if rank == 0:
+            logging.getLogger("vlpack.data").warning(
+                "data.eval_samples=%d is ignored with data.mix (no held-out split)", n_eval)
+        n_eval = 0
+    if n_eval >= len(items):
+        raise ValueError(f"data.eval_samples={n_eval} leaves no training samples "
                          f"(the dataset has {len(items)}): lower data.eval_samples")
-    n_train = len(items) - d.eval_samples
+    n_train = len(items) - n_eval
     sizes = items.measure(lambda s: measure_all(s, encoder, progress=progress)) \
         if isinstance(items, Mixture) else measure_all(items, encoder, progress=progress)
     common = dict(
@@ -324,7 +330,7 @@ def build_loaders(
     train = PackedLoader(items[:n_train], encoder, sizes=sizes[:n_train], shuffle=d.shuffle,
                          epochs=None, num_workers=d.num_workers, per_round=per_round, **common)
     evl = None
-    if d.eval_samples:
+    if n_eval:
         evl = PackedLoader(items[n_train:], encoder, sizes=sizes[n_train:], shuffle=False,
                            epochs=1, per_round=1, **common)
     return train, evl
