@@ -207,7 +207,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="packed supervised fine-tuning", epilog=_presets_epilog)
     p.add_argument("config", nargs="?", default=None,
                    help=f"CONFIG.yaml or a recipe: {_recipes()} (default: tiny)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides (`vlpack config "
+                                                "RECIPE` lists every key: type, default, docstring)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the run's memory plan per device (weights, gradients, optimizer "
                         "state, activations) and whether it fits, without building or training")
@@ -216,6 +217,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                    help="level of vlpack's messages on rank 0 (default: info; other ranks: warning)")
     p.set_defaults(func=_run_train)
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="every config key of a run: value, type, default, docstring")
+    p.add_argument("config", nargs="?", default=None,
+                   help=f"CONFIG.yaml or a recipe: {_recipes()} (default: tiny)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--key", default=None, help="only keys starting with this (e.g. optim. or train.log)")
+    p.set_defaults(func=_run_config)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from vlpack.config_keys import config_command
+
+    return config_command(args)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -279,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pack(sub)
     _add_check(sub)
     _add_train(sub)
+    _add_config(sub)
     _add_export(sub)
     _add_plot(sub)
     return parser
