@@ -88,3 +88,16 @@ def test_init_distributed_reads_srun(monkeypatch):
     topo = init_distributed()
     assert (topo.rank, topo.world_size, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == \
         (0, 1, "localhost", "20007")
+
+
+def test_check_cp_counts_srun_tasks(monkeypatch, capsys):
+    """`vlpack check --cp 2` under srun checks srun's task count (3 tasks: refused by name)."""
+    from vlpack.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_NODELIST": "n1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["check", "--model", "tiny-qwen3_vl", "--cp", "2"]) != 0
+    assert "found WORLD_SIZE=3" in capsys.readouterr().err

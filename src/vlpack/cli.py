@@ -183,10 +183,12 @@ def _run_check(args: argparse.Namespace) -> int:
     if args.cp == 1:
         return check_command(args)
     from vlpack.train.parallel import context_group, init_distributed, shutdown
+    from vlpack.train.slurm import torchrun_env
 
     try:
         if args.cp < 1:
             raise ValueError(f"--cp must be >= 1, got {args.cp}")
+        os.environ.update(torchrun_env(os.environ))  # srun's task variables as torchrun's
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world % args.cp:
             raise ValueError(f"context parallelism over {args.cp} ranks needs {args.cp} "
