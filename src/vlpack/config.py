@@ -629,19 +629,45 @@ def recipe_path(name_or_path: str | Path) -> Path:
     raise ValueError(f"config {name_or_path} is neither a YAML file nor a recipe; recipes: {names}")
 
 
+def read_recipe(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a nested dict, with the recipe its `base:` names (a recipe name, or a
+    YAML path relative to this file) underneath: this file's keys override the base's, section
+    by section; a list replaces the base's list whole."""
+    if p.resolve() in chain:
+        loop = " → ".join(str(q) for q in (*chain, p.resolve()))
+        raise ValueError(f"{p}: the base: recipes form a loop ({loop}): remove one base:")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level must be a mapping of sections (model:, data:, "
+                         f"train:, ...), not a {type(data).__name__}: {str(data)[:80]}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ValueError(f"{p}: base: must name a recipe or a YAML file, got {base!r}")
+    near = p.parent / base
+    return _merged(read_recipe(near if near.is_file() else recipe_path(base), (*chain, p.resolve())),
+                   data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, mappings merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):  # `model:` alone
+            out[k] = _merged(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config or a recipe by name (the dataclass defaults when `path` is None) and
-    apply overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = recipe_path(path)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{p}: the top level must be a mapping of sections (model:, data:, "
-                             f"train:, ...), not a {type(data).__name__}: {str(data)[:80]}")
+    """Load a YAML config or a recipe by name (the dataclass defaults when `path` is None), with
+    its `base:` recipe underneath (`read_recipe`), and apply overrides."""
+    data = read_recipe(recipe_path(path)) if path is not None else {}
     try:
         return config_from_dict(apply_overrides(data, overrides or []))
     except ValueError as e:
