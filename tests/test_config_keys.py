@@ -30,6 +30,7 @@ def test_one_key_literal() -> None:
 def test_cli_lists_the_keys_of_a_recipe_with_overrides(capsys) -> None:
     assert main(["config", "tiny", "optim.lr=0.5", "--key", "optim.lr"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("optim.lr = 0.5  (float, default 0.001)\n\noptim.lr_vision = None")
+    assert out.startswith("optim.lr = 0.5  (float | None, default None)\n    None: 1e-5 for full")
+    assert "\n\noptim.lr_vision = None  (float | None)\n" in out
     assert main(["config", "train.seed=3", "--key", "train.seed"]) == 0
     assert capsys.readouterr().out == "train.seed = 3  (int, default 0)\n"

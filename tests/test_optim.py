@@ -78,3 +78,10 @@ def test_warmup_ratio_replaces_warmup_steps() -> None:
 def test_bad_values_are_named(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config("tiny", [override])
+
+
+@pytest.mark.parametrize(("overrides", "lr"), [
+    ([], 1e-5), (["model.lora.rank=8"], 2e-4), (["model.lora.rank=8", "optim.lr=3e-4"], 3e-4)])
+def test_fine_tuning_defaults(overrides: list[str], lr: float) -> None:
+    optim = load_config(None, overrides).optim
+    assert (optim.lr, optim.betas) == (lr, (0.9, 0.999))

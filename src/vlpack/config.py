@@ -292,13 +292,18 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW with linear warmup and cosine decay. The defaults are fine-tuning values for
+    pretrained weights; a model trained from random weights (the tiny recipe) sets its own."""
 
-    lr: float = 1e-3
+    lr: float | None = None
+    """None: 1e-5 for full fine-tuning, 2e-4 with model.lora.rank (LoRA's few new weights take
+    a higher rate); the run's config.yaml holds the resolved value."""
     min_lr_ratio: float = 0.1
     """Final lr as a fraction of lr."""
     weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment decays (torch's and transformers' default; pretraining recipes use a lower
+    second one, e.g. 0.95)."""
     eps: float = 1e-8
     warmup_steps: int = 5
     warmup_ratio: float | None = None
@@ -462,6 +467,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.optim.lr is None:  # the fine-tuning default (OptimConfig.lr)
+            self.optim.lr = 2e-4 if self.model.lora.rank else 1e-5
         mixed = [f"{m.source} (in data.mix)" for m in self.data.mix or () if m.source != "synthetic"]
         source = self.data.source if self.data.source != "synthetic" else next(iter(mixed), None)
         if source is not None and self.model.init != "random" and not Path(self.model.name).is_dir():

@@ -4,7 +4,8 @@ a field is its docstring).
 
 One key, as printed::
 
-    optim.lr = 0.002  (float, default 0.001)
+    train.log_every = 5  (int, default 1)
+        Write a metrics row (and, when stderr is not a terminal, a progress line) every N steps.
 """
 
 from __future__ import annotations
