@@ -21,8 +21,10 @@ fixed, index-based order):
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
 candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
 patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
-that has them (best fit scans a few bins on before it builds its tree). Every step is a bisect or
-O(log) tree steps, so no input has quadratic cases; inputs whose patch budget never binds (a
+that has them (best fit scans a few bins on before it builds its tree). A search is a bisect or a
+descent of a tree, never a scan over all bins or items: only items of one length (greedy) or bins
+with equal free tokens (best fit) are scanned one by one, and first fit's two-budget search backs
+off a subtree whose two maxima belong to different bins. Inputs whose patch budget never binds (a
 generous `max_patches`) build no tree.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
