@@ -339,6 +339,10 @@ class TrainConfig:
     """The loop: steps, accumulation, checkpoints, logging."""
 
     max_steps: int = 40
+    epochs: int | None = None
+    """Train this many passes over the training set: max_steps becomes the planned bins of that
+    many passes over (data-parallel ranks × micro_batches), rounded up (train/epochs.py). Needs
+    a dataset of known size (not energon) and micro_batches (not tokens_per_step)."""
     output_dir: str = "runs/default"
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
@@ -418,6 +422,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)
+        _positive("train.epochs", self.epochs)
+        if self.epochs is not None and self.tokens_per_step is not None:
+            raise ValueError("train.epochs counts steps of train.micro_batches bins; with "
+                             "train.tokens_per_step a step's bins are not known ahead: set "
+                             "train.max_steps instead, or drop train.tokens_per_step")
         _positive("train.save_every", self.save_every, allow_zero=True)
         _positive("train.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         _choice("train.export_dtype", self.export_dtype, ("bfloat16", "float16", "float32"))

@@ -31,6 +31,7 @@ from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
+from vlpack.train.epochs import steps_for_epochs
 from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.module import module_groups
@@ -87,11 +88,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type,
                                          parts=module_groups(self.model))
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
         self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,
                                      announce=self.info.is_main)
         self.train_loader, self.eval_loader = self._loaders()
+        if cfg.train.epochs is not None:  # the steps of that many passes, before the schedule
+            cfg.train.max_steps, bins = steps_for_epochs(
+                self.train_loader, cfg.train.epochs, dp=self.info.dp, micro_batches=cfg.train.micro_batches)
+            if self.info.is_main:
+                print(f"vlpack: train.epochs={cfg.train.epochs}: {bins} planned bins, "
+                      f"train.max_steps={cfg.train.max_steps}", flush=True)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.step = 0
         self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
         self.first_loss: float | None = None
