@@ -20,6 +20,7 @@ ROWS = [{"step": 1, "loss": 2.5, "lr": 1e-5, "aux_loss": None, "time": 1.0e9, "s
 
 
 def _write(out: Path, names: list[str], rows: list[dict], *, resume_step: int = 0, run_id="r1") -> None:
+    out.mkdir(exist_ok=True)
     trackers = build_trackers(names, out_dir=out, config=CONFIG, run_id=run_id, resume_step=resume_step)
     writer = MetricsWriter(out / "metrics.jsonl", resume_step=resume_step, mirrors=tuple(trackers))
     for row in rows:
@@ -109,3 +110,20 @@ def test_a_missing_tracker_names_its_extra(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r'report_to lists mlflow, which is not installed .*'
                                          r'pip install "vlpack\[mlflow\]" or drop mlflow'):
         tracking.check_installed(["tensorboard", "mlflow"][1:])
+
+
+def test_mlflow_run_reads_back(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3: the file store needs it
+    _write(tmp_path / "run", ["mlflow"], ROWS, run_id="run123")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert (run.info.run_name, run.data.tags["vlpack.run_id"]) == ("run", "run123")
+    assert run.data.params == {"optim.lr": "1e-05", "train.report_to": "['tensorboard']"}
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+               for k in ("loss", "eval_loss", "samples")}
+    assert history == {"loss": [(1, 2.5), (2, 2.25)], "eval_loss": [(2, 2.75)],
+                       "samples": [(1, 4.0), (2, 8.0), (2, 8.0)]}
