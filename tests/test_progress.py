@@ -111,3 +111,12 @@ def test_rank_zero_shows_info_unless_quiet(monkeypatch, rank, level, quiet, expe
         assert logging.getLogger("vlpack.data.setup").getEffectiveLevel() == expected
     finally:
         logger.setLevel(old)
+
+
+def test_train_flags_anywhere_on_the_command_line() -> None:
+    from vlpack.cli import _train_flags_first, build_parser
+
+    argv = ["train", "tiny", "train.seed=1", "--log-level", "debug", "--quiet", "train.max_steps=2"]
+    args = build_parser().parse_args(_train_flags_first(argv))
+    assert (args.config, args.overrides, args.log_level, args.quiet) == (
+        "tiny", ["train.seed=1", "train.max_steps=2"], "debug", True)

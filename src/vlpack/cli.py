@@ -308,9 +308,19 @@ def _train_flags_first(argv: list[str]) -> list[str]:
     positional arguments (argparse does not take flags between the parts of a `*` list)."""
     if not argv or argv[0] != "train":
         return argv
-    rest = argv[1:]
-    return ["train", *[a for a in rest if a.startswith("--")],
-            *[a for a in rest if not a.startswith("--")]]
+    flags, positional, rest = [], [], iter(argv[1:])
+    for a in rest:
+        if a.startswith("--"):
+            flags.append(a)
+            if a in VALUED_TRAIN_FLAGS:  # `--log-level debug`: its value moves with it
+                flags.append(next(rest, ""))
+        else:
+            positional.append(a)
+    return ["train", *flags, *positional]
+
+
+VALUED_TRAIN_FLAGS = ("--log-level",)
+"""`vlpack train` flags written with a separate value."""
 
 
 def main(argv: list[str] | None = None) -> int:
