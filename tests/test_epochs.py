@@ -65,3 +65,22 @@ def test_the_trainer_runs_the_steps_of_its_epochs(tmp_path) -> None:
     assert t.cfg.train.max_steps == steps and steps < 40  # not the recipe's max_steps
     assert t.scheduler.lr_lambdas[0](steps) == pytest.approx(t.cfg.optim.min_lr_ratio)  # decayed at its end
     assert t.scheduler.lr_lambdas[0](steps - 2) > t.cfg.optim.min_lr_ratio
+
+
+def test_an_epochs_run_resumes_exactly(tmp_path) -> None:
+    """train.epochs: stopped after 2 steps and resumed, the run trains the same steps with the
+    same losses as straight through (the step count is recomputed alike on resume)."""
+    from tests.test_train import CPU, losses, small_cfg
+    from vlpack.train.loop import Trainer
+
+    args = ("train.epochs=1", "data.seq_len=1024")
+    straight = Trainer(small_cfg(tmp_path / "a", *args), CPU)
+    straight.fit()
+    stopped = Trainer(small_cfg(tmp_path / "b", *args, "train.stop_after=2"), CPU)
+    stopped.fit()
+    assert stopped.step == 2 < straight.step
+    resumed = Trainer(small_cfg(tmp_path / "b", *args, "train.resume=auto"), CPU)
+    assert resumed.cfg.train.max_steps == straight.cfg.train.max_steps
+    resumed.fit()
+    assert resumed.step == straight.step
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
