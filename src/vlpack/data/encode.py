@@ -184,6 +184,14 @@ class Encoder:
         self.vision_start_id = self._ids["<|vision_start|>"]
         self.vision_end_id = self._ids["<|vision_end|>"]
 
+    def length_settings(self) -> dict[str, object]:
+        """Every attribute of this encoder as a JSON value (tokenizers by their content's hash):
+        what the size cache keys on (`vlpack.data.size_cache`). All attributes are taken, not a
+        chosen few, so a new setting that changes lengths cannot be left out of the key."""
+        from vlpack.data.size_cache import setting_value
+
+        return {k: setting_value(k, v) for k, v in sorted(vars(self).items())}
+
     def _special_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)
         if tid is None or tid == self.tokenizer.unk_token_id:

@@ -90,6 +90,33 @@ def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> li
     return out
 
 
+def source_path(source: str, path: str | None, synthetic_samples: int) -> str | None:
+    """The file or folder a source reads (the generated JSONL for `synthetic`), or None."""
+    if source == "synthetic":
+        from vlpack.data.synth import default_dataset
+
+        return str(default_dataset(n=synthetic_samples))
+    return path if source in ("jsonl", "hf") else None
+
+
+def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int = 0,
+                    progress: bool = False) -> Sequence[SizeOrError]:
+    """`measure_all` of `items` (a source or a `data.mix`), each source's sizes read from the
+    size cache or measured with `data.num_workers` processes and cached (size_cache.py)."""
+    from vlpack.data.size_cache import sample_sizes
+
+    def one(rows: Sequence[Item], source: str, path: str | None) -> Sequence[SizeOrError]:
+        return sample_sizes(rows, encoder, source_path(source, path, d.synthetic_samples),
+                            workers=d.num_workers, rank=rank, progress=progress,
+                            media_root=d.media_root)
+
+    if isinstance(items, Mixture):
+        per_source = [one(rows, m.source, m.path) for rows, m in zip(items.sources, d.mix,
+                                                                     strict=True)]
+        return [per_source[s][row] for s, row in items.index.tolist()]
+    return one(items, d.source, d.path)
+
+
 @dataclass(frozen=True, slots=True)
 class BinWork:
     """What a worker needs to build one batch (picklable)."""
@@ -315,8 +342,7 @@ def build_loaders(
         raise ValueError(f"data.eval_samples={n_eval} leaves no training samples "
                          f"(the dataset has {len(items)}): lower data.eval_samples")
     n_train = len(items) - n_eval
-    sizes = items.measure(lambda s: measure_all(s, encoder, progress=progress)) \
-        if isinstance(items, Mixture) else measure_all(items, encoder, progress=progress)
+    sizes = measure_sources(d, items, encoder, rank=rank, progress=progress)
     common = dict(
         seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
         buffer_size=d.buffer_size, max_patches=d.max_patches,

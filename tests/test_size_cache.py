@@ -1,0 +1,211 @@
+"""The size cache (data/size_cache.py): reuse, invalidation by data, media and every encoder
+setting, identical bad-sample accounting cold and warm, parallel measuring equal to serial, and
+ranks that wait for the node's first process instead of measuring."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from vlpack.config import DataConfig
+from vlpack.data import size_cache
+from vlpack.data.encode import Encoder
+from vlpack.data.loader import PackedLoader, build_loaders, measure_all, open_dataset
+from vlpack.data.size_cache import sample_sizes
+from vlpack.data.types import BadSampleError
+from vlpack.data.video import VideoSettings
+
+
+def _row(i: int) -> str:
+    if i % 7 == 3:  # a missing image: a bad sample found while measuring
+        content = [{"type": "image", "image": "missing.png"}, {"type": "text", "text": "What?"}]
+    elif i % 2:
+        content = [{"type": "image", "image": f"img{i % 4}.png"},
+                   {"type": "text", "text": "Describe it " * (i % 5)}]
+    else:
+        content = "Say something " * (1 + i % 9)
+    return json.dumps({"messages": [{"role": "user", "content": content},
+                                    {"role": "assistant", "content": "ok " * (1 + i)}]})
+
+
+def _write(folder: Path, n: int) -> Path:
+    for k in range(4):
+        Image.new("RGB", (40 + 30 * k, 60), (k * 50, 9, 9)).save(folder / f"img{k}.png")
+    path = folder / "data.jsonl"
+    path.write_text("".join(_row(i) + "\n" for i in range(n)) + "{not json\n")
+    return path
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("VLPACK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    return _write(tmp_path, 24)
+
+
+@pytest.fixture(scope="module")
+def enc() -> Encoder:
+    return Encoder("qwen3_vl")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> dict:
+    """Calls of Encoder.measure, per thread."""
+    counted: dict[int, int] = {}
+    measure = Encoder.measure
+
+    def counting(self, conv):
+        counted[threading.get_ident()] = counted.get(threading.get_ident(), 0) + 1
+        return measure(self, conv)
+
+    monkeypatch.setattr(Encoder, "measure", counting)
+    return counted
+
+
+def _same(a, b) -> bool:
+    """Equal sizes, and bad samples with the same reason and message."""
+    def key(s):
+        return (s.reason, str(s)) if isinstance(s, BadSampleError) else s
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_second_start_reads_the_cache(data, enc, calls) -> None:
+    items = open_dataset("jsonl", str(data))
+    reference = measure_all(items, enc)
+    calls.clear()
+    cfg = DataConfig(source="jsonl", path=str(data), seq_len=512, max_bad_fraction=0.9)
+    kw = dict(seed=0, pad_token_id=0, spatial_merge_size=2)
+    cold, _ = build_loaders(cfg, enc, **kw)
+    assert sum(calls.values()) == 24  # the unparsable line is not measured
+    assert _same(cold.sizes, reference)
+    calls.clear()
+    warm, _ = build_loaders(cfg, enc, **kw)
+    assert sum(calls.values()) == 0
+    assert _same(warm.sizes, reference)
+    assert sum(isinstance(s, BadSampleError) for s in reference) == 4  # 3 missing images, 1 line
+
+
+def test_bad_samples_are_accounted_the_same_cold_and_warm(data, enc) -> None:
+    items = open_dataset("jsonl", str(data))
+
+    def one_epoch(sizes):
+        loader = PackedLoader(items, enc, sizes=sizes, seq_len=512, epochs=1, shuffle=False,
+                              max_bad_fraction=0.9, pad_token_id=0, report_skips=False)
+        list(loader)
+        return loader.accounting
+
+    reference = one_epoch(measure_all(items, enc))
+    assert reference["skipped"] == {"bad_json": 1, "missing_image": 3}, reference
+    cold = one_epoch(sample_sizes(items, enc, data))
+    warm = one_epoch(sample_sizes(items, enc, data))
+    assert cold == warm == reference
+
+
+def test_a_changed_file_is_measured_again(data, enc, calls, caplog) -> None:
+    sample_sizes(open_dataset("jsonl", str(data)), enc, data)
+    _write(data.parent, 25)
+    calls.clear()
+    with caplog.at_level("INFO", logger="vlpack.data"):
+        sizes = sample_sizes(items := open_dataset("jsonl", str(data)), enc, data)
+    assert sum(calls.values()) == 25
+    assert "the data changed" in caplog.text
+    assert _same(sizes, measure_all(items, enc))
+
+
+def test_a_changed_image_remeasures_only_its_samples(data, enc, calls, caplog) -> None:
+    items = open_dataset("jsonl", str(data))
+    before = sample_sizes(items, enc, data)
+    Image.new("RGB", (1200, 900)).save(data.parent / "img1.png")  # rows 1, 5, 9, 13, 21 show it
+    calls.clear()
+    with caplog.at_level("INFO", logger="vlpack.data"):
+        after = sample_sizes(items, enc, data)
+    assert sum(calls.values()) == 5
+    assert "5 of 25 samples name media that changed" in caplog.text
+    assert _same(after, measure_all(items, enc))
+    assert after[1].patches > before[1].patches
+    calls.clear()
+    sample_sizes(items, enc, data)  # the re-measured sizes were stored
+    assert sum(calls.values()) == 0
+
+
+def _word_tokenizer(words: list[str]):
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+
+
+def _key(e: Encoder) -> str:
+    return size_cache.settings_key(e.length_settings())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(family="qwen2_5_vl"), dict(min_pixels=128 * 28 * 28), dict(max_pixels=256 * 28 * 28),
+    dict(max_image_pixels=10**7), dict(tokens_per_second=4), dict(supervise_empty_think=False),
+    *[dict(video=VideoSettings(**{f: v})) for f, v in [
+        ("fps", 1.0), ("min_frames", 2), ("max_frames", 8), ("min_pixels", 4096),
+        ("max_pixels", 10**6), ("cap_pixels_per_frame", False), ("max_video_tokens", 99)]],
+])
+def test_each_encoder_setting_changes_the_key(enc, kw) -> None:
+    assert _key(Encoder(**{"family": "qwen3_vl", **kw})) != _key(enc)
+
+
+def test_every_encoder_attribute_is_in_the_key(enc) -> None:
+    """The key is built from all attributes, so a new one cannot be forgotten; the tokenizer
+    and chat template count by content."""
+    assert set(enc.length_settings()) == set(vars(enc))
+    for name in vars(enc):
+        other = copy.copy(enc)
+        setattr(other, name, "changed")
+        assert _key(other) != _key(enc), name
+    a, b = copy.copy(enc), copy.copy(enc)
+    a.tokenizer, b.tokenizer = _word_tokenizer(["a", "b"]), _word_tokenizer(["a", "c"])
+    assert _key(a) != _key(b)
+    b.tokenizer = _word_tokenizer(["a", "b"])  # another object, the same content
+    assert _key(a) == _key(b)
+    from vlpack.data.template import FolderTemplate
+    a, b = copy.copy(enc), copy.copy(enc)
+    a.chat_template, b.chat_template = FolderTemplate("x", "t.jinja"), FolderTemplate("y", "t.jinja")
+    assert _key(a) != _key(b)
+    other = copy.copy(enc)
+    other.spec = object()  # an attribute the key cannot fingerprint is refused, not skipped
+    with pytest.raises(TypeError, match="'spec'"):
+        other.length_settings()
+
+
+def test_parallel_measuring_equals_serial(tmp_path, enc, monkeypatch) -> None:
+    monkeypatch.setenv("VLPACK_SIZE_CACHE", "off")
+    path = _write(tmp_path, 150)
+    items = open_dataset("jsonl", str(path))
+    serial = sample_sizes(items, enc, path, workers=0)
+    parallel = sample_sizes(items, enc, path, workers=2)
+    assert _same(parallel, serial) and _same(serial, measure_all(items, enc))
+    parts = size_cache.measure_parallel(items, enc, workers=2)
+    assert len(parts) > 1  # it was split into shares
+
+
+def test_another_rank_waits_for_the_file_and_reads_it(data, enc, calls, monkeypatch) -> None:
+    items = open_dataset("jsonl", str(data))
+    got = {}
+
+    def rank1():
+        got["sizes"] = sample_sizes(items, enc, data, rank=1)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # waiting: it does not measure
+    first = sample_sizes(items, enc, data, rank=0)
+    t.join(10)
+    assert calls == {threading.get_ident(): 24}
+    assert _same(got["sizes"], first)
+    monkeypatch.setattr(size_cache, "WAIT_S", 0.3)
+    _write(data.parent, 3)
+    with pytest.raises(TimeoutError, match="VLPACK_SIZE_CACHE=off"):
+        sample_sizes(open_dataset("jsonl", str(data)), enc, data, rank=1)
