@@ -51,8 +51,8 @@ def _logits(model, inputs) -> torch.Tensor:
 
 def test_an_intermediate_checkpoint_serves_with_the_trained_logits(run, tmp_path: Path) -> None:
     """Step 1 of 3, exported in float32: AutoModelForImageTextToText and the folder's processor
-    load it offline; the processor encodes the image prompt as training did, and the logits
-    equal those of the model after step 1."""
+    load it offline; the processor encodes the image prompt as training did, the logits equal
+    those of the model after step 1, and greedy generation continues with its next token."""
     from transformers import AutoModelForImageTextToText
 
     out, first, second = run
@@ -67,6 +67,10 @@ def test_an_intermediate_checkpoint_serves_with_the_trained_logits(run, tmp_path
     got = _logits(model, inputs)
     assert (got - _logits(first.model, inputs)).abs().max() <= 1e-5
     assert (got - _logits(second.model, inputs)).abs().max() > 1e-4  # not the last checkpoint
+    # greedy generation from the image prompt continues with the trained model's next token
+    new = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert new.shape[1] == inputs["input_ids"].shape[1] + 2
+    assert int(new[0, inputs["input_ids"].shape[1]]) == int(_logits(first.model, inputs)[0, -1].argmax())
 
 
 def test_the_default_export_is_bf16_sharded_with_its_index(run, tmp_path: Path) -> None:
