@@ -209,3 +209,26 @@ def test_another_rank_waits_for_the_file_and_reads_it(data, enc, calls, monkeypa
     _write(data.parent, 3)
     with pytest.raises(TimeoutError, match="VLPACK_SIZE_CACHE=off"):
         sample_sizes(open_dataset("jsonl", str(data)), enc, data, rank=1)
+
+
+def test_waiting_ranks_stop_when_the_first_process_fails(data, enc, monkeypatch) -> None:
+    """The measuring process leaves a note for its launch; a note of another launch is old."""
+    items = open_dataset("jsonl", str(data))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    monkeypatch.setattr(size_cache, "WAIT_S", 5.0)
+
+    def broken(self, conv):
+        raise RuntimeError("disk gone")
+
+    with monkeypatch.context() as m:
+        m.setattr(Encoder, "measure", broken)
+        with pytest.raises(RuntimeError, match="disk gone"):
+            sample_sizes(items, enc, data, rank=0)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"failed to measure.*disk gone"):
+        sample_sizes(items, enc, data, rank=1)
+    assert time.monotonic() - t < 2  # not the timeout
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")
+    monkeypatch.setattr(size_cache, "WAIT_S", 0.3)
+    with pytest.raises(TimeoutError):
+        sample_sizes(items, enc, data, rank=1)

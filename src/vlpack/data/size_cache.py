@@ -20,7 +20,8 @@ Each sample's record holds the byte count and modification time of every media f
 
 Measuring runs in `workers` forked processes over contiguous shares. With several ranks, the first
 process of each node (`LOCAL_RANK` 0) measures and writes the cache; the others wait for the file
-and read it. `VLPACK_SIZE_CACHE=off` turns the cache off (every rank measures, as without it).
+and read it (or stop with the error the first process noted for their launch, if it failed).
+`VLPACK_SIZE_CACHE=off` turns the cache off (every rank measures, as without it).
 """
 
 from __future__ import annotations
@@ -356,10 +357,22 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
     settings = {**encoder.length_settings(), "data.media_root": media_root}
     source = source_fingerprint(path)
     file = folder / f"{source[-32:]}-{settings_key(settings)}.npz"
-    n = len(items)
     measurer = local_rank(rank) == 0
     if not measurer:
         _wait_for(file)
+    try:
+        return _read_or_measure(items, encoder, path, folder, file, source, settings,
+                                workers=workers, progress=progress, write=measurer)
+    except BaseException as e:
+        if measurer and _job() is not None:  # the waiting ranks stop now, not at the timeout
+            file.parent.mkdir(parents=True, exist_ok=True)
+            _failed(file).write_text(json.dumps({"job": _job(), "error": repr(e)}))
+        raise
+
+
+def _read_or_measure(items: Sequence, encoder, path, folder: Path, file: Path, source: str,
+                     settings: dict, *, workers: int, progress: bool, write: bool) -> SizeIndex:
+    n = len(items)
     rec = _load(file, n) if file.is_file() else None
     if rec is None:
         _say_why(folder, path, source, settings, n, workers)
@@ -373,7 +386,7 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
         log.info("sizes of %s read from %s; %d of %d samples name media that changed since: "
                  "measuring those again", path, file, len(changed), n)
         rec = _assemble(n, measure_parallel(items, encoder, changed, workers=workers), rec)
-    if measurer:
+    if write:
         _save(file, rec, {"path": str(Path(path).absolute()), "source": source,
                           "settings": settings})
         _remember(folder, path, source, settings)
@@ -391,10 +404,35 @@ def _part_sizes(part: _Part) -> list[SizeOrError]:
     return out
 
 
+def _job() -> str | None:
+    """This launch's id, the same on all its ranks (torchrun's run id and restart count, else
+    SLURM's job and step), or None."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{env.get('TORCHELASTIC_RESTART_COUNT')}"
+    if "SLURM_JOB_ID" in env:
+        return f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID')}"
+    return None
+
+
+def _failed(file: Path) -> Path:
+    """The note a measuring process that failed leaves for the ranks waiting on `file`."""
+    return file.with_name(file.name + ".failed")
+
+
 def _wait_for(file: Path) -> None:
     t0 = last = time.monotonic()
+    job = _job()
     while not file.is_file():
         now = time.monotonic()
+        if job is not None and _failed(file).is_file():
+            try:
+                note = json.loads(_failed(file).read_text())
+            except (OSError, ValueError):
+                note = {}
+            if note.get("job") == job:
+                raise RuntimeError(f"this node's first process (LOCAL_RANK 0) failed to measure "
+                                   f"the sample sizes ({note['error']}): see its log")
         if now - t0 > WAIT_S:
             raise TimeoutError(
                 f"waited {WAIT_S:.0f} s for the size cache {file} that this node's first process "
