@@ -232,3 +232,17 @@ def test_waiting_ranks_stop_when_the_first_process_fails(data, enc, monkeypatch)
     monkeypatch.setattr(size_cache, "WAIT_S", 0.3)
     with pytest.raises(TimeoutError):
         sample_sizes(items, enc, data, rank=1)
+
+
+def test_vlpack_pack_reads_the_cache(data, calls, capsys) -> None:
+    from vlpack.cli import main
+
+    args = ["pack", str(data), "--seq-len", "1024", "--json"]
+    reports = []
+    for _ in range(2):
+        calls.clear()
+        main(args)
+        reports.append(json.loads(capsys.readouterr().out))
+        reports[-1].pop("seconds")
+    assert reports[0] == reports[1] and reports[0]["skipped"]["missing_image"] == 3
+    assert sum(calls.values()) == 0  # the second run measured nothing

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from vlpack.data.loader import describe, measure_all, open_dataset
+from vlpack.data.loader import describe, measure_all, open_dataset, source_path
 from vlpack.data.stream import BinStream
 
 MAX_LISTED = 20
@@ -24,10 +25,12 @@ MAX_LISTED = 20
 def pack_report(
     items, encoder, *, seq_len: int, algo: str, buffer_size: int, max_patches: int | None,
     overlong: str, pad_to_multiple_of: int = 1, seed: int = 0, progress: bool = False,
+    sizes_of: Callable[[], Sequence] | None = None,
 ) -> dict:
-    """Plan `items` once (one epoch, flushed) and return the report as a dict."""
+    """Plan `items` once (one epoch, flushed) and return the report as a dict; the sizes come
+    from `sizes_of()` when given (the size cache), else are measured."""
     t0 = time.perf_counter()
-    sizes = measure_all(items, encoder, progress=progress)
+    sizes = sizes_of() if sizes_of is not None else measure_all(items, encoder, progress=progress)
     t1 = time.perf_counter()
     stream = BinStream(
         sizes=sizes, seq_len=seq_len, algo=algo, buffer_size=buffer_size, max_patches=max_patches,
@@ -121,10 +124,15 @@ def pack_command(args: argparse.Namespace) -> int:
                       max_pixels=args.max_pixels, max_image_pixels=args.max_image_pixels,
                       processor_path=args.tokenizer,
                       chat_template=load_template(args.chat_template, args.tokenizer))
+    from vlpack.data.size_cache import sample_sizes
+
+    path = source_path("jsonl" if args.data else "synthetic", args.data, 256)
     report = pack_report(
         items, encoder, seq_len=args.seq_len, algo=args.algo, buffer_size=args.buffer,
         max_patches=args.max_patches, overlong=args.overlong,
         pad_to_multiple_of=args.pad_to_multiple_of, progress=not args.json,
+        sizes_of=lambda: sample_sizes(items, encoder, path, progress=not args.json,
+                                      media_root=args.media_root),
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0
