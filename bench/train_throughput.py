@@ -236,32 +236,31 @@ def vlpack_config(mode: str, args):
 def run_mode(mode: str, args, samples, device) -> dict:
     t0 = time.perf_counter()
     topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
+    cfg = vlpack_config(mode, args)  # both kinds of mode read their settings from it
+    m = cfg.model
     if mode.startswith("vlpack"):  # the model `vlpack train` builds (train/stack.py)
-        cfg = vlpack_config(mode, args)
         stack = build_stack(cfg, topo, loss_method=None if args.loss == "auto" else args.loss,
                             trace_vision_attention=args.trace_vision_attention)
         model, spec, module = stack.model, stack.spec, stack.module
         if args.experts and spec.is_moe:
             model.set_experts_implementation(args.experts)
-        opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type) \
-            if args.optimizer else None
+        params = list(module.parameters())
     else:  # stock transformers: the HF model as built, its own loss
-        model, spec = build_model(model_name(args), backend="sdpa", dtype=torch.float32,
-                                  device=device, seed=0)
-        if args.lora_rank:  # stock + peft, the frozen base in bf16 as a peft user loads it
+        model, spec = build_model(m.name, backend="sdpa", dtype=torch.float32, device=device,
+                                  seed=0)
+        if m.lora.rank:  # stock + peft, the frozen base in bf16 as a peft user loads it
             from vlpack.model.lora import apply_lora
 
-            apply_lora(model, vlpack_config(mode, args).model.lora)
+            apply_lora(model, m.lora)
         parallelize(model, model, topo, Parallelism(
-            frozen_dtype=torch.bfloat16 if args.lora_rank and device.type == "cuda" else None,
-            activation_checkpointing=args.activation_checkpointing,
-            checkpoint_share=args.checkpoint_share,
-            compile_scope="layers" if args.compile_layers else "regions" if args.compile else None,
+            frozen_dtype=torch.bfloat16 if m.lora.rank and device.type == "cuda" else None,
+            activation_checkpointing=m.activation_checkpointing,
+            checkpoint_share=m.checkpoint_share,
+            compile_scope=m.compile_scope if m.compile else None,
             trace_vision_attention=args.trace_vision_attention,
             fsdp=args.bf16_params, param_dtype=torch.bfloat16))
-        opt = build_optimizer([p for p in model.parameters() if p.requires_grad],
-                              vlpack_config(mode, args).optim, device_type=device.type) \
-            if args.optimizer else None
+        params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim, device_type=device.type) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
     _progress(mode, f"model built, {len(batches)} distinct batches", t0)
