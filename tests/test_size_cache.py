@@ -87,7 +87,7 @@ def test_the_second_start_reads_the_cache(data, enc, calls) -> None:
     assert _same(cold.sizes, reference)
     calls.clear()
     warm, _ = build_loaders(cfg, enc, **kw)
-    assert sum(calls.values()) == 0
+    assert sum(calls.values()) == 3  # only the bad samples are judged again
     assert _same(warm.sizes, reference)
     assert sum(isinstance(s, BadSampleError) for s in reference) == 4  # 3 missing images, 1 line
 
@@ -126,13 +126,30 @@ def test_a_changed_image_remeasures_only_its_samples(data, enc, calls, caplog) -
     calls.clear()
     with caplog.at_level("INFO", logger="vlpack.data"):
         after = sample_sizes(items, enc, data)
-    assert sum(calls.values()) == 5
-    assert "5 of 25 samples name media that changed" in caplog.text
+    assert sum(calls.values()) == 5 + 3  # and the 3 bad samples (the bad line needs no encoder)
+    assert "9 of 25 samples were bad or name media that changed" in caplog.text
     assert _same(after, measure_all(items, enc))
     assert after[1].patches > before[1].patches
     calls.clear()
     sample_sizes(items, enc, data)  # the re-measured sizes were stored
-    assert sum(calls.values()) == 0
+    assert sum(calls.values()) == 3
+
+
+def test_a_copy_elsewhere_names_its_own_files(data, enc) -> None:
+    """The cache is keyed by content, so a copy of the data in another folder reads it; its bad
+    samples are named by the copy's file and media paths, not the first folder's."""
+    sample_sizes(open_dataset("jsonl", str(data)), enc, data)
+    other = data.parent / "copy"
+    other.mkdir()
+    copy_ = other / "data.jsonl"
+    copy_.write_bytes(data.read_bytes())
+    for img in data.parent.glob("img*.png"):
+        (other / img.name).write_bytes(img.read_bytes())
+    items = open_dataset("jsonl", str(copy_))
+    warm = sample_sizes(items, enc, copy_)
+    assert _same(warm, measure_all(items, enc))
+    messages = [str(s) for s in warm if isinstance(s, BadSampleError)]
+    assert len(messages) == 4 and all(str(other) in m for m in messages), messages
 
 
 def _word_tokenizer(words: list[str]):
@@ -203,7 +220,8 @@ def test_another_rank_waits_for_the_file_and_reads_it(data, enc, calls, monkeypa
     assert t.is_alive()  # waiting: it does not measure
     first = sample_sizes(items, enc, data, rank=0)
     t.join(10)
-    assert calls == {threading.get_ident(): 24}
+    assert calls[threading.get_ident()] == 24
+    assert sorted(calls.values()) == [3, 24]  # the waiting rank judged only the 3 bad samples
     assert _same(got["sizes"], first)
     monkeypatch.setattr(size_cache, "WAIT_S", 0.3)
     _write(data.parent, 3)
@@ -245,4 +263,4 @@ def test_vlpack_pack_reads_the_cache(data, calls, capsys) -> None:
         reports.append(json.loads(capsys.readouterr().out))
         reports[-1].pop("seconds")
     assert reports[0] == reports[1] and reports[0]["skipped"]["missing_image"] == 3
-    assert sum(calls.values()) == 0  # the second run measured nothing
+    assert sum(calls.values()) == 3  # the second run judged only the bad samples again

@@ -17,6 +17,8 @@ made of:
 Each sample's record holds the byte count and modification time of every media file it names
 (images, video files, frames): a sample whose media changed is measured again at the next start
 (only that sample). Images a dataset holds as bytes are covered by the source's fingerprint.
+Bad samples are judged again at every start (they are few, and their messages name the file and
+media paths of this start, which a copy of the data in another folder does not share).
 
 Measuring runs in `workers` forked processes over contiguous shares. With several ranks, the first
 process of each node (`LOCAL_RANK` 0) measures and writes the cache; the others wait for the file
@@ -378,13 +380,15 @@ def _read_or_measure(items: Sequence, encoder, path, folder: Path, file: Path, s
         _say_why(folder, path, source, settings, n, workers)
         rec = _assemble(n, measure_parallel(items, encoder, workers=workers, progress=progress))
     else:
-        changed = [i for i in range(n) if media_stamps(items[i])
+        # A bad sample is judged again: its message names the file it was read from and the
+        # media it resolved, which differ for the same bytes in another folder.
+        changed = [i for i in range(n) if i in rec.index.errors or media_stamps(items[i])
                    != rec.stamps[rec.stamps_off[i]:rec.stamps_off[i + 1]].tolist()]
         if not changed:
             log.info("sizes of %d samples of %s read from %s", n, path, file)
             return rec.index
-        log.info("sizes of %s read from %s; %d of %d samples name media that changed since: "
-                 "measuring those again", path, file, len(changed), n)
+        log.info("sizes of %s read from %s; %d of %d samples were bad or name media that "
+                 "changed since: measuring those again", path, file, len(changed), n)
         rec = _assemble(n, measure_parallel(items, encoder, changed, workers=workers), rec)
     if write:
         _save(file, rec, {"path": str(Path(path).absolute()), "source": source,
