@@ -18,7 +18,7 @@ def test_overlong_policy_by_hand() -> None:
     with pytest.raises(DataLimitError, match=r"^d\.jsonl:3 is overlong \(150 tokens > seq_len "
                                               r"100\).*data\.overlong=truncate\|skip"):
         Admission(100).judge("d.jsonl:3", 150, 0)
-    with pytest.raises(ValueError, match="choose error, truncate or skip"):
+    with pytest.raises(ValueError, match="^data.overlong='drop' is not one of error, truncate, skip$"):
         Admission(100, overlong="drop")
 
 

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from vlpack.config import Config, load_config, save_config
+from vlpack.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    load_config,
+    save_config,
+)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 assert CONFIGS, "the configs/ link to src/vlpack/configs is broken"
@@ -42,6 +49,25 @@ def test_overrides_and_types() -> None:
 def test_bad_values_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(("section", "key", "choices"), [
+    (DataConfig, "source", "jsonl, synthetic, energon, hf"),
+    (DataConfig, "packing", "greedy, ffd, bfd, none"),
+    (DataConfig, "overlong", "error, truncate, skip"),
+    (DataConfig, "mrope_after_video", "qwen, transformers"),
+    (ModelConfig, "init", "pretrained, random"),
+    (ModelConfig, "compile_scope", "regions, layers"),
+    (TrainConfig, "fsdp", "auto, always"),
+    (TrainConfig, "reduce_dtype", "float32, bfloat16"),
+])
+def test_a_section_built_in_code_refuses_a_value_outside_its_choices(section, key,
+                                                                      choices) -> None:
+    """The choices are the field's `Literal`, read where a section is built (not only when
+    YAML or an override is parsed)."""
+    prefix = {DataConfig: "data", ModelConfig: "model", TrainConfig: "train"}[section]
+    with pytest.raises(ValueError, match=f"^{prefix}.{key}='zip' is not one of {choices}$"):
+        section(**{key: "zip"})
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:

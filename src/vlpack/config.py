@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -18,15 +19,41 @@ from typing import Any, Literal
 
 import yaml
 
-from vlpack.data.plan.algorithms import ALGOS, Algo
+from vlpack.data.plan.algorithms import Algo
 from vlpack.data.video import VideoSettings
 
-PACKING_CHOICES = (*ALGOS, "none")
+Source = Literal["jsonl", "synthetic", "energon", "hf"]
+"""Where `data.*` samples come from (each choice is listed only here and read with get_args)."""
+Packing = Literal[Algo, "none"]
+"""`data.packing`: a planner (`vlpack.data.plan.algorithms.Algo`) or padded batches."""
+Overlong = Literal["error", "truncate", "skip"]
+"""`data.overlong`: what happens to a sample longer than data.seq_len (data/admission.py)."""
+AfterVideo = Literal["qwen", "transformers"]
+"""`data.mrope_after_video`: where text after a multi-patch video continues (data/rope.py)."""
 
 
-def _choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+@functools.cache
+def _literal_fields(cls: type) -> tuple[tuple[str, tuple], ...]:
+    """(field name, allowed values) of each field of `cls` typed `Literal[...]` (or
+    `Literal[...] | None`, None then allowed too)."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
+            else (tp,)
+        literals = [a for a in args if typing.get_origin(a) is Literal]
+        if literals:
+            allowed = tuple(v for a in literals for v in typing.get_args(a))
+            out.append((name, allowed + ((None,) if type(None) in args else ())))
+    return tuple(out)
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """ValueError for a field of `section` outside its `Literal` choices, naming them."""
+    for name, allowed in _literal_fields(type(section)):
+        value = getattr(section, name)
+        if value not in allowed:
+            choices = ", ".join(str(a) for a in allowed if a is not None)
+            raise ValueError(f"{prefix}.{name}={value!r} is not one of {choices}")
 
 
 def _positive(key: str, value: float | None, *, allow_zero: bool = False) -> None:
@@ -67,7 +94,7 @@ class MixSource:
 class DataConfig:
     """Where samples come from and how they are packed."""
 
-    source: Literal["jsonl", "synthetic", "energon", "hf"] = "synthetic"
+    source: Source = "synthetic"
     """`synthetic`: the built-in receipts (generated once, cached); `jsonl`: `path` is a JSONL file;
     `energon`: `path` is a prepared Megatron-Energon dataset folder; `hf`: `path` is a Hugging
     Face dataset (a save_to_disk folder, .parquet or .arrow files; data/hf_source.py)."""
@@ -78,7 +105,7 @@ class DataConfig:
     written by `vlpack data energon-prepare`."""
     synthetic_samples: int = 512
     """Size of the built-in synthetic dataset."""
-    packing: Literal[Algo, "none"] = "bfd"
+    packing: Packing = "bfd"
     """Bin-packing algorithm; `none` trains on right-padded batches of `batch_size` samples."""
     seq_len: int = 4096
     """Tokens per packed bin (also the cap on one sample's length)."""
@@ -96,7 +123,7 @@ class DataConfig:
     """Optional cap on ViT patches per bin."""
     pad_to_multiple_of: int = 8
     """Align every sample's segment to this many tokens (TP/CP/FP8 alignment)."""
-    mrope_after_video: Literal["qwen", "transformers"] = "qwen"
+    mrope_after_video: AfterVideo = "qwen"
     """Qwen2/2.5-VL: where text after a video of several temporal patches continues. `qwen`:
     after the largest position the video used (the rule the released checkpoints were trained
     with); `transformers`: at the video's start + max(h', w') (transformers >= 5.3).
@@ -105,7 +132,7 @@ class DataConfig:
     pad_to_seq_len: bool = False
     """Pad every packed row to exactly seq_len tokens (static shapes for torch.compile / CUDA
     graphs; the padding joins the last segment and is excluded from loss and statistics)."""
-    overlong: Literal["error", "truncate", "skip"] = "error"
+    overlong: Overlong = "error"
     """What to do with a sample longer than seq_len."""
     min_pixels: int | None = None
     """Image processor bounds (None: the family's default)."""
@@ -144,10 +171,7 @@ class DataConfig:
     samples, or once all were seen in a smaller dataset)."""
 
     def __post_init__(self) -> None:
-        _choice("data.source", self.source, ("jsonl", "synthetic", "energon", "hf"))
-        _choice("data.packing", self.packing, PACKING_CHOICES)
-        _choice("data.overlong", self.overlong, ("error", "truncate", "skip"))
-        _choice("data.mrope_after_video", self.mrope_after_video, ("qwen", "transformers"))
+        _check_choices(self, "data")
         self._check_mix()
         if self.source in ("jsonl", "energon", "hf") and not self.path:
             raise ValueError(f"data.source={self.source} needs data.path=...")
@@ -272,17 +296,14 @@ class ModelConfig:
     compile: bool = False
     """torch.compile parts of the model (fuses their elementwise work; the first step pays the
     compilation). See docs/benchmarks.md for what it buys."""
-    compile_scope: str = "layers"
+    compile_scope: Literal["regions", "layers"] = "layers"
     """With compile: `layers` compiles each decoder layer and vision block whole, its attention
     call eager (fewer host launches per layer; docs/benchmarks/levers.md); `regions` only the
     norm and MLP modules and the vision rotary (vlpack.model.compile)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _choice("model.backend", self.backend, ("auto", "sdpa", "varlen", "flex"))
-        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        _choice("model.frozen_dtype", self.frozen_dtype, ("auto", "float32"))
-        _choice("model.compile_scope", self.compile_scope, ("regions", "layers"))
+        _check_choices(self, "model")
         if not 0.0 < self.checkpoint_share <= 1.0:
             raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
                              "(0, 1], e.g. 0.5 to recompute half of each layer stack")
@@ -429,7 +450,7 @@ class TrainConfig:
                              "train.max_steps instead, or drop train.tokens_per_step")
         _positive("train.save_every", self.save_every, allow_zero=True)
         _positive("train.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
-        _choice("train.export_dtype", self.export_dtype, ("bfloat16", "float16", "float32"))
+        _check_choices(self, "train")
         _positive("train.stop_after", self.stop_after)
         _positive("train.stop_grace_s", self.stop_grace_s)
         _positive("train.micro_batches", self.micro_batches)
@@ -437,10 +458,6 @@ class TrainConfig:
         _positive("train.log_every", self.log_every)
         _positive("train.eval_every", self.eval_every, allow_zero=True)
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
-        _choice("train.loss_norm", self.loss_norm, ("token", "sample"))
-        _choice("train.fsdp", self.fsdp, ("auto", "always"))
-        _choice("train.memory_check", self.memory_check, ("refuse", "warn", "skip"))
-        _choice("train.reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.profile_from", self.profile_from)
         if self.profile_steps and self.profile_from + self.profile_steps - 1 > self.max_steps:

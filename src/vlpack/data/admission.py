@@ -11,6 +11,9 @@ Where each sample went is counted by `accounting.Tally`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
+
+from vlpack.config import Overlong
 
 PACK, TRUNCATE, SKIP = "pack", "truncate", "skip"
 MIN_SEEN = 100
@@ -30,8 +33,9 @@ class Admission:
     overlong: str = "error"
 
     def __post_init__(self) -> None:
-        if self.overlong not in ("error", "truncate", "skip"):
-            raise ValueError(f"overlong={self.overlong!r}: choose error, truncate or skip")
+        if self.overlong not in get_args(Overlong):
+            raise ValueError(f"data.overlong={self.overlong!r} is not one of "
+                             f"{', '.join(get_args(Overlong))}")
 
     def judge(self, name: str, tokens: int, patches: int) -> tuple[str, str]:
         """(PACK | TRUNCATE | SKIP, why) for a sample of `tokens` tokens and `patches` ViT

@@ -16,12 +16,15 @@ Legend: L = tokens of one sample, I = visual items (images, videos) of one sampl
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 
+from vlpack.config import AfterVideo
 from vlpack.data.types import TOKEN_TYPE_TEXT, TOKEN_TYPE_VIDEO
 
-AFTER_VIDEO = ("qwen", "transformers")
-"""Where text after a visual span continues (`mrope_positions`)."""
+AFTER_VIDEO = get_args(AfterVideo)
+"""Where text after a visual span continues (`mrope_positions`; `data.mrope_after_video`)."""
 
 
 def mrope_positions(
