@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import get_args
 
-from vlpack.config import Overlong
+from vlpack.config import DataConfig, Overlong
 
 PACK, TRUNCATE, SKIP = "pack", "truncate", "skip"
 MIN_SEEN = 100
@@ -29,8 +29,13 @@ class Admission:
     """The overlong policy: `error` (refuse the run), `truncate` (text-only cut) or `skip`."""
 
     seq_len: int
-    max_patches: int | None = None
-    overlong: str = "error"
+    max_patches: int | None
+    overlong: Overlong
+
+    @classmethod
+    def of(cls, d: DataConfig) -> Admission:
+        """The policy of `data.seq_len`, `data.max_patches` and `data.overlong`."""
+        return cls(d.seq_len, d.max_patches, d.overlong)
 
     def __post_init__(self) -> None:
         if self.overlong not in get_args(Overlong):
@@ -62,13 +67,18 @@ class Admission:
 class BadLimits:
     """Fail after `max_consecutive_bad` skipped samples in a row, or when more than
     `max_bad_fraction` of the samples seen were skipped (judged from MIN_SEEN samples on, or
-    once all `dataset_size` samples were seen when there are fewer)."""
+    once all `dataset_size` samples were seen when there are fewer). None: no such limit."""
 
-    max_consecutive_bad: int | None = None
-    max_bad_fraction: float | None = None
+    max_consecutive_bad: int | None
+    max_bad_fraction: float | None
     dataset_size: int | None = None
     """Samples in the dataset, where known (the JSONL path); None: judged from MIN_SEEN on."""
     _run: int = field(default=0, init=False)
+
+    @classmethod
+    def of(cls, d: DataConfig, dataset_size: int | None = None) -> BadLimits:
+        """The limits `data.max_consecutive_bad` and `data.max_bad_fraction`."""
+        return cls(d.max_consecutive_bad, d.max_bad_fraction, dataset_size)
 
     def bad(self, reason: str, message: str, skipped: dict[str, int]) -> None:
         """A skipped sample; `skipped`: the skips so far by reason (this one included)."""

@@ -167,8 +167,7 @@ class EnergonLoader:
 
     def _check_bad_fraction(self) -> None:
         acc = self.accounting
-        BadLimits(max_bad_fraction=self.max_bad_fraction).check_fraction(acc["samples"],
-                                                                         acc["skipped"])
+        BadLimits(None, self.max_bad_fraction).check_fraction(acc["samples"], acc["skipped"])
 
     @property
     def accounting(self) -> dict:

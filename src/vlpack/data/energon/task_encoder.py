@@ -139,7 +139,7 @@ class QwenVLTaskEncoder(TaskEncoder):
     ):
         check_algo(algo)
         self._admission = Admission(seq_len, max_patches, overlong)
-        self._limits = BadLimits(max_consecutive_bad)
+        self._limits = BadLimits(max_consecutive_bad, None)
         if seq_len % pad_to_multiple_of:
             raise ValueError(f"seq_len={seq_len} must be a multiple of pad_to_multiple_of="
                              f"{pad_to_multiple_of}")  # fmt: skip
