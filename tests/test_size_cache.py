@@ -127,12 +127,31 @@ def test_a_changed_image_remeasures_only_its_samples(data, enc, calls, caplog) -
     with caplog.at_level("INFO", logger="vlpack.data"):
         after = sample_sizes(items, enc, data)
     assert sum(calls.values()) == 5 + 3  # and the 3 bad samples (the bad line needs no encoder)
-    assert "9 of 25 samples were bad or name media that changed" in caplog.text
+    assert "measuring 9 of 25 samples again (4 bad, 5 naming media that changed)" in caplog.text
     assert _same(after, measure_all(items, enc))
     assert after[1].patches > before[1].patches
     calls.clear()
     sample_sizes(items, enc, data)  # the re-measured sizes were stored
     assert sum(calls.values()) == 3
+
+
+def test_a_warm_start_parses_only_the_bad_records(data, enc, monkeypatch) -> None:
+    """Read from the same file, the cache stats each distinct image once and parses no record
+    but the bad ones (judged again)."""
+    from vlpack.data import jsonl_rows
+
+    sample_sizes(open_dataset("jsonl", str(data)), enc, data)
+    parsed, stats = [], []
+    real_parse, real_stat = jsonl_rows.parse_line, size_cache.stamp
+    monkeypatch.setattr(jsonl_rows, "parse_line", lambda *a: parsed.append(a[2]) or real_parse(*a))
+    monkeypatch.setattr(size_cache, "stamp", lambda f: stats.append(f) or real_stat(f))
+    items = open_dataset("jsonl", str(data))
+    assert _same(sample_sizes(items, enc, data), measure_all(items, enc))
+    assert sorted(parsed[:4]) == [4, 11, 18, 25]  # the 3 missing images and the bad line
+    # odd rows name img1.png or img3.png: each distinct file is stat'd once, then the
+    # re-judged bad samples stat theirs
+    assert stats[:3] == [str(data.parent / n) for n in ["img1.png", "img3.png", "missing.png"]]
+    assert stats[3:] == [str(data.parent / "missing.png")] * 3
 
 
 def test_a_copy_elsewhere_names_its_own_files(data, enc) -> None:

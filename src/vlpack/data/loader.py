@@ -30,9 +30,10 @@ Item = Conversation | BadSampleError
 def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
                  media_root: str | None = None) -> Sequence[Item]:
     """All records of a dataset, good ones as Conversation, bad ones as their error (media
-    paths must resolve inside `media_root`, None: the data file's folder). A Hugging Face
-    dataset (`hf`) is read row by row when indexed (`hf_source.HFRows`)."""
-    from vlpack.data.sources import iter_jsonl
+    paths must resolve inside `media_root`, None: the data file's folder), read and parsed
+    when indexed: a JSONL file by `jsonl_rows.JsonlRows`, a Hugging Face dataset (`hf`) by
+    `hf_source.HFRows`."""
+    from vlpack.data.jsonl_rows import JsonlRows
 
     if source == "synthetic":
         from vlpack.data.synth import default_dataset
@@ -48,8 +49,8 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
     elif source != "jsonl":
         raise ValueError(f"data.source={source!r} is not readable here; use jsonl, hf or "
                          "synthetic")
-    items = list(iter_jsonl(path, media_root))
-    if not items:
+    items = JsonlRows(path, media_root)
+    if not len(items):
         raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
                          "conversation (see docs/data.md)")
     return items

@@ -1,7 +1,7 @@
 """Sample sizes measured once, in parallel, and cached on disk.
 
 `sample_sizes(items, encoder, path)` returns what `loader.measure_all` returns — each sample's
-`SampleSize`, or the `BadSampleError` of a bad one — as a compact `SizeIndex` (12 bytes per good
+`SampleSize`, or the `BadSampleError` of a bad one — as a compact `SizeIndex` (12 bytes per
 sample). The sizes are stored in `$VLPACK_CACHE/sizes/` (default `~/.cache/vlpack`) under a key
 made of:
 
@@ -14,11 +14,13 @@ made of:
   part of the key without anyone adding it here;
 - the source code of `vlpack.data` (a changed measuring rule re-measures) and `FORMAT`.
 
-Each sample's record holds the byte count and modification time of every media file it names
-(images, video files, frames): a sample whose media changed is measured again at the next start
-(only that sample). Images a dataset holds as bytes are covered by the source's fingerprint.
-Bad samples are judged again at every start (they are few, and their messages name the file and
-media paths of this start, which a copy of the data in another folder does not share).
+The record names the media files each sample uses (a table of distinct files with the byte count
+and modification time each had when measured): a sample whose media changed is measured again at
+the next start (only that sample). Read from the same data file, a warm start stats each distinct
+file once and parses no record; read from a copy elsewhere, it parses every record to find its
+media. Images a dataset holds as bytes are covered by the source's fingerprint. Bad samples are
+judged again at every start (they are few, and their messages name the file and media paths of
+this start).
 
 Measuring runs in `workers` forked processes over contiguous shares. With several ranks, the first
 process of each node (`LOCAL_RANK` 0) measures and writes the cache; the others wait for the file
@@ -45,7 +47,7 @@ from tqdm.auto import tqdm
 
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, SampleSize, VideoRef
 
-FORMAT = 1
+FORMAT = 2
 """Version of the cache files; a new layout gets a new number (and new files)."""
 WAIT_S = float(os.environ.get("VLPACK_SIZE_CACHE_WAIT", 7200))
 """How long a rank that does not measure waits for the cache file (seconds)."""
@@ -176,9 +178,9 @@ def settings_key(settings: dict) -> str:
 # ------------------------------------------------------------------ measuring
 
 
-def media_stamps(item) -> list[int]:
-    """(byte count, modification time ns) of every media file `item` names, flattened; -1, -1
-    for a missing one; nothing for images held as bytes or for a bad record."""
+def media_files(item) -> list[str]:
+    """Every media file `item` names (images, video files, frames), as resolved paths; none
+    for images held as bytes or for a bad record."""
     if not isinstance(item, Conversation):
         return []
     files: list[Path] = []
@@ -188,24 +190,27 @@ def media_stamps(item) -> list[int]:
                 files.append(v.path)
         elif isinstance(v, VideoRef):
             files.extend([v.path] if v.path is not None else v.frames)
-    out: list[int] = []
-    for f in files:
-        try:
-            st = os.stat(f)
-            out += [st.st_size, st.st_mtime_ns]
-        except OSError:
-            out += [-1, -1]
-    return out
+    return [str(f) for f in files]
+
+
+def stamp(file: str) -> tuple[int, int]:
+    """(byte count, modification time ns) of `file`; (-1, -1) when it is missing."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
 
 
 @dataclass(slots=True)
 class _Part:
-    """Sizes of samples lo..hi and their media stamps (what a worker sends back)."""
+    """Sizes of samples lo..hi and the media files each names, stamped when it was measured
+    (what a worker sends back)."""
 
     lo: int
     sizes: np.ndarray
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
-    stamps: list[list[int]] = field(default_factory=list)
+    media: list[list[tuple[str, int, int]]] = field(default_factory=list)
 
 
 def measure_one(item, encoder) -> SizeOrError:
@@ -229,7 +234,7 @@ def _measure_range(items, encoder, lo: int, hi: int) -> _Part:
             part.errors[j] = (s.reason, str(s))
         else:
             part.sizes[:, j - lo] = (s.tokens, s.patches, s.video_patches)
-        part.stamps.append(media_stamps(item))
+        part.media.append([(f, *stamp(f)) for f in media_files(item)])
     return part
 
 
@@ -284,17 +289,32 @@ def _runs(idx: np.ndarray, chunk: int) -> list[tuple[int, int]]:
 
 @dataclass(slots=True)
 class _Cached:
+    """A cache file's content: the sizes, and the media each sample names as indices into a
+    table of distinct files with the stamps they had when measured."""
+
     index: SizeIndex
-    stamps_off: np.ndarray  # [n + 1] int64: sample i's stamps are stamps[off[i]:off[i+1]]
-    stamps: np.ndarray  # int64
+    refs_off: np.ndarray  # [n + 1] int64: sample i names table[refs[refs_off[i]:refs_off[i+1]]]
+    refs: np.ndarray  # int32
+    table: list[str]
+    stamps: np.ndarray  # [len(table), 2] int64: byte count, modification time ns
+    path: str = ""  # the data file's absolute path when the sizes were measured
+
+    def sample_stamps(self, i: int) -> list[tuple[int, int]]:
+        """Stamps of the media sample `i` names, in order."""
+        return [tuple(x) for x in self.stamps[self.refs[self.refs_off[i]:self.refs_off[i + 1]]]
+                .tolist()]
 
 
 def _assemble(n: int, parts: list[_Part], base: _Cached | None = None) -> _Cached:
     """A full record from measured parts, over `base` for the samples they do not cover."""
+    table: dict[str, tuple[int, int]] = {}
     if base is not None:
         arr = np.stack([base.index.tokens, base.index.patches, base.index.video_patches]).copy()
         errs = {i: (e.reason, str(e)) for i, e in base.index.errors.items()}
-        per = [base.stamps[base.stamps_off[i]:base.stamps_off[i + 1]].tolist() for i in range(n)]
+        table = {f: tuple(st) for f, st in zip(base.table, base.stamps.tolist(), strict=True)}
+        names = base.table
+        per = [[names[k] for k in base.refs[base.refs_off[i]:base.refs_off[i + 1]]]
+               for i in range(n)]
     else:
         arr, errs, per = np.full((3, n), -1, dtype=np.int32), {}, [[] for _ in range(n)]
     for p in parts:
@@ -303,12 +323,18 @@ def _assemble(n: int, parts: list[_Part], base: _Cached | None = None) -> _Cache
         for i in range(p.lo, hi):
             errs.pop(i, None)
         errs.update(p.errors)
-        per[p.lo:hi] = p.stamps
+        for k, media in enumerate(p.media):
+            per[p.lo + k] = [f for f, *_ in media]
+            table.update((f, (size, mtime)) for f, size, mtime in media)  # the newest stamp
+    used = sorted({f for files in per for f in files})
+    slot = {f: k for k, f in enumerate(used)}
     off = np.zeros(n + 1, dtype=np.int64)
-    off[1:] = np.cumsum([len(s) for s in per])
-    flat = np.fromiter((x for s in per for x in s), dtype=np.int64, count=int(off[-1]))
+    off[1:] = np.cumsum([len(files) for files in per])
+    refs = np.fromiter((slot[f] for files in per for f in files), dtype=np.int32,
+                       count=int(off[-1]))
+    stamps = np.array([table[f] for f in used], dtype=np.int64).reshape(-1, 2)
     errors = {i: BadSampleError(r, m) for i, (r, m) in errs.items()}
-    return _Cached(SizeIndex(arr[0], arr[1], arr[2], errors), off, flat)
+    return _Cached(SizeIndex(arr[0], arr[1], arr[2], errors), off, refs, used, stamps)
 
 
 def _save(file: Path, rec: _Cached, meta: dict) -> None:
@@ -317,7 +343,8 @@ def _save(file: Path, rec: _Cached, meta: dict) -> None:
     errors = [[i, e.reason, str(e)] for i, e in sorted(rec.index.errors.items())]
     ix = rec.index
     np.savez(tmp, tokens=ix.tokens, patches=ix.patches, video_patches=ix.video_patches,
-             stamps_off=rec.stamps_off, stamps=rec.stamps,
+             refs_off=rec.refs_off, refs=rec.refs, stamps=rec.stamps,
+             table=np.array("\0".join(rec.table)),
              meta=np.array(json.dumps({**meta, "errors": errors})))
     os.replace(tmp, file)
 
@@ -328,11 +355,37 @@ def _load(file: Path, n: int) -> _Cached | None:
             meta = json.loads(str(z["meta"]))
             index = SizeIndex(z["tokens"], z["patches"], z["video_patches"],
                               {i: BadSampleError(r, m) for i, r, m in meta["errors"]})
-            rec = _Cached(index, z["stamps_off"], z["stamps"])
+            table = str(z["table"])
+            rec = _Cached(index, z["refs_off"], z["refs"], table.split("\0") if table else [],
+                          z["stamps"], meta.get("path", ""))
     except (OSError, ValueError, KeyError) as e:
         log.warning("size cache %s is unreadable (%s): measuring again", file, e)
         return None
     return rec if len(index) == n else None
+
+
+def _changed(rec: _Cached, items: Sequence, path: str | Path) -> tuple[list[int], str]:
+    """Samples to measure again, and why: bad ones (their messages name this start's paths)
+    and those whose media changed since. Read at the same place, the table's files are stat'd
+    once each (no record is parsed); moved or copied, each record is parsed again to find its
+    media, which are compared by their stamps."""
+    n = len(rec.index)
+    bad = set(rec.index.errors)
+    if not rec.table:
+        moved: list[int] = []
+    elif rec.path == str(Path(path).absolute()):
+        now = np.array([stamp(f) for f in rec.table], dtype=np.int64).reshape(-1, 2)
+        touched = (now != rec.stamps).any(axis=1)
+        seen = np.concatenate([[0], np.cumsum(touched[rec.refs])])
+        moved = np.flatnonzero(seen[rec.refs_off[1:]] > seen[rec.refs_off[:-1]]).tolist()
+    else:
+        log.info("%s was measured as %s: parsing every record to check its media", path,
+                 rec.path)
+        moved = [i for i in range(n) if [stamp(f) for f in media_files(items[i])]
+                 != rec.sample_stamps(i)]
+    changed = sorted(bad.union(moved))
+    why = f"{len(bad)} bad, {len(moved)} naming media that changed"
+    return changed, why
 
 
 # ------------------------------------------------------------------ the entry point
@@ -382,13 +435,12 @@ def _read_or_measure(items: Sequence, encoder, path, folder: Path, file: Path, s
     else:
         # A bad sample is judged again: its message names the file it was read from and the
         # media it resolved, which differ for the same bytes in another folder.
-        changed = [i for i in range(n) if i in rec.index.errors or media_stamps(items[i])
-                   != rec.stamps[rec.stamps_off[i]:rec.stamps_off[i + 1]].tolist()]
+        changed, why = _changed(rec, items, path)
         if not changed:
             log.info("sizes of %d samples of %s read from %s", n, path, file)
             return rec.index
-        log.info("sizes of %s read from %s; %d of %d samples were bad or name media that "
-                 "changed since: measuring those again", path, file, len(changed), n)
+        log.info("sizes of %s read from %s; measuring %d of %d samples again (%s)", path, file,
+                 len(changed), n, why)
         rec = _assemble(n, measure_parallel(items, encoder, changed, workers=workers), rec)
     if write:
         _save(file, rec, {"path": str(Path(path).absolute()), "source": source,

@@ -86,6 +86,16 @@ def iter_jsonl(
     `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`.
     Media paths must resolve inside `media_root` (None: the file's folder)."""
     path = Path(path)
+    check_jsonl_path(path)
+    base_dir = path.parent.absolute()
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield parse_line(raw, path, lineno, base_dir, media_root)
+
+
+def check_jsonl_path(path: Path) -> None:
+    """ValueError naming the fix when `path` is a folder or missing (not a JSONL file)."""
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.jsonl"))[:5]
         hint = (f" (it holds {', '.join(inside)})" if inside
@@ -93,34 +103,33 @@ def iter_jsonl(
         raise ValueError(f"data file {path} is a folder{hint}: pass the path of a .jsonl file")
     if not path.is_file():
         raise ValueError(f"data file {path} does not exist: pass the path of a .jsonl file")
-    base_dir = path.parent.absolute()
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path.name}:{lineno}"
-            try:
-                obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
-                yield BadSampleError(
-                    "bad_json",
-                    f"{path}:{lineno}: not valid UTF-8 JSON ({detail}); each line must hold one "
-                    "JSON object",
-                )
-                continue
-            if (bad := _surrogate(obj)) is not None:
-                yield BadSampleError("bad_json", f"{path}:{lineno}: {bad}")
-                continue
-            has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
-            key = str(obj["id"]) if has_id else where
-            try:
-                conv = parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
-                yield conv if key == where else dataclasses.replace(conv, where=where)
-            except BadSampleError as e:
-                if key != where:  # name the line too, so the record can be found
-                    e.args = (f"{e} [{path}:{lineno}]",)
-                yield e
+
+
+def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
+               media_root: str | Path | None = None) -> Conversation | BadSampleError:
+    """The record on line `lineno` (1-based) of the JSONL file `path`: its `Conversation`, or
+    the `BadSampleError` (returned, not raised) that names the line and the fix."""
+    where = f"{path.name}:{lineno}"
+    try:
+        obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+        return BadSampleError(
+            "bad_json",
+            f"{path}:{lineno}: not valid UTF-8 JSON ({detail}); each line must hold one JSON "
+            "object",
+        )
+    if (bad := _surrogate(obj)) is not None:
+        return BadSampleError("bad_json", f"{path}:{lineno}: {bad}")
+    has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
+    key = str(obj["id"]) if has_id else where
+    try:
+        conv = parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
+        return conv if key == where else dataclasses.replace(conv, where=where)
+    except BadSampleError as e:
+        if key != where:  # name the line too, so the record can be found
+            e.args = (f"{e} [{path}:{lineno}]",)
+        return e
 
 
 def iter_conversations(

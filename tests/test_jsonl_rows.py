@@ -1,0 +1,91 @@
+"""`JsonlRows` (data/jsonl_rows.py): records read and parsed when indexed equal the records of
+`iter_jsonl`'s sequential read, line numbers and bad lines included, at any block size; opening
+a file parses no record; a forked worker and a pickled copy read the same records."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+from pathlib import Path
+
+import pytest
+
+from vlpack.data import jsonl_rows
+from vlpack.data.jsonl_rows import JsonlRows, line_index
+from vlpack.data.loader import open_dataset
+from vlpack.data.sources import iter_jsonl
+from vlpack.data.types import BadSampleError
+
+
+def _row(text: str, **extra) -> str:
+    return json.dumps({**extra, "messages": [{"role": "user", "content": text},
+                                             {"role": "assistant", "content": "ok"}]})
+
+
+FILES = {
+    "plain": "\n".join(_row(f"q{i}") for i in range(5)) + "\n",
+    "no final newline": _row("a") + "\n" + _row("b"),
+    "blank and whitespace lines": f"\n{_row('a')}\n  \n\t\r\n{_row('b', id='x')}\n\n \n",
+    "crlf": _row("a") + "\r\n" + _row("b") + "\r\n",
+    "byte-order mark": "\ufeff" + _row("a") + "\n" + _row("b") + "\n",
+    "bad lines": f"{{oops\n{_row('a')}\n[1, 2]\n\"s\"\n{_row('b')}   \n",
+    "only a mark and a tab": "\ufeff\t\n \r\n  \n ",
+}
+
+
+def _key(item) -> tuple:
+    return (type(item).__name__, str(item)) if isinstance(item, BadSampleError) else \
+        ("Conversation", item)
+
+
+@pytest.mark.parametrize("block", [1, 3, 64, 1 << 22])
+@pytest.mark.parametrize("name", list(FILES))
+def test_indexed_records_equal_the_sequential_read(tmp_path: Path, monkeypatch, name: str,
+                                                   block: int) -> None:
+    monkeypatch.setattr(jsonl_rows, "BLOCK", block)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(FILES[name].encode())
+    reference = [_key(x) for x in iter_jsonl(path)]
+    rows = JsonlRows(path)
+    assert [_key(rows[i]) for i in range(len(rows))] == reference
+    assert [_key(rows[i]) for i in range(-len(rows), 0)] == reference
+    assert [_key(x) for x in pickle.loads(pickle.dumps(rows))] == reference
+
+
+def test_line_numbers_by_hand(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\n{"a": 1}\n  \n{"b": 2}\n\t\n{"c": 3}')
+    starts, lines, size = line_index(path)
+    assert starts.tolist() == [1, 13, 24] and lines.tolist() == [2, 4, 6] and size == 32
+    rows = JsonlRows(path)  # records without "messages": bad, named by file:line
+    assert [str(rows[i]).split(": ")[0] for i in range(3)] == ["d.jsonl:2", "d.jsonl:4",
+                                                               "d.jsonl:6"]
+    with pytest.raises(IndexError):
+        rows[3]
+
+
+def test_opening_parses_no_record(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(_row(f"q{i}") + "\n" for i in range(50)))
+    parsed = []
+    real = jsonl_rows.parse_line
+    monkeypatch.setattr(jsonl_rows, "parse_line", lambda *a: parsed.append(a) or real(*a))
+    rows = open_dataset("jsonl", str(path))
+    assert isinstance(rows, JsonlRows) and len(rows) == 50 and not parsed
+    assert rows.nbytes == 12 * 50  # the line index: an offset and a line number per record
+    assert rows[7].messages[0].content == ("q7",) and len(parsed) == 1
+
+
+def _read(rows: JsonlRows, i: int) -> str:
+    return rows[i].messages[0].content[0]
+
+
+def test_a_forked_worker_reads_its_own_records(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(_row(f"q{i}") + "\n" for i in range(20)))
+    rows = JsonlRows(path)
+    assert _read(rows, 0) == "q0"  # the parent's file is open before the fork
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        got = pool.starmap(_read, [(rows, i) for i in range(20)])
+    assert got == [f"q{i}" for i in range(20)] and _read(rows, 19) == "q19"
