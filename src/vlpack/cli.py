@@ -98,7 +98,8 @@ def _add_media_root(p: argparse.ArgumentParser) -> None:
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="encode every sample in full and list every bad one")
-    p.add_argument("data", help="DATA.jsonl (image paths relative to it)")
+    p.add_argument("data", help="DATA.jsonl (image paths relative to it), or a Hugging Face "
+                                "dataset (a save_to_disk folder, .parquet or .arrow files)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="also list samples longer than this many tokens")
     _add_encoder_flags(p)
@@ -117,7 +118,8 @@ def _run_validate(args: argparse.Namespace) -> int:
 def _add_pack(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="pack a dataset into bins and report how well it packs")
     p.add_argument("data", nargs="?", default=None,
-                   help="DATA.jsonl (default: the built-in synthetic dataset)")
+                   help="DATA.jsonl, or a Hugging Face dataset (a save_to_disk folder, "
+                        ".parquet or .arrow files); default: the built-in synthetic dataset")
     from typing import get_args, get_type_hints
 
     from vlpack.config import DataConfig

@@ -112,9 +112,10 @@ def format_report(r: dict) -> str:
 
 def pack_command(args: argparse.Namespace) -> int:
     from vlpack.data.encode import Encoder
+    from vlpack.data.sources import source_kind
 
-    items = open_dataset("jsonl" if args.data else "synthetic", args.data,
-                         media_root=args.media_root)
+    source = source_kind(args.data) if args.data else "synthetic"
+    items = open_dataset(source, args.data, media_root=args.media_root)
     if args.seq_len % args.pad_to_multiple_of:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
                          f"{args.pad_to_multiple_of}")
@@ -126,7 +127,7 @@ def pack_command(args: argparse.Namespace) -> int:
                       chat_template=load_template(args.chat_template, args.tokenizer))
     from vlpack.data.size_cache import sample_sizes
 
-    path = source_path("jsonl" if args.data else "synthetic", args.data, 256)
+    path = source_path(source, args.data, 256)
     report = pack_report(
         items, encoder, seq_len=args.seq_len, algo=args.algo, buffer_size=args.buffer,
         max_patches=args.max_patches, overlong=args.overlong,

@@ -94,6 +94,18 @@ def iter_jsonl(
                 yield parse_line(raw, path, lineno, base_dir, media_root)
 
 
+def source_kind(path: str | Path) -> str:
+    """`hf` for a Hugging Face dataset (a folder holding one, or a .parquet/.arrow file),
+    `jsonl` for anything else (a JSONL file; a missing path or a folder of JSONL files get
+    the JSONL reader's error)."""
+    p = Path(path)
+    if p.suffix in (".parquet", ".arrow"):
+        return "hf"
+    if p.is_dir() and any(p.glob("*.jsonl")) and not (p / "state.json").is_file():
+        return "jsonl"
+    return "hf" if p.is_dir() else "jsonl"
+
+
 def check_jsonl_path(path: Path) -> None:
     """ValueError naming the fix when `path` is a folder or missing (not a JSONL file)."""
     if path.is_dir():

@@ -1,4 +1,4 @@
-"""`vlpack data validate DATA.jsonl`: encode every sample in full (every image decoded and
+"""`vlpack data validate DATA`: encode every sample in full (every image decoded and
 patchified, as training would) and list every bad one with its reason, before a long run.
 
 `vlpack pack` and training judge images from their headers and meet a corrupt image body only
@@ -22,13 +22,14 @@ from vlpack.data.loader import located, open_dataset
 from vlpack.data.types import BadSampleError, Conversation
 
 _ENCODER = None  # the worker process's encoder (set by _init_worker)
+_ITEMS = None  # the worker process's dataset (records read when indexed)
 
 
-def _init_worker(encoder_kw: dict[str, Any]) -> None:
-    global _ENCODER
+def _init_worker(encoder_kw: dict[str, Any], items) -> None:
+    global _ENCODER, _ITEMS
     from vlpack.data.encode import Encoder
 
-    _ENCODER = Encoder(**encoder_kw)
+    _ENCODER, _ITEMS = Encoder(**encoder_kw), items
 
 
 def _judge(item: Conversation | BadSampleError, seq_len: int | None) -> tuple[str, str] | None:
@@ -45,27 +46,30 @@ def _judge(item: Conversation | BadSampleError, seq_len: int | None) -> tuple[st
     return None
 
 
-def _judge_chunk(chunk: list, seq_len: int | None) -> list[tuple[str, str] | None]:
-    return [_judge(item, seq_len) for item in chunk]
+def _judge_range(lo: int, hi: int, seq_len: int | None) -> list[tuple[str, str] | None]:
+    return [_judge(_ITEMS[i], seq_len) for i in range(lo, hi)]
 
 
 def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = None,
              workers: int = 1, progress: bool = False,
              media_root: str | None = None) -> dict[str, Any]:
-    """Encode every record of `path`; the counts and every bad sample, in file order."""
-    items = open_dataset("jsonl", path, media_root=media_root)  # refuses an empty file
-    chunks = [items[i : i + 64] for i in range(0, len(items), 64)]
+    """Encode every record of `path` (a JSONL file or a Hugging Face dataset); the counts and
+    every bad sample, in file order. Each worker reads the records it judges."""
+    from vlpack.data.sources import source_kind
+
+    items = open_dataset(source_kind(path), path, media_root=media_root)  # refuses an empty file
+    ranges = [(i, min(i + 64, len(items))) for i in range(0, len(items), 64)]
     bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not progress)
     verdicts: list[tuple[str, str] | None] = []
     if workers <= 1:
-        _init_worker(encoder_kw)
-        results = (_judge_chunk(c, seq_len) for c in chunks)
+        _init_worker(encoder_kw, items)
+        results = (_judge_range(lo, hi, seq_len) for lo, hi in ranges)
         pool = None
     else:
         # spawn: a forked copy of a process that already runs torch's threads can die at once
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(encoder_kw,))
-        results = pool.map(_judge_chunk, chunks, [seq_len] * len(chunks))
+                                   initializer=_init_worker, initargs=(encoder_kw, items))
+        results = pool.map(_judge_range, *zip(*ranges, strict=True), [seq_len] * len(ranges))
     try:
         for out in results:
             verdicts.extend(out)
