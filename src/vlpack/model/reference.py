@@ -3,13 +3,16 @@
 `stock_reference(model)` runs a block with none of vlpack's code in the model's forward:
   - every module given a vlpack seam subclass (seams.py: the vision tower and its attention,
     the base model's image features, the deepstack merge, Gated-DeltaNet) gets its stock
-    transformers class back;
+    transformers class back (Gated-DeltaNet: a subclass of it, below);
   - the text attention is transformers' SDPA;
   - MoE experts run transformers' `grouped_mm` (its default), not `vlpack_grouped_mm`;
-  - the Gated-DeltaNet layers run transformers' own torch kernels (conv and chunked delta
-    rule) even where fla or causal-conv1d are importable and the stock forward would pick
-    them: the kernel wrappers of the modeling module are unwrapped to the torch functions they
-    fall back to, for the block's duration only.
+  - the Gated-DeltaNet layers run transformers' own forward with its own torch kernels (conv
+    and chunked delta rule) even where fla or causal-conv1d are importable and the stock
+    forward would call them: `torch_kernel_class` is a subclass of the stock layer that
+    overrides `forward` alone, with transformers' forward code bound to the torch functions
+    behind its kernel wrappers. transformers picks a kernel once, when its modeling module is
+    imported (`use_kernel_func_from_hub_with_fallback`, 5.17 and 5.24), and offers no choice at
+    call time; its modeling module is never changed.
 On exit everything is put back. The caller computes the loss with the model's own
 `model(..., labels=...)` (forward.unpacked_forward with hf_labels).
 """
@@ -17,20 +20,25 @@ On exit everything is put back. The caller computes the loss with the model's ow
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator
 
 from torch import nn
 
 from vlpack.model.build import set_attn_implementation
+from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.seams import classes_of
 
 STOCK_EXPERTS = "grouped_mm"
 """transformers' default experts implementation (what a stock build of the MoE families picks)."""
-GDN_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
-"""Module-level kernel wrappers of transformers' Qwen3.5 modeling module (5.24) that pick fla or
-causal-conv1d when importable; unwrapped inside `stock_reference`."""
+GDN_KERNELS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+               "torch_recurrent_gated_delta_rule")
+"""Kernel wrappers of transformers' Qwen3.5 modeling module (5.17, 5.24) that the Gated-DeltaNet
+forward calls and that pick fla or causal-conv1d when importable."""
 
 
 def _torch_function(fn: Callable) -> Callable:
@@ -40,47 +48,39 @@ def _torch_function(fn: Callable) -> Callable:
     return fn
 
 
-@contextlib.contextmanager
-def _swapped(targets: list[tuple[object, str, object]]) -> Iterator[None]:
-    """Set each (object, attribute, value) for the block; restore the old values after."""
-    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in targets]
-    try:
-        for obj, name, value in targets:
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, old in reversed(saved):
-            if old is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-
-_MISSING = object()
-
-
-def _gdn_torch_kernels(model: nn.Module) -> list[tuple[object, str, object]]:
-    """The swaps that make transformers' Gated-DeltaNet forward run its torch kernels: the
-    modeling module's kernel wrappers (5.24), or the layer attributes holding fla's functions
-    (5.17: `causal_conv1d_fn` is None without fla, `chunk_gated_delta_rule` the torch one)."""
-    stock = classes_of(model).gated_deltanet
-    if stock is None:
-        return []
-    mod = sys.modules[stock.__module__]
-    swaps: list[tuple[object, str, object]] = []
+def _torch_forward(stock: type) -> Callable:
+    """transformers' own `stock.forward`, its calls of `GDN_KERNELS` bound to their torch
+    functions: the same code object over a copy of its module's names. The forward's
+    decorators are left off: they rename a deprecated cache argument and fire accelerate's
+    offloading hooks, neither of which a reference forward without a cache or hooks uses."""
+    raw = inspect.unwrap(stock.forward)
+    names = dict(vars(sys.modules[stock.__module__]))
     for name in GDN_KERNELS:
-        fn = mod.__dict__.get(name)
-        if fn is not None and _torch_function(fn) is not fn:
-            swaps.append((mod, name, _torch_function(fn)))
-    torch_rule = mod.__dict__.get("torch_chunk_gated_delta_rule")
-    for m in model.modules():
-        if not isinstance(m, stock):
-            continue
-        if "causal_conv1d_fn" in m.__dict__:
-            swaps.append((m, "causal_conv1d_fn", None))
-        if "chunk_gated_delta_rule" in m.__dict__ and torch_rule is not None:
-            swaps.append((m, "chunk_gated_delta_rule", _torch_function(torch_rule)))
-    return swaps
+        if name in names:
+            names[name] = _torch_function(names[name])
+    fwd = types.FunctionType(raw.__code__, names, raw.__name__, raw.__defaults__,
+                             raw.__closure__)
+    fwd.__kwdefaults__ = raw.__kwdefaults__
+    return functools.update_wrapper(fwd, raw)
+
+
+@functools.cache
+def torch_kernel_class(stock: type) -> type:
+    """The stock Gated-DeltaNet class `stock` with `forward` alone overridden to run its torch
+    kernels (`_torch_forward`); once per class, registered in this module under its name."""
+    name = f"TorchKernels{stock.__name__}"
+    cls = type(name, (stock,), {"__module__": __name__, "__qualname__": name,
+                                "forward": _torch_forward(stock)})
+    globals()[name] = cls
+    return cls
+
+
+def _reference_class(sub: type) -> type:
+    """The class a module of vlpack seam class `sub` gets inside `stock_reference`."""
+    stock = sub._vlpack_stock
+    if issubclass(sub, GatedDeltaNet):
+        return torch_kernel_class(stock)
+    return stock
 
 
 def _seam_classes(model: nn.Module) -> list[tuple[nn.Module, type]]:
@@ -99,12 +99,11 @@ def stock_reference(model: nn.Module) -> Iterator[nn.Module]:
     moe = classes_of(model).experts is not None
     try:
         for m, sub in seams:
-            m.__class__ = sub._vlpack_stock
+            m.__class__ = _reference_class(sub)
         set_attn_implementation(model, "sdpa")
         if moe:
             model.set_experts_implementation(STOCK_EXPERTS)
-        with _swapped(_gdn_torch_kernels(model)):
-            yield model
+        yield model
     finally:
         for m, sub in seams:
             m.__class__ = sub
