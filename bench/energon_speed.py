@@ -57,6 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from vlpack.config import DataConfig
     from vlpack.data.encode import Encoder
     from vlpack.data.energon.loader import EnergonLoader
     from vlpack.data.energon.prepare import prepare_energon
@@ -75,8 +76,11 @@ def main() -> None:
         t_prepare = time.perf_counter() - t0
         for w in args.workers:
             for name, make in (
-                ("jsonl", lambda w=w: PackedLoader(open_dataset("jsonl", str(src)), enc,
-                                                   buffer_size=args.buffer, num_workers=w, **common)),
+                ("jsonl", lambda w=w: PackedLoader(
+                    open_dataset("jsonl", str(src)), enc,
+                    DataConfig(seq_len=args.seq_len, packing="bfd", pad_to_multiple_of=8,
+                               overlong="truncate", buffer_size=args.buffer, num_workers=w),
+                    seed=0, pad_token_id=pad)),
                 ("energon", lambda w=w: EnergonLoader(Path(tmp) / "ds", enc, num_workers=w,
                                                       packing_buffer_size=args.buffer, **common)),
             ):  # fmt: skip

@@ -53,6 +53,7 @@ def write_data(folder: Path, n: int, kind: str, seed: int = 0) -> Path:
 
 def start(path: Path, encoder, workers: int) -> dict:
     """One start: read, size (cache as it is), first batch. Seconds per phase."""
+    from vlpack.config import DataConfig
     from vlpack.data import size_cache
     from vlpack.data.loader import PackedLoader, open_dataset
 
@@ -62,8 +63,8 @@ def start(path: Path, encoder, workers: int) -> dict:
     t1 = time.perf_counter()
     sizes = size_cache.sample_sizes(items, encoder, path, workers=workers)
     t2 = time.perf_counter()
-    loader = PackedLoader(items, encoder, sizes=sizes, seq_len=8192, pad_token_id=0,
-                          max_bad_fraction=0.5)
+    d = DataConfig(seq_len=8192, pad_to_multiple_of=1, max_bad_fraction=0.5)
+    loader = PackedLoader(items, encoder, d, sizes=sizes, seed=0, pad_token_id=0)
     next(iter(loader))
     t3 = time.perf_counter()
     return {"read_s": t1 - t0, "size_s": t2 - t1, "first_batch_s": t3 - t2, "total_s": t3 - t0,

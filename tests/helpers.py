@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
+from vlpack.config import DataConfig
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
@@ -112,3 +115,11 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 300) -> list[int |
         if p.is_alive():
             p.kill()
     return [p.exitcode for p in procs]
+
+
+def split_data(kw: dict) -> tuple[DataConfig, dict]:
+    """The `DataConfig` of the keywords in `kw` that name a `data.*` field (the rest at the
+    config's defaults), and the other keywords: a data component's runtime arguments."""
+    names = {f.name for f in dataclasses.fields(DataConfig)}
+    return (DataConfig(**{k: v for k, v in kw.items() if k in names}),
+            {k: v for k, v in kw.items() if k not in names})

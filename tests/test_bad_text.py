@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vlpack.cli import main
+from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.sources import parse_record
@@ -50,8 +51,9 @@ def test_validate_names_it_and_every_other_bad_sample(data: Path, capsys) -> Non
 
 def test_training_counts_it_as_a_bad_sample(data: Path) -> None:
     enc = Encoder("qwen3_vl")
-    loader = PackedLoader(open_dataset("jsonl", str(data)), enc, seq_len=512, epochs=1,
-                          shuffle=False, pad_token_id=0, max_bad_fraction=1.0)
+    d = DataConfig(seq_len=512, shuffle=False, max_bad_fraction=1.0, pad_to_multiple_of=1)
+    loader = PackedLoader(open_dataset("jsonl", str(data)), enc, d, seed=0, epochs=1,
+                          pad_token_id=0)
     keys = [k for row in loader for k in row.sample_keys]
     assert sorted(keys) == ["d.jsonl:1", "d.jsonl:4"]
     assert loader.accounting["skipped"] == {"bad_json": 1, "no_assistant_turn": 1}

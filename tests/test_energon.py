@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import PAD, make_sample
+from tests.helpers import PAD, make_sample, split_data
 from vlpack.cli import main
 from vlpack.config import load_config
 from vlpack.data.batch import ThdBatch
@@ -29,7 +29,15 @@ from vlpack.data.synth import default_dataset
 
 N = 12
 PIXELS = dict(min_pixels=16384, max_pixels=50176)
-COMMON = dict(seq_len=1024, pad_to_multiple_of=8, overlong="truncate", seed=0, pad_token_id=PAD)
+COMMON = dict(seq_len=1024, pad_to_multiple_of=8, overlong="truncate", max_bad_fraction=1.0, seed=0,
+              pad_token_id=PAD)
+
+
+def jsonl_loader(path: Path, encoder: Encoder, **kw) -> PackedLoader:
+    """The JSONL twin: `PackedLoader` over `path` with the same settings (`data.*` keywords
+    form its section)."""
+    d, run = split_data(kw)
+    return PackedLoader(open_dataset("jsonl", str(path)), encoder, d, **run)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +147,7 @@ def test_same_bins_as_the_jsonl_loader(clean, encoder, algo, max_patches) -> Non
     src, out = clean
     kw = dict(COMMON, packing=algo, max_patches=max_patches, shuffle=False)
     energon = EnergonLoader(out, encoder, packing_buffer_size=N, **kw)
-    jsonl = PackedLoader(open_dataset("jsonl", str(src)), encoder, buffer_size=N + 1, epochs=None, **kw)
+    jsonl = jsonl_loader(src, encoder, buffer_size=N + 1, epochs=None, **kw)
     a, b = epoch_rows(energon, N), epoch_rows(jsonl, N)
     same_rows(a, b)
     assert energon.accounting["samples"] == N and not energon.accounting["skipped"]
@@ -165,8 +173,8 @@ def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
     assert len(keys) == N + 1 and set(keys.values()) == {1} and "long_answer" in keys
     # The JSONL path counts the same samples under the same reasons (it also sees the three
     # that prepare left out).
-    jsonl = PackedLoader(open_dataset("jsonl", str(src)), encoder, packing="bfd", buffer_size=64,
-                         epochs=1, shuffle=False, **COMMON)  # fmt: skip
+    jsonl = jsonl_loader(src, encoder, packing="bfd", buffer_size=64, epochs=1, shuffle=False,
+                         **COMMON)  # fmt: skip
     list(jsonl)
     merged = Counter(acc["skipped"]) + Counter(report["skipped"])
     assert jsonl.accounting["skipped"] == dict(merged)
@@ -319,8 +327,7 @@ def test_video_samples_pack_as_on_the_jsonl_path(tmp_path: Path, encoder) -> Non
     assert "000000000.vid0f004.png" in names and "000000001.vid0f000.png" in names
     kw = dict(COMMON, packing="bfd", shuffle=False)
     energon = EnergonLoader(out, encoder, packing_buffer_size=len(rows), **kw)
-    jsonl = PackedLoader(open_dataset("jsonl", str(data)), encoder, buffer_size=len(rows) + 1,
-                         epochs=None, **kw)
+    jsonl = jsonl_loader(data, encoder, buffer_size=len(rows) + 1, epochs=None, **kw)
     got, want = epoch_rows(energon, len(rows)), epoch_rows(jsonl, len(rows))
     same_rows(got, want)
     assert sum(int((r.mm_token_type_ids == 2).sum()) for r in got) > 0

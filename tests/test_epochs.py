@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from vlpack.config import load_config
+from vlpack.config import DataConfig, load_config
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.video import VideoSettings
@@ -34,8 +34,8 @@ def _consumed(loader: PackedLoader, batches: int) -> list[int]:
 @pytest.mark.parametrize(("micro_batches", "epochs"), [(1, 1), (3, 2)])
 def test_steps_cover_every_sample_of_the_epochs(loader_args, micro_batches: int, epochs: int) -> None:
     items, enc = loader_args
-    loader = PackedLoader(items, enc, seq_len=1024, buffer_size=8, epochs=None,
-                          pad_token_id=0, per_round=micro_batches)
+    loader = PackedLoader(items, enc, DataConfig(seq_len=1024, buffer_size=8, pad_to_multiple_of=1),
+                          seed=0, epochs=None, pad_token_id=0, per_round=micro_batches)
     steps, bins = steps_for_epochs(loader, epochs, dp=1, micro_batches=micro_batches)
     assert steps == math.ceil(bins / micro_batches)
     done = _consumed(loader, steps * micro_batches)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.media import ORIENTATION
@@ -140,8 +141,9 @@ def test_loader_accounts_plans_and_resumes(data, enc) -> None:
     jsonl = open_dataset("jsonl", str(data[1]))
 
     def loader(items, **kw):
-        return PackedLoader(items, enc, seq_len=512, buffer_size=4, overlong="skip", seed=1,
-                            pad_token_id=0, **kw)
+        d = DataConfig(seq_len=512, buffer_size=4, overlong="skip", pad_to_multiple_of=1,
+                       max_bad_fraction=1.0)
+        return PackedLoader(items, enc, d, seed=1, pad_token_id=0, **kw)
 
     once = loader(rows, epochs=1)
     batches = list(once)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import PAD, make_sample
+from tests.helpers import PAD, make_sample, split_data
 from vlpack.data.loader import PackedLoader
 from vlpack.data.stream import BinStream, rank_bins
 from vlpack.data.types import BadSampleError, EncodedSample, SampleSize
@@ -58,10 +58,12 @@ def dataset(n: int, seed: int = 0) -> list:
 
 
 def loader(items, **kw) -> PackedLoader:
-    args = dict(seq_len=128, packing="bfd", buffer_size=16, pad_to_multiple_of=8, overlong="skip",
-                seed=3, epochs=None, pad_token_id=PAD)
-    args.update(kw)
-    return PackedLoader(items, FakeEncoder(), **args)
+    """A PackedLoader of `items`; keywords naming a `data.*` field go into its section (whose
+    max_bad_fraction=1 lets these deliberately dirty datasets through)."""
+    d, run = split_data({**dict(seq_len=128, packing="bfd", buffer_size=16, pad_to_multiple_of=8,
+                                overlong="skip", max_bad_fraction=1.0, seed=3, epochs=None,
+                                pad_token_id=PAD), **kw})
+    return PackedLoader(items, FakeEncoder(), d, **run)
 
 
 def same(a, b) -> bool:
@@ -165,6 +167,20 @@ def test_padded_mode_yields_padded_batches() -> None:
     batches = list(loader(items, packing="none", batch_size=4, epochs=1, shuffle=False))
     assert [b.num_samples for b in batches] == [4, 4, 4]
     assert batches[0].input_ids.shape[0] == 4
+
+
+def test_rows_take_their_shape_from_the_data_section() -> None:
+    """data.pad_to_seq_len pads every packed row to seq_len (the padding joining the last
+    segment); data.pad_to_multiple_of aligns every segment; packing=none ignores seq_len."""
+    items = dataset(30)
+    for mult in (8, 16):
+        rows = list(loader(items, epochs=1, pad_to_seq_len=True, pad_to_multiple_of=mult))
+        assert rows and {r.input_ids.numel() for r in rows} == {128}
+        assert all((torch.diff(r.cu_seqlens_padded) % mult == 0).all() for r in rows)
+    free = [r.input_ids.numel() for r in loader(items, epochs=1)]
+    assert max(free) <= 128 and min(free) < 128
+    padded = list(loader(items, packing="none", batch_size=4, pad_to_seq_len=True, epochs=1))
+    assert all(b.input_ids.shape[1] < 128 for b in padded)
 
 
 def test_workers_give_the_same_stream() -> None:

@@ -96,8 +96,9 @@ def test_bad_samples_are_accounted_the_same_cold_and_warm(data, enc) -> None:
     items = open_dataset("jsonl", str(data))
 
     def one_epoch(sizes):
-        loader = PackedLoader(items, enc, sizes=sizes, seq_len=512, epochs=1, shuffle=False,
-                              max_bad_fraction=0.9, pad_token_id=0, report_skips=False)
+        d = DataConfig(seq_len=512, shuffle=False, max_bad_fraction=0.9, pad_to_multiple_of=1)
+        loader = PackedLoader(items, enc, d, sizes=sizes, seed=0, epochs=1, pad_token_id=0,
+                              report_skips=False)
         list(loader)
         return loader.accounting
 

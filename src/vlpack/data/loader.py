@@ -11,7 +11,7 @@ still takes the same number of steps. Each rank tallies the bins it consumes (ac
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -129,13 +129,11 @@ class BinWork:
 class _BinBuilder(torch.utils.data.Dataset):
     """Map-style dataset indexed by BinWork: encodes the bin's samples and builds the batch."""
 
-    def __init__(self, items, encoder, *, pad_token_id, pad_to_multiple_of, total_len, merge,
-                 mrope_after_video="qwen"):
+    def __init__(self, items, encoder, d: DataConfig, *, pad_token_id: int, merge: int):
         self.items, self.encoder = items, encoder
-        self.after_video = mrope_after_video
-        self.pad_token_id, self.mult, self.total_len, self.merge = (
-            pad_token_id, pad_to_multiple_of, total_len, merge
-        )
+        self.after_video = d.mrope_after_video
+        self.pad_token_id, self.mult, self.merge = pad_token_id, d.pad_to_multiple_of, merge
+        self.total_len = d.seq_len if d.pad_to_seq_len else None  # a padded batch ignores it
 
     def __len__(self) -> int:  # pragma: no cover - sampler-driven, never sized
         raise TypeError("bins are streamed")
@@ -182,57 +180,49 @@ class _WorkSampler(torch.utils.data.Sampler):
 class PackedLoader:
     """Iterable of this rank's batches (ThdBatch, or PaddedBatch when packing is `none`).
 
-    `state_dict()` holds the number of batches handed out; a loader restored from it continues
-    with exactly the batches the original would have produced next.
+    Every packing setting comes from the data section `d` (its packing, seq_len, buffers,
+    padding, overlong policy, bad-sample limits, shuffle, num_workers, pad_to_seq_len); the
+    arguments after it are what the run supplies: the seed, the passes (`epochs`, None:
+    endless), this rank's place, the model's pad id and spatial merge size, the measured
+    `sizes` (None: measured here). `state_dict()` holds the number of batches handed out; a
+    loader restored from it continues with exactly the batches the original would have
+    produced next.
     """
 
     def __init__(
         self,
         items: Sequence[Item],
         encoder,
+        d: DataConfig,
         *,
-        sizes: Sequence[SizeOrError] | None = None,
-        seq_len: int,
-        packing: str = "bfd",
-        batch_size: int = 1,
-        buffer_size: int = 256,
-        max_patches: int | None = None,
-        pad_to_multiple_of: int = 1,
-        total_len: int | None = None,
-        overlong: str = "error",
-        max_consecutive_bad: int | None = None,
-        max_bad_fraction: float | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
+        seed: int,
+        pad_token_id: int,
         epochs: int | None = None,
+        sizes: Sequence[SizeOrError] | None = None,
         rank: int = 0,
         world_size: int = 1,
         per_round: int = 1,
-        num_workers: int = 0,
         pin_memory: bool = False,
-        pad_token_id: int,
         spatial_merge_size: int = 2,
-        mrope_after_video: str = "qwen",
         progress: bool = False,
         report_skips: bool = True,
     ):
         self.items = items
         self.encoder = encoder
+        self.data = d
         self.sizes = sizes if sizes is not None else measure_all(items, encoder, progress=progress)
-        self.packed = packing != "none"
+        self.packed = d.packing != "none"
         self.stream_kw = dict(
-            seq_len=seq_len, algo=packing, batch_size=batch_size, buffer_size=buffer_size,
-            max_patches=max_patches, pad_to_multiple_of=pad_to_multiple_of, overlong=overlong,
-            truncate_fn=self._truncated_size, seed=seed, shuffle=shuffle, epochs=epochs,
-            max_consecutive_bad=max_consecutive_bad, max_bad_fraction=max_bad_fraction,
+            seq_len=d.seq_len, algo=d.packing, batch_size=d.batch_size,
+            buffer_size=d.buffer_size, max_patches=d.max_patches,
+            pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong,
+            truncate_fn=self._truncated_size, seed=seed, shuffle=d.shuffle, epochs=epochs,
+            max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
         )
         self.rank, self.world_size, self.per_round = rank, world_size, per_round
-        self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.builder = _BinBuilder(
-            items, encoder, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
-            total_len=total_len if self.packed else None, merge=spatial_merge_size,
-            mrope_after_video=mrope_after_video,
-        )
+        self.num_workers, self.pin_memory = d.num_workers, pin_memory
+        self.builder = _BinBuilder(items, encoder, d, pad_token_id=pad_token_id,
+                                   merge=spatial_merge_size)
         self.consumed = 0
         self.tally = Tally()
         self.report_skip = SkipReporter(rank if world_size > 1 else None) if report_skips \
@@ -344,20 +334,13 @@ def build_loaders(
                          f"(the dataset has {len(items)}): lower data.eval_samples")
     n_train = len(items) - n_eval
     sizes = measure_sources(d, items, encoder, rank=rank, progress=progress)
-    common = dict(
-        seq_len=d.seq_len, packing=d.packing, batch_size=d.batch_size,
-        buffer_size=d.buffer_size, max_patches=d.max_patches,
-        pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong, seed=seed,
-        max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
-        rank=rank, world_size=world_size, pad_token_id=pad_token_id,
-        spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
-        mrope_after_video=d.mrope_after_video,
-        total_len=d.seq_len if d.pad_to_seq_len else None, report_skips=report_skips,
-    )
-    train = PackedLoader(items[:n_train], encoder, sizes=sizes[:n_train], shuffle=d.shuffle,
-                         epochs=None, num_workers=d.num_workers, per_round=per_round, **common)
+    common = dict(seed=seed, rank=rank, world_size=world_size, pad_token_id=pad_token_id,
+                  spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
+                  report_skips=report_skips)
+    train = PackedLoader(items[:n_train], encoder, d, sizes=sizes[:n_train], epochs=None,
+                         per_round=per_round, **common)
     evl = None
-    if n_eval:
-        evl = PackedLoader(items[n_train:], encoder, sizes=sizes[n_train:], shuffle=False,
-                           epochs=1, per_round=1, **common)
+    if n_eval:  # one ordered pass, encoded in the training process
+        evl = PackedLoader(items[n_train:], encoder, replace(d, shuffle=False, num_workers=0),
+                           sizes=sizes[n_train:], epochs=1, per_round=1, **common)
     return train, evl
