@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vlpack.config import load_config
+from vlpack.config import DataConfig, load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import measure_all, open_dataset
@@ -62,8 +62,9 @@ class StepBatches(torch.utils.data.Dataset):
 
 def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[int]]:
     """The first `steps` bins of the trainer's stream over `sizes` (epochs chained)."""
-    stream = BinStream(sizes=sizes, seq_len=seq_len, algo="bfd", buffer_size=buffer,
-                       overlong="skip", seed=seed, epochs=None)
+    d = DataConfig(seq_len=seq_len, packing="bfd", buffer_size=buffer, overlong="skip",
+                   pad_to_multiple_of=1, max_consecutive_bad=len(sizes), max_bad_fraction=1.0)
+    stream = BinStream(sizes=sizes, data=d, seed=seed, epochs=None)
     bins = []
     for b in stream:
         bins.append(list(b.items))

@@ -66,6 +66,14 @@ def loader(items, **kw) -> PackedLoader:
     return PackedLoader(items, FakeEncoder(), d, **run)
 
 
+def make_stream(sizes, **kw) -> BinStream:
+    """A BinStream over `sizes`; `data.*` keywords form its section, whose pad_to_multiple_of=1
+    and max_bad_fraction=1 (unless given) keep the hand-worked numbers below."""
+    d, run = split_data({**dict(pad_to_multiple_of=1, max_bad_fraction=1.0, seed=0, epochs=1),
+                         **kw})
+    return BinStream(sizes=sizes, data=d, **run)
+
+
 def same(a, b) -> bool:
     return a.sample_keys == b.sample_keys and torch.equal(a.input_ids, b.input_ids) and \
         torch.equal(a.position_ids, b.position_ids)
@@ -80,11 +88,11 @@ def test_every_sample_is_accounted_for(policy: str, algo: str) -> None:
     items[11] = make_sample("longimg", np.random.default_rng(0), text=(130, 10), grids=((1, 8, 8),))
     sizes = [it if isinstance(it, BadSampleError) else it.size for it in items]
     enc = FakeEncoder()
-    stream = BinStream(sizes=sizes, seq_len=128, algo=algo, batch_size=4, buffer_size=16,
-                       overlong=policy, truncate_fn=lambda i, c: enc.truncated_size(items[i], c),
-                       pad_to_multiple_of=8, epochs=1)
-    bins = list(stream)
-    acc = stream.account.as_dict()
+    planned = make_stream(sizes, seq_len=128, packing=algo, batch_size=4, buffer_size=16,
+                     overlong=policy, truncate_fn=lambda i, c: enc.truncated_size(items[i], c),
+                     pad_to_multiple_of=8)
+    bins = list(planned)
+    acc = planned.account.as_dict()
     assert acc["samples"] == 60
     assert acc["packed"] + acc["truncated"] + sum(acc["skipped"].values()) == 60
     flat = [i for b in bins for i in b.items]
@@ -103,7 +111,7 @@ def test_every_sample_is_accounted_for(policy: str, algo: str) -> None:
 def test_overlong_error_names_sample_and_options() -> None:
     items = [make_sample("a", np.random.default_rng(0), text=(300,), grids=())]
     with pytest.raises(ValueError, match=r"sample #1 is overlong.*data\.overlong=truncate\|skip"):
-        list(BinStream(sizes=[items[0].size], seq_len=128, epochs=1))
+        list(make_stream([items[0].size], seq_len=128))
     # The loader names the sample as every other message does: its id, else file:line.
     with pytest.raises(ValueError, match=r"^a is overlong \(300 tokens > seq_len 128\)"):
         list(loader(items, overlong="error", epochs=1))
@@ -111,9 +119,7 @@ def test_overlong_error_names_sample_and_options() -> None:
 
 def test_max_patches_budget_holds() -> None:
     items = dataset(80)
-    stream = BinStream(sizes=[s.size for s in items], seq_len=256, max_patches=64,
-                       overlong="skip", epochs=1)
-    for b in stream:
+    for b in make_stream([s.size for s in items], seq_len=256, max_patches=64, overlong="skip"):
         assert b.patches <= 64
 
 
@@ -135,11 +141,11 @@ def test_ranks_get_distinct_balanced_bins_of_the_global_stream() -> None:
     items = dataset(64)
     sizes = [s.size for s in items]
 
-    def stream():
-        return iter(BinStream(sizes=sizes, seq_len=128, buffer_size=16, overlong="skip", epochs=1))
+    def global_stream():
+        return iter(make_stream(sizes, seq_len=128, buffer_size=16, overlong="skip"))
 
-    everything = [b.items for b in stream()]
-    per_rank = [[b.items for b in rank_bins(stream(), rank=r, world_size=2, per_round=2)]
+    everything = [b.items for b in global_stream()]
+    per_rank = [[b.items for b in rank_bins(global_stream(), rank=r, world_size=2, per_round=2)]
                 for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     got = per_rank[0] + per_rank[1]
@@ -193,9 +199,9 @@ def test_workers_give_the_same_stream() -> None:
 def test_consecutive_bad_samples_fail_the_run() -> None:
     sizes = [BadSampleError("missing_image", f"img{i}.jpg is missing") for i in range(5)]
     sizes += [SampleSize(10, 0)] * 5
-    ok = BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_consecutive_bad=5)
+    ok = make_stream(sizes, seq_len=128, shuffle=False, max_consecutive_bad=5)
     assert sum(len(b.items) for b in ok) == 5
-    bad = BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_consecutive_bad=4)
+    bad = make_stream(sizes, seq_len=128, shuffle=False, max_consecutive_bad=4)
     with pytest.raises(ValueError, match=r"5 bad samples in a row.*data\.max_consecutive_bad"):
         list(bad)
 
@@ -204,8 +210,8 @@ def test_bad_fraction_fails_the_run() -> None:
     sizes = [BadSampleError("corrupt_image", "x") if i % 4 == 0 else SampleSize(10, 0)
              for i in range(200)]
     with pytest.raises(ValueError, match=r"data\.max_bad_fraction=0\.2"):
-        list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.2))
-    assert list(BinStream(sizes=sizes, seq_len=128, epochs=1, max_bad_fraction=0.3))
+        list(make_stream(sizes, seq_len=128, max_bad_fraction=0.2))
+    assert list(make_stream(sizes, seq_len=128, max_bad_fraction=0.3))
 
 
 def test_bad_fraction_applies_to_a_tiny_file() -> None:
@@ -218,5 +224,5 @@ def test_bad_fraction_applies_to_a_tiny_file() -> None:
     sizes[5] = BadSampleError("bad_schema", "y")  # 13 bad, the last sample good
     with pytest.raises(ValueError, match=r"13 of 16 samples were skipped .*'bad_schema': 2.*"
                                          r"data\.max_bad_fraction=0\.05"):
-        list(BinStream(sizes=sizes, seq_len=128, epochs=1, shuffle=False, max_bad_fraction=0.05,
-                       max_consecutive_bad=32))
+        list(make_stream(sizes, seq_len=128, shuffle=False, max_bad_fraction=0.05,
+                    max_consecutive_bad=32))

@@ -212,13 +212,7 @@ class PackedLoader:
         self.data = d
         self.sizes = sizes if sizes is not None else measure_all(items, encoder, progress=progress)
         self.packed = d.packing != "none"
-        self.stream_kw = dict(
-            seq_len=d.seq_len, algo=d.packing, batch_size=d.batch_size,
-            buffer_size=d.buffer_size, max_patches=d.max_patches,
-            pad_to_multiple_of=d.pad_to_multiple_of, overlong=d.overlong,
-            truncate_fn=self._truncated_size, seed=seed, shuffle=d.shuffle, epochs=epochs,
-            max_consecutive_bad=d.max_consecutive_bad, max_bad_fraction=d.max_bad_fraction,
-        )
+        self.stream_kw = dict(data=d, seed=seed, epochs=epochs, truncate_fn=self._truncated_size)
         self.rank, self.world_size, self.per_round = rank, world_size, per_round
         self.num_workers, self.pin_memory = d.num_workers, pin_memory
         self.builder = _BinBuilder(items, encoder, d, pad_token_id=pad_token_id,

@@ -12,9 +12,11 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
+from vlpack.config import DataConfig
 from vlpack.data.loader import describe, measure_all, open_dataset, source_path
 from vlpack.data.stream import BinStream
 
@@ -23,20 +25,20 @@ MAX_LISTED = 20
 
 
 def pack_report(
-    items, encoder, *, seq_len: int, algo: str, buffer_size: int, max_patches: int | None,
-    overlong: str, pad_to_multiple_of: int = 1, seed: int = 0, progress: bool = False,
+    items, encoder, d: DataConfig, *, seed: int = 0, progress: bool = False,
     sizes_of: Callable[[], Sequence] | None = None,
 ) -> dict:
-    """Plan `items` once (one epoch, flushed) and return the report as a dict; the sizes come
-    from `sizes_of()` when given (the size cache), else are measured."""
+    """Plan `items` once with the packing settings of `d` (one epoch in file order, flushed)
+    and return the report as a dict; the sizes come from `sizes_of()` when given (the size
+    cache), else are measured. The report counts every bad sample: the bad-sample limits,
+    which stop a training run, do not apply."""
     t0 = time.perf_counter()
     sizes = sizes_of() if sizes_of is not None else measure_all(items, encoder, progress=progress)
     t1 = time.perf_counter()
+    d = replace(d, shuffle=False, max_consecutive_bad=len(items), max_bad_fraction=1.0)
     stream = BinStream(
-        sizes=sizes, seq_len=seq_len, algo=algo, buffer_size=buffer_size, max_patches=max_patches,
-        pad_to_multiple_of=pad_to_multiple_of, overlong=overlong,
+        sizes=sizes, data=d, seed=seed, epochs=1,
         truncate_fn=lambda i, cap: encoder.truncated_size(items[i], cap),
-        seed=seed, shuffle=False, epochs=1,
         describe=lambda i: describe(items[i], i),
     )
     bins = list(stream)
@@ -62,11 +64,11 @@ def pack_report(
     return {
         **acc,
         "bins": len(bins),
-        "seq_len": seq_len,
-        "algo": algo,
-        "buffer": buffer_size,
+        "seq_len": d.seq_len,
+        "algo": d.packing,
+        "buffer": d.buffer_size,
         "real_tokens": int(tokens.sum()),
-        "efficiency": float(tokens.sum() / (n * seq_len)) if bins else 0.0,
+        "efficiency": float(tokens.sum() / (n * d.seq_len)) if bins else 0.0,
         "samples_per_bin": float(per_bin.mean()) if bins else 0.0,
         "vision_tokens_per_bin": {
             "mean": float(vision.mean()) if bins else 0.0,
@@ -128,10 +130,11 @@ def pack_command(args: argparse.Namespace) -> int:
     from vlpack.data.size_cache import sample_sizes
 
     path = source_path(source, args.data, 256)
+    d = DataConfig(seq_len=args.seq_len, packing=args.algo, buffer_size=args.buffer,
+                   max_patches=args.max_patches, overlong=args.overlong,
+                   pad_to_multiple_of=args.pad_to_multiple_of)
     report = pack_report(
-        items, encoder, seq_len=args.seq_len, algo=args.algo, buffer_size=args.buffer,
-        max_patches=args.max_patches, overlong=args.overlong,
-        pad_to_multiple_of=args.pad_to_multiple_of, progress=not args.json,
+        items, encoder, d, progress=not args.json,
         sizes_of=lambda: sample_sizes(items, encoder, path, progress=not args.json,
                                       media_root=args.media_root),
     )

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vlpack.config import DataConfig
 from vlpack.data.accounting import Skip
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits
-from vlpack.data.plan import OnlinePlanner, assign_bins_to_ranks, check_algo, estimate_bin_cost
+from vlpack.data.plan import OnlinePlanner, assign_bins_to_ranks, estimate_bin_cost
 from vlpack.data.types import BadSampleError, SampleSize
 
 SizeOrError = SampleSize | BadSampleError
@@ -106,23 +107,14 @@ class BinStream:
     """
 
     sizes: Sequence[SizeOrError]
-    seq_len: int
-    algo: str = "bfd"
-    """Planner name, or `none` for fixed groups of `batch_size` consecutive samples."""
-    batch_size: int = 1
-    buffer_size: int = 256
-    max_patches: int | None = None
-    pad_to_multiple_of: int = 1
-    overlong: str = "error"
+    data: DataConfig
+    """The packing settings: `packing` (a planner, or `none` for fixed groups of `batch_size`
+    consecutive samples), seq_len, buffer_size, max_patches, pad_to_multiple_of, overlong,
+    shuffle, and the bad-sample limits (admission.py)."""
+    seed: int
+    epochs: int | None
     truncate_fn: TruncateFn | None = None
-    seed: int = 0
-    shuffle: bool = True
-    epochs: int | None = 1
-    max_consecutive_bad: int | None = None
-    """Fail after this many skipped samples in a row (a broken dataset, not a bad sample)."""
-    max_bad_fraction: float | None = None
-    """Fail when more than this share of the samples seen was skipped (checked from MIN_SEEN
-    samples on, or once every sample was seen when there are fewer)."""
+    """The encoder's cut, needed by `data.overlong=truncate`."""
     describe: Callable[[int], str] | None = None
     """Name of sample i in messages (its id or file:line); default `sample #i+1` (1-based)."""
     account: Accounting = field(default_factory=Accounting)
@@ -133,11 +125,9 @@ class BinStream:
     """Skips not yet attached to an emitted bin."""
 
     def __post_init__(self) -> None:
-        if self.algo != "none":
-            check_algo(self.algo)
-        self._admission = Admission(self.seq_len, self.max_patches, self.overlong)
-        self._limits = BadLimits(self.max_consecutive_bad, self.max_bad_fraction, len(self.sizes))
-        if self.overlong == "truncate" and self.truncate_fn is None:
+        self._admission = Admission.of(self.data)
+        self._limits = BadLimits.of(self.data, len(self.sizes))
+        if self.data.overlong == "truncate" and self.truncate_fn is None:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
 
     def _name(self, i: int) -> str:
@@ -170,7 +160,7 @@ class BinStream:
             self.account.packed += 1
         else:
             try:
-                size = self.truncate_fn(i, self.seq_len)
+                size = self.truncate_fn(i, self.data.seq_len)
             except BadSampleError as e:
                 self._skip(i, e.reason, str(e))
                 return None
@@ -180,12 +170,12 @@ class BinStream:
         return size, cap
 
     def __iter__(self) -> Iterator[PlannedBin]:
+        d = self.data
         planner = (
-            _FixedGroups(self.batch_size)
-            if self.algo == "none"
-            else OnlinePlanner(
-                self.seq_len, self.algo, self.buffer_size, max_patches=self.max_patches, seed=self.seed
-            )
+            _FixedGroups(d.batch_size)
+            if d.packing == "none"
+            else OnlinePlanner(d.seq_len, d.packing, d.buffer_size, max_patches=d.max_patches,
+                               seed=self.seed)
         )
         info: dict[int, tuple[SampleSize, int | None, int]] = {}
 
@@ -205,14 +195,14 @@ class BinStream:
         epoch = self._epoch = 0
         while self.epochs is None or epoch < self.epochs:
             self._epoch = epoch
-            for i in epoch_order(len(self.sizes), epoch, self.seed, self.shuffle).tolist():
+            for i in epoch_order(len(self.sizes), epoch, self.seed, d.shuffle).tolist():
                 admitted = self._admit(i)
                 if admitted is None:
                     continue
                 if i in info:  # the same sample again while its previous copy is still buffered
                     yield from emit(planner.flush())
                 info[i] = (*admitted, epoch)
-                aligned = _round_up(admitted[0].tokens, self.pad_to_multiple_of)
+                aligned = _round_up(admitted[0].tokens, d.pad_to_multiple_of)
                 yield from emit(planner.push(i, aligned, admitted[0].patches))
             epoch += 1
             if self.epochs is None and self.account.seen and not (
