@@ -1,16 +1,18 @@
-"""Start-up to the first bin: read the JSONL, take every sample's size (size cache cold, then
-warm), plan and build the first batch, on synthetic data (CPU).
+"""Start-up to the first bin: open the JSONL, take every sample's size (size cache cold, then
+warm), plan and build the first batch, on synthetic data (CPU), each start in a process of its
+own.
 
 Data: `n` conversations written to a temporary folder. `text`: text only, 20-400 words per
 answer. `image`: one or two images per sample, drawn from 64 small PNGs of different sizes
-(each sample's header is read; the files are shared to keep generation fast). Each start runs
-with a fresh tokenizer hash and an empty (cold) or filled (warm) `$VLPACK_CACHE`; the encoder
-is built once beforehand and one tiny start runs first (the tokenizer build and one-time
-imports are not part of the figures). Reported per start:
-seconds to read, to size, to the first batch, samples/s of sizing, and the index's memory
-(bytes per sample of `SizeIndex`'s arrays) and cache file bytes per sample.
+(each sample's header is read; the files are shared to keep generation fast). Each start is a
+fresh process (`--start`) with an empty (cold) or filled (warm) `$VLPACK_CACHE`; its imports and
+the encoder's build are timed apart (`setup s`) from the start itself. Reported per start:
+seconds to open the data, to size, to the first batch, samples/s of sizing, the index's memory
+(bytes per sample of `SizeIndex` and of the JSONL line index), the cache file's bytes per sample,
+and the memory the start added to the process (peak resident set over the process's after its
+setup: `sizing MiB` up to the sizes, `start MiB` with the first batch; measuring workers apart).
 
-    python bench/startup_speed.py --samples 10000 100000 --kinds text image --workers 2
+    python bench/startup_speed.py --samples 10000 100000 1000000 --kinds text image --workers 2
     python bench/startup_speed.py --samples 10000 --json
 """
 
@@ -21,6 +23,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,25 +55,49 @@ def write_data(folder: Path, n: int, kind: str, seed: int = 0) -> Path:
     return path
 
 
-def start(path: Path, encoder, workers: int) -> dict:
-    """One start: read, size (cache as it is), first batch. Seconds per phase."""
+def _rss_kib(field: str) -> int:
+    """A memory figure of this process from /proc (VmRSS now, VmHWM its peak), KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def start(path: Path, family: str, workers: int) -> dict:
+    """One start in this process: read, size (cache as it is), first batch."""
+    t_setup = time.perf_counter()
     from vlpack.config import DataConfig
     from vlpack.data import size_cache
+    from vlpack.data.encode import Encoder
     from vlpack.data.loader import PackedLoader, open_dataset
 
-    size_cache._HASHED.clear()  # a new process hashes the tokenizer again
+    encoder = Encoder(family)
+    size_cache.settings_key(encoder.length_settings())  # the tokenizer's hash: setup, not start
+    base = _rss_kib("VmRSS")
     t0 = time.perf_counter()
     items = open_dataset("jsonl", str(path))
     t1 = time.perf_counter()
     sizes = size_cache.sample_sizes(items, encoder, path, workers=workers)
     t2 = time.perf_counter()
+    sized_kib = _rss_kib("VmHWM") - base
     d = DataConfig(seq_len=8192, pad_to_multiple_of=1, max_bad_fraction=0.5)
     loader = PackedLoader(items, encoder, d, sizes=sizes, seed=0, pad_token_id=0)
     next(iter(loader))
     t3 = time.perf_counter()
-    return {"read_s": t1 - t0, "size_s": t2 - t1, "first_batch_s": t3 - t2, "total_s": t3 - t0,
-            "sized_per_s": len(items) / (t2 - t1),
-            "index_bytes_per_sample": sizes.nbytes / len(items)}
+    n = len(items)
+    return {"setup_s": t0 - t_setup, "read_s": t1 - t0, "size_s": t2 - t1,
+            "first_batch_s": t3 - t2, "total_s": t3 - t0, "sized_per_s": n / (t2 - t1),
+            "index_bytes_per_sample": sizes.nbytes / n,
+            "line_index_bytes_per_sample": getattr(items, "nbytes", 0) / n,
+            "sizing_mib": sized_kib / 1024, "start_mib": (_rss_kib("VmHWM") - base) / 1024}
+
+
+def _start_process(path: Path, args: argparse.Namespace, cache: Path) -> dict:
+    env = {**os.environ, "VLPACK_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, __file__, "--start", str(path), "--workers",
+                          str(args.workers), "--family", args.family], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -79,31 +107,32 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="measuring processes")
     ap.add_argument("--family", default="qwen3_vl")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--start", type=Path, help=argparse.SUPPRESS)  # one start, in this process
     args = ap.parse_args()
-    from vlpack.data.encode import Encoder
-
-    encoder = Encoder(args.family)
-    with tempfile.TemporaryDirectory() as tmp:  # one-time imports and caches, not figures
-        os.environ["VLPACK_CACHE"] = tmp
-        start(write_data(Path(tmp), 16, "image"), encoder, 0)
+    if args.start is not None:
+        print(json.dumps(start(args.start, args.family, args.workers)))
+        return
     rows = []
     for n in args.samples:
         for kind in args.kinds:
             with tempfile.TemporaryDirectory() as tmp:
-                os.environ["VLPACK_CACHE"] = str(Path(tmp) / "cache")
+                t = time.perf_counter()
                 path = write_data(Path(tmp), n, kind)
+                written = time.perf_counter() - t
                 for cache in ("cold", "warm"):
                     row = {"samples": n, "kind": kind, "cache": cache, "workers": args.workers,
-                           **start(path, encoder, args.workers)}
+                           "file_mb": path.stat().st_size / 1e6,
+                           **_start_process(path, args, Path(tmp) / "cache")}
                     files = list((Path(tmp) / "cache" / "sizes").glob("*.npz"))
                     row["cache_file_bytes_per_sample"] = sum(f.stat().st_size for f in files) / n
                     rows.append(row)
                     if not args.json:
                         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items()), flush=True)
+                                       for k, v in row.items()), f"(data written in {written:.0f} s)",
+                              flush=True)
     if args.json:
         print(json.dumps({"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "rows": rows}, indent=1))
+                          "load_avg": os.getloadavg(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
