@@ -68,7 +68,7 @@ def main() -> None:
     pad = enc.tokenizer.pad_token_id or 0
     src = default_dataset(n=args.n)
     common = dict(seq_len=args.seq_len, packing="bfd", pad_to_multiple_of=8, overlong="truncate",
-                  seed=0, pad_token_id=pad)  # fmt: skip
+                  buffer_size=args.buffer)  # fmt: skip
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -77,12 +77,12 @@ def main() -> None:
         for w in args.workers:
             for name, make in (
                 ("jsonl", lambda w=w: PackedLoader(
-                    open_dataset("jsonl", str(src)), enc,
-                    DataConfig(seq_len=args.seq_len, packing="bfd", pad_to_multiple_of=8,
-                               overlong="truncate", buffer_size=args.buffer, num_workers=w),
+                    open_dataset("jsonl", str(src)), enc, DataConfig(num_workers=w, **common),
                     seed=0, pad_token_id=pad)),
-                ("energon", lambda w=w: EnergonLoader(Path(tmp) / "ds", enc, num_workers=w,
-                                                      packing_buffer_size=args.buffer, **common)),
+                ("energon", lambda w=w: EnergonLoader(
+                    enc, DataConfig(source="energon", path=str(Path(tmp) / "ds"), num_workers=w,
+                                    **common),
+                    seed=0, pad_token_id=pad)),
             ):  # fmt: skip
                 runs = [_time(make, args.rows, args.warmup, args.seq_len) for _ in range(args.repeats)]
                 r = max(runs, key=lambda x: x["rows_per_s"])

@@ -18,7 +18,7 @@ from PIL import Image
 
 from tests.helpers import PAD, make_sample, split_data
 from vlpack.cli import main
-from vlpack.config import load_config
+from vlpack.config import DataConfig, load_config
 from vlpack.data.batch import ThdBatch
 from vlpack.data.encode import Encoder
 from vlpack.data.energon.loader import EnergonLoader, energon_worker_config
@@ -31,6 +31,12 @@ N = 12
 PIXELS = dict(min_pixels=16384, max_pixels=50176)
 COMMON = dict(seq_len=1024, pad_to_multiple_of=8, overlong="truncate", max_bad_fraction=1.0, seed=0,
               pad_token_id=PAD)
+
+
+def energon_loader(path: Path, encoder: Encoder, **kw) -> EnergonLoader:
+    """`EnergonLoader` over the prepared folder `path` (`data.*` keywords form its section)."""
+    d, run = split_data({"source": "energon", "path": str(path), **kw})
+    return EnergonLoader(encoder, d, **run)
 
 
 def jsonl_loader(path: Path, encoder: Encoder, **kw) -> PackedLoader:
@@ -146,7 +152,7 @@ def test_same_bins_as_the_jsonl_loader(clean, encoder, algo, max_patches) -> Non
     buffer (N samples) give the same rows in the same order."""
     src, out = clean
     kw = dict(COMMON, packing=algo, max_patches=max_patches, shuffle=False)
-    energon = EnergonLoader(out, encoder, packing_buffer_size=N, **kw)
+    energon = energon_loader(out, encoder, packing_buffer_size=N, **kw)
     jsonl = jsonl_loader(src, encoder, buffer_size=N + 1, epochs=None, **kw)
     a, b = epoch_rows(energon, N), epoch_rows(jsonl, N)
     same_rows(a, b)
@@ -156,6 +162,16 @@ def test_same_bins_as_the_jsonl_loader(clean, encoder, algo, max_patches) -> Non
     assert max(r.num_tokens for r in a) <= 1024
 
 
+def test_rows_padded_to_seq_len_as_on_the_jsonl_path(clean, encoder) -> None:
+    """data.pad_to_seq_len reaches Energon's rows as it reaches the JSONL loader's."""
+    src, out = clean
+    kw = dict(COMMON, packing="bfd", shuffle=False, pad_to_seq_len=True)
+    a = epoch_rows(energon_loader(out, encoder, packing_buffer_size=N, **kw), N)
+    b = epoch_rows(jsonl_loader(src, encoder, buffer_size=N + 1, epochs=None, **kw), N)
+    same_rows(a, b)
+    assert {r.input_ids.numel() for r in a} == {COMMON["seq_len"]}
+
+
 # --------------------------------------------------------------------------- bad samples
 
 
@@ -163,7 +179,7 @@ def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
     src, out, report = dirty
     assert report["skipped"] == {"bad_json": 1, "corrupt_image": 1, "missing_image": 1}
     kept = report["samples"]  # N good + thin, long_answer, long_prompt
-    loader = EnergonLoader(out, encoder, packing="bfd", packing_buffer_size=kept, shuffle=False,
+    loader = energon_loader(out, encoder, packing="bfd", packing_buffer_size=kept, shuffle=False,
                            **COMMON)  # fmt: skip
     got = epoch_rows(loader, N + 1)
     acc = loader.accounting
@@ -185,19 +201,20 @@ def test_overlong_skip_and_error(dirty, encoder) -> None:
     _, out, report = dirty
     kw = dict(COMMON, packing="ffd", packing_buffer_size=report["samples"], shuffle=False)
     kw["overlong"] = "skip"
-    loader = EnergonLoader(out, encoder, **kw)
+    loader = energon_loader(out, encoder, **kw)
     epoch_rows(loader, N)
     assert loader.accounting["skipped"]["overlong"] == 2
     kw["overlong"] = "error"
     with pytest.raises(ValueError, match=r"overlong .*data.overlong=truncate"):
-        rows(EnergonLoader(out, encoder, **kw), 1)
+        rows(energon_loader(out, encoder, **kw), 1)
 
 
 def test_selection_never_raises_and_keeps_markers(encoder) -> None:
     """A buffer of good samples and markers: every sample in exactly one group; the markers
     ride in the first group; a buffer of markers only becomes one filler group."""
     rng = np.random.default_rng(0)
-    te = QwenVLTaskEncoder(encoder, seq_len=64, algo="bfd", max_patches=40, pad_token_id=PAD)
+    d = DataConfig(seq_len=64, packing="bfd", max_patches=40, pad_to_multiple_of=1)
+    te = QwenVLTaskEncoder(encoder, d, seed=0, pad_token_id=PAD)
 
     def wrap(i, sample, status="packed"):
         return EncodedEnergonSample(__key__=f"k{i}", __restore_key__=("x", i), encoded=sample,
@@ -230,11 +247,11 @@ def test_two_ranks_two_workers_distinct_streams_and_exact_resume(clean, encoder)
     kw = dict(COMMON, packing="bfd", packing_buffer_size=2, num_workers=2, world_size=2)
     streams = {}
     for rank in (0, 1):
-        straight = rows(EnergonLoader(out, encoder, rank=rank, **kw), 6)
-        first = EnergonLoader(out, encoder, rank=rank, **kw)
+        straight = rows(energon_loader(out, encoder, rank=rank, **kw), 6)
+        first = energon_loader(out, encoder, rank=rank, **kw)
         head = rows(first, 3)
         state = first.state_dict()
-        resumed = EnergonLoader(out, encoder, rank=rank, **kw)
+        resumed = energon_loader(out, encoder, rank=rank, **kw)
         resumed.load_state_dict(state)
         same_rows(straight, head + rows(resumed, 3))
         assert resumed.accounting["samples"] >= first.accounting["samples"]
@@ -280,16 +297,16 @@ def test_config_rejects_mixed_packing_modes(overrides, match) -> None:
 
 def test_loader_refuses_an_unprepared_folder(tmp_path: Path, encoder) -> None:
     with pytest.raises(ValueError, match="energon-prepare"):
-        EnergonLoader(tmp_path, encoder, **COMMON)
+        energon_loader(tmp_path, encoder, **COMMON)
 
 
 def test_warns_when_a_buffer_exceeds_a_workers_share(clean, encoder, caplog) -> None:
     _, out = clean
     with caplog.at_level("WARNING", logger="vlpack.data.energon.loader"):
-        EnergonLoader(out, encoder, packing_buffer_size=N // 4, num_workers=2, rank=0, world_size=2,
+        energon_loader(out, encoder, packing_buffer_size=N // 4, num_workers=2, rank=0, world_size=2,
                       **COMMON)  # fmt: skip
         assert not caplog.records
-        EnergonLoader(out, encoder, packing_buffer_size=N // 4 + 1, num_workers=2, rank=0,
+        energon_loader(out, encoder, packing_buffer_size=N // 4 + 1, num_workers=2, rank=0,
                       world_size=2, **COMMON)  # fmt: skip
     assert "at most 3" in caplog.text
 
@@ -326,7 +343,7 @@ def test_video_samples_pack_as_on_the_jsonl_path(tmp_path: Path, encoder) -> Non
         names = tar.getnames()
     assert "000000000.vid0f004.png" in names and "000000001.vid0f000.png" in names
     kw = dict(COMMON, packing="bfd", shuffle=False)
-    energon = EnergonLoader(out, encoder, packing_buffer_size=len(rows), **kw)
+    energon = energon_loader(out, encoder, packing_buffer_size=len(rows), **kw)
     jsonl = jsonl_loader(data, encoder, buffer_size=len(rows) + 1, epochs=None, **kw)
     got, want = epoch_rows(energon, len(rows)), epoch_rows(jsonl, len(rows))
     same_rows(got, want)

@@ -304,17 +304,9 @@ def build_loaders(
             logging.getLogger("vlpack.data").warning(
                 "data.eval_samples=%d is ignored with data.source=energon (no held-out split)",
                 d.eval_samples)
-        return EnergonLoader(
-            d.path, encoder, seq_len=d.seq_len, packing=d.packing,
-            packing_buffer_size=d.packing_buffer_size or d.buffer_size,
-            max_patches=d.max_patches, pad_to_multiple_of=d.pad_to_multiple_of,
-            overlong=d.overlong, seed=seed, shuffle=d.shuffle,
-            shuffle_buffer_size=d.shuffle_buffer_size, num_workers=d.num_workers,
-            rank=rank, world_size=world_size, pad_token_id=pad_token_id,
-            spatial_merge_size=spatial_merge_size, max_consecutive_bad=d.max_consecutive_bad,
-            mrope_after_video=d.mrope_after_video,
-            max_bad_fraction=d.max_bad_fraction,
-        ), None
+        return EnergonLoader(encoder, d, seed=seed, pad_token_id=pad_token_id,
+                             spatial_merge_size=spatial_merge_size, rank=rank,
+                             world_size=world_size), None
     items = open_mix(d, seed) if d.mix else open_dataset(
         d.source, d.path, synthetic_samples=d.synthetic_samples, media_root=d.media_root)
     n_eval = d.eval_samples

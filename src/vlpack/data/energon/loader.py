@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
+from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Tally
 from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
@@ -58,63 +59,42 @@ def energon_worker_config(
 class EnergonLoader:
     """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
 
-    Packing options match `PackedLoader`'s; Energon-specific ones: `packing_buffer_size`
-    (samples planned together), `shuffle_buffer_size` (Energon's sample shuffle buffer; None:
-    none) and `shuffle` (False also keeps shard order: no shuffling at all).
+    Every setting comes from the data section `d` (data.source=energon, its checks done
+    there): `d.path` (the prepared folder), the packing options `PackedLoader` reads, and the
+    Energon-specific `packing_buffer_size` (samples planned together; None: buffer_size),
+    `shuffle_buffer_size` (Energon's sample shuffle buffer; None: none) and `shuffle` (False
+    also keeps shard order: no shuffling at all). The arguments after it are the run's.
     """
 
     def __init__(
         self,
-        path: str | Path,
         encoder,
+        d: DataConfig,
         *,
-        seq_len: int,
-        packing: str = "bfd",
-        packing_buffer_size: int = 256,
-        max_patches: int | None = None,
-        pad_to_multiple_of: int = 1,
-        total_len: int | None = None,
-        overlong: str = "error",
-        seed: int = 0,
-        shuffle: bool = True,
-        shuffle_buffer_size: int | None = None,
-        num_workers: int = 0,
+        seed: int,
+        pad_token_id: int,
+        spatial_merge_size: int = 2,
         rank: int | None = None,
         world_size: int | None = None,
         group: dist.ProcessGroup | None = None,
-        pad_token_id: int,
-        spatial_merge_size: int = 2,
-        max_consecutive_bad: int | None = None,
-        mrope_after_video: str = "qwen",
-        max_bad_fraction: float | None = None,
     ):
-        self.path = Path(path)
+        if d.source != "energon":
+            raise ValueError(f"EnergonLoader reads data.source=energon, got {d.source}")
+        self.path = Path(d.path)
         if not (self.path / ".nv-meta" / "dataset.yaml").is_file():
             raise ValueError(
                 f"{self.path} is not a prepared Energon dataset (no .nv-meta/dataset.yaml): "
                 "run `vlpack data energon-prepare DATA.jsonl DIR` and pass DIR"
             )
-        if packing == "none":
-            raise ValueError(
-                "data.source=energon packs at batch level (data.packing_buffer_size) and cannot "
-                "also use data.packing=none (padded batches): set data.packing to greedy, ffd or bfd"
-            )
-        if packing_buffer_size < 1:
-            raise ValueError(f"packing_buffer_size must be ≥ 1, got {packing_buffer_size}")
-        if shuffle_buffer_size is not None and not shuffle:
-            raise ValueError("shuffle=False contradicts shuffle_buffer_size: drop one of them")
-        self.task_encoder = QwenVLTaskEncoder(
-            encoder, seq_len=seq_len, algo=packing, max_patches=max_patches,
-            pad_to_multiple_of=pad_to_multiple_of, total_len=total_len, overlong=overlong,
-            seed=seed, pad_token_id=pad_token_id, spatial_merge_size=spatial_merge_size,
-            max_consecutive_bad=max_consecutive_bad, mrope_after_video=mrope_after_video,
-        )
+        self.task_encoder = QwenVLTaskEncoder(encoder, d, seed=seed, pad_token_id=pad_token_id,
+                                              spatial_merge_size=spatial_merge_size)
         self.worker_config = energon_worker_config(
-            num_workers, rank=rank, world_size=world_size, group=group, seed=seed
+            d.num_workers, rank=rank, world_size=world_size, group=group, seed=seed
         )
-        self._warn_buffer_over_share(packing_buffer_size)
-        self.packing_buffer_size, self.shuffle = packing_buffer_size, shuffle
-        self.shuffle_buffer_size, self.max_bad_fraction = shuffle_buffer_size, max_bad_fraction
+        self.packing_buffer_size = d.packing_buffer_size or d.buffer_size
+        self._warn_buffer_over_share(self.packing_buffer_size)
+        self.shuffle, self.shuffle_buffer_size = d.shuffle, d.shuffle_buffer_size
+        self._limits = BadLimits.of(d)
         self._energon: Any = None
         self._tally = Tally()
 
@@ -167,7 +147,7 @@ class EnergonLoader:
 
     def _check_bad_fraction(self) -> None:
         acc = self.accounting
-        BadLimits(None, self.max_bad_fraction).check_fraction(acc["samples"], acc["skipped"])
+        self._limits.check_fraction(acc["samples"], acc["skipped"])
 
     @property
     def accounting(self) -> dict:

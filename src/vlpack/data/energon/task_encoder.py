@@ -38,6 +38,7 @@ from megatron.energon import (
 )
 from megatron.energon.errors import FatalSampleError
 
+from vlpack.config import DataConfig
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitError
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.plan import OnlinePlanner, check_algo
@@ -109,45 +110,26 @@ class QwenVLTaskEncoder(TaskEncoder):
 
     Args:
       encoder: vlpack's `Encoder` (family, tokenizer, pixel range).
-      seq_len: tokens per row (and the cap on one sample).
-      algo: planner, "greedy", "ffd" or "bfd".
-      max_patches: ViT patches per row (None: no patch budget).
-      pad_to_multiple_of / total_len / pad_token_id / spatial_merge_size: as `build_thd_batch`.
-      overlong: "error", "truncate" or "skip" (as on the JSONL path).
+      d: the data section: seq_len (tokens per row and the cap on one sample), packing (the
+        planner), max_patches, pad_to_multiple_of, pad_to_seq_len, overlong (as on the JSONL
+        path), mrope_after_video, max_consecutive_bad (counted within one worker).
       seed: the run's seed (per-buffer planner seeds derive from it).
-      max_consecutive_bad: fail after this many bad samples in a row within one worker.
+      pad_token_id / spatial_merge_size: the model's, as `build_thd_batch` takes them.
     """
 
     cookers = (Cooker(cook_conversation),)
     decoder = None  # raw bytes: vlpack's Encoder decodes and resizes the images itself
 
-    def __init__(
-        self,
-        encoder,
-        *,
-        seq_len: int,
-        algo: str = "bfd",
-        max_patches: int | None = None,
-        pad_to_multiple_of: int = 1,
-        total_len: int | None = None,
-        overlong: str = "error",
-        seed: int = 0,
-        pad_token_id: int,
-        spatial_merge_size: int = 2,
-        max_consecutive_bad: int | None = None,
-        mrope_after_video: str = "qwen",
-    ):
-        check_algo(algo)
-        self._admission = Admission(seq_len, max_patches, overlong)
-        self._limits = BadLimits(max_consecutive_bad, None)
-        if seq_len % pad_to_multiple_of:
-            raise ValueError(f"seq_len={seq_len} must be a multiple of pad_to_multiple_of="
-                             f"{pad_to_multiple_of}")  # fmt: skip
-        self.encoder, self.seq_len, self.algo = encoder, seq_len, algo
-        self.max_patches, self.mult, self.total_len = max_patches, pad_to_multiple_of, total_len
-        self.overlong, self.seed, self.pad_token_id = overlong, seed, pad_token_id
-        self.merge, self.max_consecutive_bad = spatial_merge_size, max_consecutive_bad
-        self.after_video = mrope_after_video
+    def __init__(self, encoder, d: DataConfig, *, seed: int, pad_token_id: int,
+                 spatial_merge_size: int = 2):
+        check_algo(d.packing)
+        self._admission = Admission.of(d)
+        self._limits = BadLimits.of(d)  # bad() and good() only: the fraction is the loader's
+        self.encoder, self.seq_len, self.algo = encoder, d.seq_len, d.packing
+        self.max_patches, self.mult = d.max_patches, d.pad_to_multiple_of
+        self.total_len = d.seq_len if d.pad_to_seq_len else None
+        self.seed, self.pad_token_id, self.merge = seed, pad_token_id, spatial_merge_size
+        self.after_video = d.mrope_after_video
 
     # ------------------------------------------------------------------ stage 2: encode
 
