@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vlpack.cli import main
+from vlpack.config import DataConfig
 from vlpack.data.synth import default_dataset
 
 
@@ -61,6 +62,14 @@ def test_pack_overlong_policies(capsys, data_with_bad_lines: Path) -> None:
     assert main(["pack", str(data_with_bad_lines), "--seq-len", "1024"]) == 2
     err = capsys.readouterr().err
     assert "overlong" in err and "--overlong" in err
+
+
+def test_pack_without_data_plans_the_synthetic_set_train_reads(capsys) -> None:
+    """No flags: the data section's defaults, the built-in set at data.synthetic_samples."""
+    d = DataConfig()
+    r = run_json(capsys)
+    assert (r["samples"], r["seq_len"], r["algo"], r["buffer"]) == (
+        d.synthetic_samples, d.seq_len, d.packing, d.buffer_size)
 
 
 def test_pack_table_and_missing_file(capsys, tmp_path: Path) -> None:

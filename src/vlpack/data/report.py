@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vlpack.config import DataConfig
+from vlpack.config import DataConfig, TrainConfig
 from vlpack.data.loader import describe, measure_all, open_dataset, source_path
 from vlpack.data.stream import BinStream
 
@@ -25,7 +25,7 @@ MAX_LISTED = 20
 
 
 def pack_report(
-    items, encoder, d: DataConfig, *, seed: int = 0, progress: bool = False,
+    items, encoder, d: DataConfig, *, seed: int, progress: bool = False,
     sizes_of: Callable[[], Sequence] | None = None,
 ) -> dict:
     """Plan `items` once with the packing settings of `d` (one epoch in file order, flushed)
@@ -117,10 +117,14 @@ def pack_command(args: argparse.Namespace) -> int:
     from vlpack.data.sources import source_kind
 
     source = source_kind(args.data) if args.data else "synthetic"
-    items = open_dataset(source, args.data, media_root=args.media_root)
     if args.seq_len % args.pad_to_multiple_of:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
                          f"{args.pad_to_multiple_of}")
+    d = DataConfig(seq_len=args.seq_len, packing=args.algo, buffer_size=args.buffer,
+                   max_patches=args.max_patches, overlong=args.overlong,
+                   pad_to_multiple_of=args.pad_to_multiple_of)
+    items = open_dataset(source, args.data, synthetic_samples=d.synthetic_samples,
+                         media_root=args.media_root)
     from vlpack.data.template import load_template
 
     encoder = Encoder(args.family, tokenizer_path=args.tokenizer, min_pixels=args.min_pixels,
@@ -129,12 +133,9 @@ def pack_command(args: argparse.Namespace) -> int:
                       chat_template=load_template(args.chat_template, args.tokenizer))
     from vlpack.data.size_cache import sample_sizes
 
-    path = source_path(source, args.data, 256)
-    d = DataConfig(seq_len=args.seq_len, packing=args.algo, buffer_size=args.buffer,
-                   max_patches=args.max_patches, overlong=args.overlong,
-                   pad_to_multiple_of=args.pad_to_multiple_of)
+    path = source_path(source, args.data, d.synthetic_samples)
     report = pack_report(
-        items, encoder, d, progress=not args.json,
+        items, encoder, d, seed=TrainConfig().seed, progress=not args.json,
         sizes_of=lambda: sample_sizes(items, encoder, path, progress=not args.json,
                                       media_root=args.media_root),
     )
