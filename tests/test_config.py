@@ -1,5 +1,7 @@
 """Config: validation at construction, YAML 1:1, dotted overrides, every shipped recipe."""
 
+import argparse
+import inspect
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,20 @@ def test_a_section_built_in_code_refuses_a_value_outside_its_choices(section, ke
     prefix = {DataConfig: "data", ModelConfig: "model", TrainConfig: "train"}[section]
     with pytest.raises(ValueError, match=f"^{prefix}.{key}='zip' is not one of {choices}$"):
         section(**{key: "zip"})
+
+
+def test_plain_constructors_share_the_sections_defaults() -> None:
+    """A constructor that mirrors a data field (for tests and tools) takes its default from
+    config.py, and the CLI's flags for data fields too: each default lives once."""
+    from vlpack.cli import _add_encoder_flags
+    from vlpack.data.encode import Encoder
+
+    d = DataConfig()
+    sig = inspect.signature(Encoder)
+    assert sig.parameters["supervise_empty_think"].default == d.supervise_empty_think
+    parser = argparse.ArgumentParser()
+    _add_encoder_flags(parser)
+    assert parser.parse_args([]).chat_template == d.chat_template
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:

@@ -79,9 +79,11 @@ def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="local HF checkpoint folder: its tokenizer, chat template and image "
                         "settings, as training with model.name=FOLDER uses them")
-    p.add_argument("--chat-template", default="auto",
+    from vlpack.config import DataConfig, default_of
+
+    p.add_argument("--chat-template", default=default_of(DataConfig, "chat_template"),
                    help="auto (the --tokenizer folder's template, else built-in), builtin, or a "
-                        ".jinja file; as data.chat_template")
+                        ".jinja file; as data.chat_template (default %(default)s)")
     p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--max-image-pixels", type=int, default=None,

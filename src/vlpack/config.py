@@ -47,6 +47,13 @@ def _literal_fields(cls: type) -> tuple[tuple[str, tuple], ...]:
     return tuple(out)
 
 
+def default_of(section: type, name: str) -> Any:
+    """The default of the field `name` of the section class `section`: a plain constructor
+    that mirrors a config field takes its default from here, so the default lives once."""
+    f = {f.name: f for f in dataclasses.fields(section)}[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _check_choices(section: Any, prefix: str) -> None:
     """ValueError for a field of `section` outside its `Literal` choices, naming them."""
     for name, allowed in _literal_fields(type(section)):

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vlpack.config import DataConfig, default_of
 from vlpack.data import template as chat
 from vlpack.data import tools
 from vlpack.data import video as vid
@@ -136,7 +137,7 @@ class Encoder:
         chat_template: chat.FolderTemplate | None = None,
         video: vid.VideoSettings | None = None,
         tokens_per_second: int | None = None,
-        supervise_empty_think: bool = True,
+        supervise_empty_think: bool = default_of(DataConfig, "supervise_empty_think"),
     ):
         self.family = family
         self.supervise_empty_think = supervise_empty_think
