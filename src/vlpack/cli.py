@@ -111,10 +111,24 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_validate)
 
 
+def _data_section(args: argparse.Namespace, **packing):
+    """The `data` section the encoder flags (and `packing`: data.* settings) describe, read
+    from `args.data` (the built-in synthetic set when there is none)."""
+    from vlpack.config import DataConfig
+    from vlpack.data.sources import source_kind
+
+    return DataConfig(source=source_kind(args.data) if args.data else "synthetic",
+                      path=args.data, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                      min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                      max_image_pixels=args.max_image_pixels, media_root=args.media_root,
+                      **packing)
+
+
 def _run_validate(args: argparse.Namespace) -> int:
     from vlpack.data.validate import validate_command
 
-    return validate_command(args)
+    return validate_command(_data_section(args), family=args.family, seq_len=args.seq_len,
+                            workers=args.workers, as_json=args.json)
 
 
 def _add_pack(sub: argparse._SubParsersAction) -> None:
@@ -150,7 +164,13 @@ def _add_pack(sub: argparse._SubParsersAction) -> None:
 def _run_pack(args: argparse.Namespace) -> int:
     from vlpack.data.report import pack_command
 
-    return pack_command(args)
+    if args.seq_len % args.pad_to_multiple_of:
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
+                         f"{args.pad_to_multiple_of}")
+    d = _data_section(args, seq_len=args.seq_len, packing=args.algo, buffer_size=args.buffer,
+                      max_patches=args.max_patches, overlong=args.overlong,
+                      pad_to_multiple_of=args.pad_to_multiple_of)
+    return pack_command(d, family=args.family, as_json=args.json)
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,6 @@ sizes come from image headers and video metadata, so this runs fast on large dat
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -112,32 +111,22 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def pack_command(args: argparse.Namespace) -> int:
+def pack_command(d: DataConfig, *, family: str, as_json: bool = False) -> int:
+    """`vlpack pack`: plan `d.path` (the built-in set for data.source=synthetic) with the
+    packing settings of `d`, encoded as `family`, and print the report (`as_json`: one JSON
+    object)."""
     from vlpack.data.encode import Encoder
-    from vlpack.data.sources import source_kind
-
-    source = source_kind(args.data) if args.data else "synthetic"
-    if args.seq_len % args.pad_to_multiple_of:
-        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --pad-to-multiple-of "
-                         f"{args.pad_to_multiple_of}")
-    d = DataConfig(seq_len=args.seq_len, packing=args.algo, buffer_size=args.buffer,
-                   max_patches=args.max_patches, overlong=args.overlong,
-                   pad_to_multiple_of=args.pad_to_multiple_of)
-    items = open_dataset(source, args.data, synthetic_samples=d.synthetic_samples,
-                         media_root=args.media_root)
-    from vlpack.data.template import load_template
-
-    encoder = Encoder(args.family, tokenizer_path=args.tokenizer, min_pixels=args.min_pixels,
-                      max_pixels=args.max_pixels, max_image_pixels=args.max_image_pixels,
-                      processor_path=args.tokenizer,
-                      chat_template=load_template(args.chat_template, args.tokenizer))
+    from vlpack.data.setup import tool_encoder_kw
     from vlpack.data.size_cache import sample_sizes
 
-    path = source_path(source, args.data, d.synthetic_samples)
+    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
+                         media_root=d.media_root)
+    encoder = Encoder(**tool_encoder_kw(d, family))
+    path = source_path(d.source, d.path, d.synthetic_samples)
     report = pack_report(
-        items, encoder, d, seed=TrainConfig().seed, progress=not args.json,
-        sizes_of=lambda: sample_sizes(items, encoder, path, progress=not args.json,
-                                      media_root=args.media_root),
+        items, encoder, d, seed=TrainConfig().seed, progress=not as_json,
+        sizes_of=lambda: sample_sizes(items, encoder, path, progress=not as_json,
+                                      media_root=d.media_root),
     )
-    print(json.dumps(report) if args.json else format_report(report))
+    print(json.dumps(report) if as_json else format_report(report))
     return 0

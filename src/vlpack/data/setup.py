@@ -45,3 +45,15 @@ def build_encoder(d: DataConfig, spec, model_name: str, *, announce: bool = Fals
             f"{spec.image_token_id}: use the tokenizer that belongs to {model_name} "
             "(data.tokenizer=FOLDER)")
     return enc
+
+
+def tool_encoder_kw(d: DataConfig, family: str) -> dict:
+    """Encoder keyword arguments of `data.*` for a tool that runs without a model (`vlpack
+    pack`, `vlpack data validate`): `data.tokenizer` serves as the checkpoint folder (its
+    tokenizer, chat template and image settings), else the family's built-ins. Picklable, so
+    worker processes build the same encoder."""
+    return dict(family=family, tokenizer_path=d.tokenizer, processor_path=d.tokenizer,
+                min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                max_image_pixels=d.max_image_pixels, video=d.video,
+                chat_template=load_template(d.chat_template, d.tokenizer),
+                supervise_empty_think=d.supervise_empty_think)

@@ -8,7 +8,6 @@ when its bin is encoded; this command finds those too. Exit status 0 when every 
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -18,6 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from vlpack.config import DataConfig
 from vlpack.data.loader import located, open_dataset
 from vlpack.data.types import BadSampleError, Conversation
 
@@ -83,17 +83,17 @@ def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = Non
             "bad": dict(sorted(Counter(b["reason"] for b in bad).items())), "problems": bad}  # fmt: skip
 
 
-def validate_command(args: argparse.Namespace) -> int:
-    from vlpack.data.template import load_template
+def validate_command(d: DataConfig, *, family: str, seq_len: int | None = None,
+                     workers: int | None = None, as_json: bool = False) -> int:
+    """`vlpack data validate`: encode every sample of `d.path` with the encoder `d` and
+    `family` describe, list the bad ones (and those longer than `seq_len`, when given) with
+    `workers` processes (None: the CPU count, at most 8); status 1 when any is bad."""
+    from vlpack.data.setup import tool_encoder_kw
 
-    encoder_kw = dict(family=args.family, tokenizer_path=args.tokenizer,
-                      min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-                      max_image_pixels=args.max_image_pixels, processor_path=args.tokenizer,
-                      chat_template=load_template(args.chat_template, args.tokenizer))  # fmt: skip
-    workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1)
-    r = validate(args.data, encoder_kw, seq_len=args.seq_len, workers=workers,
-                 progress=not args.json, media_root=args.media_root)
-    if args.json:
+    workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+    r = validate(d.path, tool_encoder_kw(d, family), seq_len=seq_len, workers=workers,
+                 progress=not as_json, media_root=d.media_root)
+    if as_json:
         print(json.dumps(r))
     else:
         for p in r["problems"]:
