@@ -95,7 +95,7 @@ def probe(tokenizer, template: FolderTemplate) -> None:
             Message("assistant", ("12.50",)), Message("user", ("And the date?",)),
             Message("assistant", ("2026-12-01",)))
     try:
-        render(tokenizer, template, msgs, "the probe conversation")
+        render(tokenizer, template, msgs, "the probe conversation", supervise_empty_think=True)
     except BadSampleError as e:
         raise ValueError(f"{e}; data.chat_template=builtin uses vlpack's template") from None
 
@@ -128,7 +128,7 @@ def _answer(message: Message) -> str:
 
 
 def render(tokenizer, template: FolderTemplate, messages, key: str, tools: tuple[dict, ...] = (),
-           supervise_empty_think: bool = True) -> tuple[str, list[tuple[int, int]]]:
+           *, supervise_empty_think: bool) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation (with `tools`) and its supervised character spans
     [(start, end), ...]; BadSampleError("template_mismatch") when the sample cannot be rendered
     and labelled."""
