@@ -5,8 +5,9 @@ own.
 Data: `n` conversations written to a temporary folder. `text`: text only, 20-400 words per
 answer. `image`: one or two images per sample, drawn from 64 small PNGs of different sizes
 (each sample's header is read; the files are shared to keep generation fast). Each start is a
-fresh process (`--start`) with an empty (cold) or filled (warm) `$VLPACK_CACHE`; its imports and
-the encoder's build are timed apart (`setup s`) from the start itself. Reported per start:
+fresh process (`--start`) with an empty (cold) or filled (warm) `$VLPACK_CACHE`; its imports, the
+encoder's build and the tokenizer's hash are timed apart (`setup s`) from the start itself.
+Reported per start:
 seconds to open the data, to size, to the first batch, samples/s of sizing, the index's memory
 (bytes per sample of `SizeIndex` and of the JSONL line index), the cache file's bytes per sample,
 and the memory the start added to the process (peak resident set over the process's after its
@@ -73,6 +74,7 @@ def start(path: Path, family: str, workers: int) -> dict:
 
     encoder = Encoder(family)
     size_cache.settings_key(encoder.length_settings())  # the tokenizer's hash: setup, not start
+    _ = encoder.image_processor  # transformers' processor modules, imported at the first encode
     base = _rss_kib("VmRSS")
     t0 = time.perf_counter()
     items = open_dataset("jsonl", str(path))
@@ -95,8 +97,10 @@ def start(path: Path, family: str, workers: int) -> dict:
 def _start_process(path: Path, args: argparse.Namespace, cache: Path) -> dict:
     env = {**os.environ, "VLPACK_CACHE": str(cache)}
     out = subprocess.run([sys.executable, __file__, "--start", str(path), "--workers",
-                          str(args.workers), "--family", args.family], env=env, check=True,
+                          str(args.workers), "--family", args.family], env=env,
                          capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"the start failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -10,7 +10,7 @@ import pytest
 from vlpack.cli import main
 
 pytest.importorskip("datasets")
-from tests.test_hf_source import data  # noqa: E402,F401  (the fixture: a dataset and its twin)
+from tests.test_hf_source import data  # noqa: F401  (the fixture: a dataset and its twin)
 
 
 def test_pack_reads_a_dataset_as_its_jsonl_twin(data, capsys) -> None:  # noqa: F811
