@@ -205,9 +205,9 @@ def test_check_bf16_moe_counts_routing_flips(capsys):
 
 
 def test_check_refuses_up_front_when_memory_is_short(monkeypatch, capsys):
-    from vlpack.model import check as check_mod
+    from vlpack.train import memory
 
-    monkeypatch.setattr(check_mod, "available_bytes", lambda dev: 2**30)
+    monkeypatch.setattr(memory, "available_bytes", lambda dev: 2**30)
     assert main(["check", "--model", "qwen3-vl-2b"]) == 2
     err = capsys.readouterr().err
     assert "needs about 32 GiB" in err and "smaller preset" in err

@@ -202,7 +202,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from vlpack.model.check import EXIT_COULD_NOT_RUN, check_command
+    from vlpack.model.check import EXIT_COULD_NOT_RUN
+    from vlpack.train.check import check_command
 
     if args.cp == 1:
         return check_command(args)
@@ -255,15 +256,29 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    from vlpack.config_keys import config_command
+    from vlpack.config_keys import format_config
 
-    return config_command(args)
+    print(format_config(_run_config_of(args), prefix=args.key))
+    return 0
+
+
+def _run_config_of(args: argparse.Namespace):
+    """The run's `Config`: `args.config` (a YAML file or a recipe; default tiny) with the dotted
+    `args.overrides` (`vlpack train key=value ...` names no config: its first word is one)."""
+    from vlpack.config import load_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    return load_config(config or "tiny", overrides)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from vlpack.train.loop import train_command
+    from vlpack.train.loop import train
+    from vlpack.train.progress import setup_logging
 
-    return train_command(args)
+    setup_logging(args.log_level, quiet=args.quiet)
+    return train(_run_config_of(args), dry_run=args.dry_run)
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -286,9 +301,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from vlpack.train.export import export_command
+    import logging
 
-    return export_command(args)
+    from vlpack.train.export import export_checkpoint, parse_size
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    export_checkpoint(args.source, args.out, mode="adapter" if args.adapter else "hf",
+                      dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
+    return 0
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -305,9 +325,12 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from vlpack.train.plot import plot_command
+    from vlpack.train.plot import plot_runs
 
-    return plot_command(args)
+    out = args.out or Path(args.runs[0]) / "loss_overlay.png"
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    print(f"wrote {plot_runs(args.runs, out, x=args.x, metrics=metrics)}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

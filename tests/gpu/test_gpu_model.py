@@ -15,7 +15,7 @@ import torch
 from vlpack.families import FAMILIES
 from vlpack.model import attention, fla_hopper, gdn
 from vlpack.model.bounds import Boundaries, Segments
-from vlpack.model.check import check
+from vlpack.train.check import check
 
 pytestmark = [
     pytest.mark.gpu,

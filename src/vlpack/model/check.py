@@ -4,6 +4,8 @@ The packed side is vlpack's path (`packed_forward`, the chosen backend, boundary
 real-token MoE statistics). The reference is stock transformers: each sample alone, SDPA
 attention, positions from the model's own get_rope_index, stock GDN kernels, and the loss of the
 model's own `model(..., labels=...)` call (transformers shifts the labels itself).
+This module runs the comparison on a built model (`run_check`) and writes the report;
+train/check.py builds the model through train/stack.py and is the command's entry.
 
 What is checked, every item a failure with its name when it does not hold:
   contract (always in float32, with the reference kernels of the device):
@@ -30,13 +32,8 @@ Legend: T = packed tokens, L = tokens of one sample, V = vocabulary.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import math
-import os
-import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,23 +42,15 @@ from torch import nn
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
-from vlpack.model.build import ModelSpec, meta_model
-from vlpack.model.check_data import (
-    CheckUnsupportedError,
-    checked_model,
-    format_data,
-    load_samples,
-)
-from vlpack.model.check_parallel import format_replicas, merge_replicas
+from vlpack.model.build import ModelSpec
+from vlpack.model.check_data import CheckUnsupportedError, format_data, load_samples
+from vlpack.model.check_parallel import format_replicas
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
 from vlpack.model.reference import stock_reference
 from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import special_ids, text_id_range
-from vlpack.train.memory import available_bytes
-
-logger = logging.getLogger(__name__)
 
 TOLERANCES = {
     "float32": dict(logits=1e-4, loss=1e-5, grad=1e-4, aux=1e-5),
@@ -386,24 +375,8 @@ def isolation(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int,
                 repeat_diff=repeat, paths=paths)
 
 
-def _check_memory(model_name: str, dev: torch.device, init: str = "auto") -> None:
-    """Refuse up front (instead of being killed) when the check cannot fit: it holds fp32
-    weights, their gradients and one gradient copy per run (packed and unpacked)."""
-    if Path(model_name).is_dir() and init != "random":  # its size is checked by loading it
-        return
-    meta = meta_model(model_name)
-    need = 4 * 4 * sum(p.numel() for p in meta.parameters())
-    free = available_bytes(dev)
-    if free is not None and need > 0.9 * free:
-        raise ValueError(
-            f"vlpack check of {model_name} needs about {need / 2**30:.0f} GiB on {dev} (fp32 "
-            f"weights, gradients and two gradient copies) but {free / 2**30:.0f} GiB is free: "
-            "run it on a device with more memory, or check a smaller preset of the same family"
-        )
-
-
-def _resolve(backend: str, dtype: str | None, dev: torch.device) -> str:
-    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+def refuse_unsupported(backend: str, dtype: str, dev: torch.device) -> None:
+    """`CheckUnsupportedError` for a `--dtype` without tolerances or a backend `dev` cannot run."""
     if dtype not in TOLERANCES:
         raise CheckUnsupportedError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if backend == "flex" and dev.type != "cuda":
@@ -411,7 +384,6 @@ def _resolve(backend: str, dtype: str | None, dev: torch.device) -> str:
             f"--backend flex is not supported on {dev.type}: FlexAttention's document mask "
             "needs a CUDA device here; use --backend auto (per-segment SDPA on CPU) or run on a GPU"
         )
-    return dtype
 
 
 def _contract_failures(label: str, d: dict, tol: dict) -> list[str]:
@@ -515,30 +487,25 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
         if iso["repeat_diff"] > bound else [])
 
 
-def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
-          samples: int = 4, seed: int = 0, data: str | None = None,
-          device: str | None = None, context: ContextGroup | None = None,
-          init: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
-    """Run the check; returns the report dict (`passed`, and `failures` naming each item that
-    does not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
-    `init`: "auto" (a folder's weights) or "random" (random weights of its config, `seed`).
+def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.device,
+              backend: str = "auto", samples: int = 4, seed: int = 0, data: str | None = None,
+              context: ContextGroup | None = None, init: str = "auto", replica: int = 0,
+              media_root: str | None = None) -> dict:
+    """Run the check on `model` (float32, built by train/check.py's `check`, whose arguments
+    these are); returns the report dict (`passed`, and `failures` naming each item that does
+    not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
 
     With a `context` group of several processes the packed side is split across them by
-    context parallelism; every rank builds the same model and reference, and the packed
+    context parallelism; every rank holds the same model and reference, and the packed
     row's logits and gradients are gathered before the comparison. `replica`: this group's
     index among data-parallel replicas, each of which packs the samples in its own order
     (`check_data.load_samples`)."""
     cp = 1 if context is None else context.size
     context = context if cp > 1 else None
-    if device is None and context is not None and torch.cuda.is_available():
-        device = f"cuda:{torch.cuda.current_device()}"
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _resolve(backend, dtype, dev)
-    _check_memory(model_name, dev, init)
-    model, spec = checked_model(model_name, init=init, backend=backend, device=dev, seed=seed)
+    dev = device
     model.train()
     batch_samples, source, data_info = load_samples(
-        argparse.Namespace(samples=samples, seed=seed, data=data, model=model_name,
+        argparse.Namespace(samples=samples, seed=seed, data=data, model=spec.name,
                            replica=replica, media_root=media_root), spec, model)
     pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
@@ -684,29 +651,3 @@ def format_report(r: dict) -> str:
     else:
         lines += ["FAILED:"] + [f"  - {f}" for f in r["failures"]]
     return "\n".join(lines)
-
-
-def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
-                  replicas: int = 1) -> int:
-    """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run. `context`: the
-    context-parallel group of `--cp N` (made by the CLI); `replicas`: how many data-parallel
-    replicas of it the world holds, each checking its own row (`check_parallel`)."""
-    replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
-    try:
-        r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
-                  seed=args.seed, data=args.data, context=context,
-                  init=getattr(args, "init", "auto"), replica=replica,
-                  media_root=getattr(args, "media_root", None))
-    except Exception as e:  # any reason the check could not run is exit status 2, not 1
-        if os.environ.get("VLPACK_TRACEBACK"):
-            raise
-        where = "" if isinstance(e, ValueError) else \
-            f" ({type(e).__name__}; VLPACK_TRACEBACK=1 shows where)"
-        print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
-        logger.debug("check failed to run", exc_info=True)
-        return EXIT_COULD_NOT_RUN
-    if replicas > 1:
-        r = merge_replicas(r)
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
-        print(json.dumps(r, default=float) if args.json else format_report(r))
-    return EXIT_PASSED if r["passed"] else EXIT_FAILED

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from vlpack.data.types import Conversation, EncodedSample, ImageRef, VideoRef
-from vlpack.model.build import ModelSpec, build_model, folder_has_weights
+from vlpack.model.build import ModelSpec, folder_has_weights
 from vlpack.model.synthetic import default_mix, fit_ids
 
 
@@ -23,12 +22,10 @@ INITS = ("auto", "random")
 folder's config.json, seeded by `--seed`; no weight file is read)."""
 
 
-def checked_model(model_name: str, *, init: str = "auto", backend: str = "auto",
-                  device: torch.device | str | None = None,
-                  seed: int = 0) -> tuple[nn.Module, ModelSpec]:
-    """The model the check runs on, in float32 (the contract's dtype; a bf16 check casts the
-    same weights after). A folder with config.json and no weights is refused unless
-    `init="random"`, with a message that names `--init random`."""
+def refuse_init(model_name: str, init: str) -> None:
+    """`CheckUnsupportedError` for an unknown `--init`, and for a folder with config.json and no
+    weights unless `init="random"`, with a message that names `--init random`. (The check's
+    model is built in float32 by train/stack.py's `build_check_model`.)"""
     if init not in INITS:
         raise CheckUnsupportedError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     path = Path(model_name)
@@ -39,8 +36,6 @@ def checked_model(model_name: str, *, init: str = "auto", backend: str = "auto",
             "model.safetensors.index.json with its shards): copy the checkpoint's weight files "
             "into it, or check random weights of its shape with `vlpack check --model "
             f"{path} --init random`")
-    return build_model(model_name, backend=backend, dtype=torch.float32, device=device,
-                       seed=seed, random_init=init == "random")
 
 
 KINDS = ("text", "image", "video_frames", "video_file")

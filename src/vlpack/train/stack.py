@@ -2,8 +2,15 @@
 checkpointing → compile → FSDP2, in one order, from the config's `model`, `data` and `train`
 sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
 `build_stack`, so a benchmark's figures come from the model the trainer runs.
-"""
 
+`vlpack check` (train/check.py) builds through the same build stage, `build_base` (build →
+LoRA, the model, backend, seed and weights of its config), by `build_check_model`. Not through
+`build_stack`: the check proves its contract in float32 on one whole copy of the model per
+process (under `--cp` every rank holds all of it and sums the gradients, where FSDP2 would
+shard it), runs the unpacked reference on the same weights, and builds no optimizer; so its
+memory need is its own (weights, their gradients and a gradient copy per side, no AdamW state
+or activations of `data.seq_len`) and freezing, checkpointing, compile and FSDP2 do not apply.
+"""
 from __future__ import annotations
 
 import logging
@@ -113,14 +120,54 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         log.warning("train.memory_check=warn: starting although %s", e)
 
 
+def build_base(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    """Build → LoRA: the model of `cfg.model` on `device` in `dtype` (random weights seeded by
+    `train.seed`; stock SDPA for `data.packing=none`) and its `ModelSpec`. The build stage of
+    `build_stack` and of `build_check_model`."""
+    from vlpack.model.build import build_model
+
+    m = cfg.model
+    backend = "sdpa" if cfg.data.packing == "none" else m.backend
+    model, spec = build_model(m.name, backend=backend, dtype=dtype, device=device,
+                              seed=cfg.train.seed, random_init=m.init == "random")
+    if m.lora.rank:
+        from vlpack.model import lora
+
+        lora.apply_lora(model, m.lora)
+    return model, spec
+
+
+CHECK_BYTES_PER_PARAM = 16
+"""What `vlpack check` holds per parameter: the float32 weight, its gradient and one gradient
+copy per side (packed, unpacked), 4 bytes each."""
+
+
+def build_check_model(cfg: Config, device: torch.device) -> tuple[nn.Module, object]:
+    """The model `vlpack check` runs on: refused up front (instead of being killed) when
+    `CHECK_BYTES_PER_PARAM` per parameter exceed 90% of `device`'s free memory (a folder's
+    weights are sized by loading them), then `build_base` in float32 on `device` (the module
+    docstring says why not `build_stack`)."""
+    from vlpack.model.build import meta_model
+
+    m = cfg.model
+    if not Path(m.name).is_dir() or m.init == "random":
+        need = CHECK_BYTES_PER_PARAM * sum(p.numel() for p in meta_model(m.name).parameters())
+        free = memory.available_bytes(device)
+        if free is not None and need > 0.9 * free:
+            raise ValueError(
+                f"vlpack check of {m.name} needs about {need / 2**30:.0f} GiB on {device} (fp32 "
+                f"weights, gradients and two gradient copies) but {free / 2**30:.0f} GiB is "
+                "free: run it on a device with more memory, or check a smaller preset of the "
+                "same family")
+    return build_base(cfg, device, torch.float32)
+
+
 def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str | None = None,
                 trace_vision_attention: bool = False) -> Stack:
     """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
     context-parallel group, None without CP). Benchmarks' levers beyond the config:
     `loss_method` (`liger`, `plain`; None: the config's) and `trace_vision_attention` (with
     whole layers compiled, docs/benchmarks/levers.md)."""
-    from vlpack.model.build import build_model
-
     m, t = cfg.model, cfg.train
     sharded = is_sharded(cfg, info)
     autocast = autocast_dtype(cfg, info.device)
@@ -130,20 +177,10 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     if info.device.type == "cuda":
         keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
     torch.manual_seed(t.seed)
-    backend = "sdpa" if cfg.data.packing == "none" else m.backend
-
-    def build(device: torch.device):
-        model, spec = build_model(m.name, backend=backend, dtype=plan.build_dtype, device=device,
-                                  seed=t.seed, random_init=m.init == "random")
-        if m.lora.rank:
-            from vlpack.model import lora
-
-            lora.apply_lora(model, m.lora)
-        return model, spec
-
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
-    model, spec = build(torch.device("meta") if sharded else info.device)
+    model, spec = build_base(cfg, torch.device("meta") if sharded else info.device,
+                             plan.build_dtype)
     if m.compile and cfg.data.packing == "none":
         log.warning("model.compile with data.packing=none: the compiled padded step ran slower "
                     "than the eager one (docs/benchmarks/levers.md); set model.compile=false for "
@@ -168,7 +205,7 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         if info.is_main:
             log.info("rank 0 builds the whole model in host memory; every rank then receives "
                      "its shards")
-        whole = build(torch.device("cpu"))[0] if info.is_main else None
+        whole = build_base(cfg, torch.device("cpu"), plan.build_dtype)[0] if info.is_main else None
         if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
             freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
             precision.hold_parameters(whole, low)

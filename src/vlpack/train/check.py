@@ -1,0 +1,91 @@
+"""`vlpack check` assembled: its flags as the config's `model` and `train` sections, its model
+built through the stack builder (train/stack.py `build_check_model`: the trainer's build stage,
+in float32), then model/check.py's comparison (`run_check`) and report.
+
+The assembly lives here, not in model/, because it builds through train/stack.py: model code
+imports nothing from train/ (whose parallelism imports torch.distributed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from vlpack.config import Config, ModelConfig, TrainConfig
+from vlpack.model.check import (
+    EXIT_COULD_NOT_RUN,
+    EXIT_FAILED,
+    EXIT_PASSED,
+    format_report,
+    refuse_unsupported,
+    run_check,
+)
+from vlpack.model.check_data import refuse_init
+from vlpack.model.check_parallel import merge_replicas
+from vlpack.model.context import ContextGroup
+from vlpack.train.stack import autocast_dtype, build_check_model
+
+logger = logging.getLogger("vlpack.check")
+
+
+def check_config(model_name: str, *, backend: str = "auto", dtype: str | None = None,
+                 seed: int = 0, init: str = "auto") -> Config:
+    """The check's flags as a config: `model.name`, `model.backend`, `model.dtype` (None:
+    `auto`), `model.init` (`--init auto` is `pretrained`: a folder's weights) and `train.seed`.
+    Nothing is frozen, adapted, checkpointed or compiled."""
+    return Config(model=ModelConfig(name=model_name, backend=backend, dtype=dtype or "auto",
+                                    init="random" if init == "random" else "pretrained"),
+                  train=TrainConfig(seed=seed))
+
+
+def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
+          samples: int = 4, seed: int = 0, data: str | None = None,
+          device: str | None = None, context: ContextGroup | None = None,
+          init: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
+    """Build the model of `model_name` (a preset or HF folder) and run the check on it
+    (`model.check.run_check`, which says what the arguments mean); returns the report dict.
+    `dtype` None: bfloat16 on CUDA, else float32, as `model.dtype=auto` trains. `init`:
+    "auto" (a folder's weights) or "random" (random weights of its config, `seed`). Raises
+    `CheckUnsupportedError` (a ValueError) when it cannot run as asked."""
+    if device is None and context is not None and context.size > 1 and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or ("bfloat16" if autocast_dtype(check_config(model_name), dev) else "float32")
+    refuse_unsupported(backend, dtype, dev)
+    refuse_init(model_name, init)
+    cfg = check_config(model_name, backend=backend, dtype=dtype, seed=seed, init=init)
+    model, spec = build_check_model(cfg, dev)
+    return run_check(model, spec, dtype=dtype, device=dev, backend=backend, samples=samples,
+                     seed=seed, data=data, context=context, init=init, replica=replica,
+                     media_root=media_root)
+
+
+def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
+                  replicas: int = 1) -> int:
+    """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run. `context`: the
+    context-parallel group of `--cp N` (made by the CLI); `replicas`: how many data-parallel
+    replicas of it the world holds, each checking its own row (`check_parallel`)."""
+    replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
+    try:
+        r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
+                  seed=args.seed, data=args.data, context=context,
+                  init=getattr(args, "init", "auto"), replica=replica,
+                  media_root=getattr(args, "media_root", None))
+    except Exception as e:  # any reason the check could not run is exit status 2, not 1
+        if os.environ.get("VLPACK_TRACEBACK"):
+            raise
+        where = "" if isinstance(e, ValueError) else \
+            f" ({type(e).__name__}; VLPACK_TRACEBACK=1 shows where)"
+        print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
+        logger.debug("check failed to run", exc_info=True)
+        return EXIT_COULD_NOT_RUN
+    if replicas > 1:
+        r = merge_replicas(r)
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
+        print(json.dumps(r, default=float) if args.json else format_report(r))
+    return EXIT_PASSED if r["passed"] else EXIT_FAILED
