@@ -25,3 +25,10 @@ def test_model_code_imports_nothing_from_train():
     found = {f"{p.name}: {m}" for p in sorted(MODEL.glob("*.py")) for m in _imports(p)
              if m == "vlpack.train" or m.startswith("vlpack.train.")}
     assert not found, sorted(found)
+
+
+def test_only_the_parallelism_seam_of_model_code_imports_torch_distributed():
+    found = sorted(p.name for p in MODEL.glob("*.py")
+                   if any(m == "torch.distributed" or m.startswith("torch.distributed.")
+                          for m in _imports(p)))
+    assert found == ["context.py"], found

@@ -8,15 +8,12 @@ merged on every rank: the check passes only if every replica passes."""
 
 from __future__ import annotations
 
-import torch.distributed as dist
 
-
-def merge_replicas(report: dict) -> dict:
-    """`report` of this process merged with every other process's (a collective: every rank
-    calls it): `passed` only if all passed, each failure prefixed with its replica (once per
-    replica), `replicas` listing each replica's samples, result and largest logit difference."""
-    reports: list[dict] = [{}] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+def merge_replicas(report: dict, reports: list[dict]) -> dict:
+    """`report` of this process merged with every process's `reports` (this one's included;
+    train/check.py gathers them): `passed` only if all passed, each failure prefixed with its
+    replica (once per replica), `replicas` listing each replica's samples, result and largest
+    logit difference."""
     first = {}
     for r in reports:
         first.setdefault(r["replica"], r)

@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from vlpack.config import Config, ModelConfig, TrainConfig
 from vlpack.model.check import (
@@ -84,8 +85,10 @@ def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
         print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
         logger.debug("check failed to run", exc_info=True)
         return EXIT_COULD_NOT_RUN
-    if replicas > 1:
-        r = merge_replicas(r)
+    if replicas > 1:  # every rank gathers every replica's report
+        reports: list[dict] = [{}] * dist.get_world_size()
+        dist.all_gather_object(reports, r)
+        r = merge_replicas(r, reports)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
         print(json.dumps(r, default=float) if args.json else format_report(r))
     return EXIT_PASSED if r["passed"] else EXIT_FAILED
