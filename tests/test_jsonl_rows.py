@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vlpack.data import jsonl_rows
-from vlpack.data.jsonl_rows import JsonlRows, line_index
+from vlpack.data import file_scan, jsonl_rows
+from vlpack.data.jsonl_rows import JsonlRows
 from vlpack.data.loader import open_dataset
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError
@@ -43,7 +43,7 @@ def _key(item) -> tuple:
 @pytest.mark.parametrize("name", list(FILES))
 def test_indexed_records_equal_the_sequential_read(tmp_path: Path, monkeypatch, name: str,
                                                    block: int) -> None:
-    monkeypatch.setattr(jsonl_rows, "BLOCK", block)
+    monkeypatch.setattr(file_scan, "BLOCK", block)
     path = tmp_path / "d.jsonl"
     path.write_bytes(FILES[name].encode())
     reference = [_key(x) for x in iter_jsonl(path)]
@@ -56,8 +56,9 @@ def test_indexed_records_equal_the_sequential_read(tmp_path: Path, monkeypatch, 
 def test_line_numbers_by_hand(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'\n{"a": 1}\n  \n{"b": 2}\n\t\n{"c": 3}')
-    starts, lines, size = line_index(path)
-    assert starts.tolist() == [1, 13, 24] and lines.tolist() == [2, 4, 6] and size == 32
+    found = file_scan.read(path)
+    assert found.starts.tolist() == [1, 13, 24] and found.lines.tolist() == [2, 4, 6]
+    assert found.size == 32
     rows = JsonlRows(path)  # records without "messages": bad, named by file:line
     assert [str(rows[i]).split(": ")[0] for i in range(3)] == ["d.jsonl:2", "d.jsonl:4",
                                                                "d.jsonl:6"]
@@ -89,3 +90,30 @@ def test_a_forked_worker_reads_its_own_records(tmp_path: Path) -> None:
     with multiprocessing.get_context("fork").Pool(2) as pool:
         got = pool.starmap(_read, [(rows, i) for i in range(20)])
     assert got == [f"q{i}" for i in range(20)] and _read(rows, 19) == "q19"
+
+
+def test_a_scan_is_reused_while_the_file_is_unchanged(tmp_path: Path, monkeypatch) -> None:
+    import hashlib
+    import os
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(_row(f"q{i}") + "\n" for i in range(30)))
+    reads = []
+    real = file_scan.read
+    monkeypatch.setattr(file_scan, "read", lambda p: reads.append(p) or real(p))
+    first = file_scan.scan(path)
+    digest = f"{path.stat().st_size}-{hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()}"
+    assert first.digest == digest and len(reads) == 1
+    again = file_scan.scan(path)
+    assert len(reads) == 1  # no byte of the file read
+    assert again.digest == digest and again.starts.tolist() == first.starts.tolist()
+    assert again.lines.tolist() == first.lines.tolist()
+    text = path.read_text().replace("q7", "q8")  # the same byte count, other content
+    st = path.stat()
+    path.write_text(text)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old modification time
+    changed = file_scan.scan(path)
+    assert len(reads) == 2 and changed.digest != digest  # the change time told
+    monkeypatch.setenv("VLPACK_SIZE_CACHE", "off")
+    file_scan.scan(path)
+    assert len(reads) == 3

@@ -6,9 +6,10 @@ sample). The sizes are stored in `$VLPACK_CACHE/sizes/` (default `~/.cache/vlpac
 made of:
 
 - the source's content: a data file's byte count and a BLAKE2b hash of all its bytes (a copy or a
-  `touch` keeps the cache, any changed byte re-measures; hashing costs about a second per GB,
-  far less than parsing it); a folder (a Hugging Face dataset) by each file's name, byte count
-  and modification time (its image bytes can be many GB, too many to hash at each start);
+  `touch` keeps the cache, any changed byte re-measures; the hash is taken with the line index in
+  one pass, `file_scan.py`, and not again while the file's status is unchanged); a folder (a
+  Hugging Face dataset) by each file's name, byte count and modification time (its image bytes
+  can be many GB, too many to hash at each start);
 - every attribute of the encoder (`Encoder.length_settings`: family, tokenizer content, chat
   template, pixel bounds, video settings, think supervision, ...), so a new encoder setting is
   part of the key without anyone adding it here;
@@ -45,6 +46,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from vlpack.data.file_scan import cache_root, scan
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, SampleSize, VideoRef
 
 FORMAT = 2
@@ -107,26 +109,22 @@ class SizeIndex(Sequence[SizeOrError]):
 
 def cache_dir() -> Path | None:
     """Where size files live (`$VLPACK_CACHE/sizes`), or None when `VLPACK_SIZE_CACHE=off`."""
-    if os.environ.get("VLPACK_SIZE_CACHE", "").lower() in ("0", "off", "false", "no"):
-        return None
-    root = Path(os.environ.get("VLPACK_CACHE", Path.home() / ".cache" / "vlpack"))
-    return root / "sizes"
+    root = cache_root()
+    return None if root is None else root / "sizes"
 
 
 def source_fingerprint(path: str | Path) -> str:
-    """The content fingerprint of a data file (byte count + BLAKE2b of its bytes) or of a
-    folder (each file's relative name, byte count and modification time)."""
+    """The content fingerprint of a data file (byte count + BLAKE2b of its bytes, read once
+    with its line index by `file_scan.scan`, not again while the file's status is unchanged)
+    or of a folder (each file's relative name, byte count and modification time)."""
     p = Path(path)
+    if not p.is_dir():
+        return scan(p).digest
     h = hashlib.blake2b(digest_size=16)
-    if p.is_dir():
-        for f in sorted(q for q in p.rglob("*") if q.is_file()):
-            st = f.stat()
-            h.update(f"{f.relative_to(p)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        return "dir-" + h.hexdigest()
-    with open(p, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return f"{p.stat().st_size}-{h.hexdigest()}"
+    for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(p)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return "dir-" + h.hexdigest()
 
 
 _HASHED: dict[int, tuple[object, str]] = {}
