@@ -16,7 +16,7 @@ from vlpack.config import LoraConfig
 from vlpack.model.build import build_model, meta_model
 from vlpack.train import memory
 from vlpack.train.flops import flop_model
-from vlpack.train.loop import Trainer, train_command
+from vlpack.train.loop import Trainer, train
 
 
 def test_layer_bytes_by_hand() -> None:
@@ -100,12 +100,8 @@ def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeyp
     def oom(self, mbs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    from vlpack.train import loop
-
     monkeypatch.setattr(Trainer, "train_step", oom)
-    monkeypatch.setattr(loop, "load_config", lambda *a: small_cfg(tmp_path, "train.max_steps=2"))
-    args = type("Args", (), {"config": None, "overrides": [], "dry_run": False})()
-    assert train_command(args) == 1
+    assert train(small_cfg(tmp_path, "train.max_steps=2")) == 1
     out = capsys.readouterr().out
     assert "vlpack: error: out of cpu memory in step 1" in out, out
     assert "the memory plan counted" in out and "Ways out: " in out and "--dry-run" in out

@@ -9,7 +9,6 @@ same gradients (`train.loss_norm=sample` averages per-sample means instead).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vlpack.config import Config, load_config, save_config
+from vlpack.config import Config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
@@ -48,7 +47,7 @@ from vlpack.train.parallel import (
 )
 from vlpack.train.plot import plot_runs
 from vlpack.train.profile import StepProfiler
-from vlpack.train.progress import Eta, Progress, setup_logging
+from vlpack.train.progress import Eta, Progress
 from vlpack.train.runlock import claim_output_dir
 from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
 from vlpack.train.step import StepResult, optimizer_step
@@ -554,7 +553,7 @@ def run(cfg: Config) -> dict[str, Any]:
         shutdown()
 
 
-def dry_run(cfg: Config) -> int:
+def print_plan(cfg: Config) -> int:
     """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
     info = init_distributed(cfg.parallel.cp)
     try:
@@ -580,14 +579,12 @@ def dry_run(cfg: Config) -> int:
         shutdown()
 
 
-def train_command(args: argparse.Namespace) -> int:
-    setup_logging(getattr(args, "log_level", None), quiet=getattr(args, "quiet", False))
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `vlpack train key=value ...`: no config file
-        config, overrides = None, [config, *overrides]
-    cfg = load_config(config or "tiny", overrides)
-    if getattr(args, "dry_run", False):
-        return dry_run(cfg)
+def train(cfg: Config, *, dry_run: bool = False) -> int:
+    """`vlpack train`: train with `cfg` (or, with `dry_run`, only print its memory plan); the
+    exit status: 0 done, 1 the plan does not fit or the run stopped on a non-finite loss or out
+    of memory (one message printed), EXIT_STOPPED stopped by a signal after saving."""
+    if dry_run:
+        return print_plan(cfg)
     try:
         summary = run(cfg)
     except (NonFiniteLossError, RunOutOfMemoryError) as e:
