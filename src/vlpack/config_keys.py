@@ -10,7 +10,6 @@ One key, as printed::
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from vlpack.config import Config, load_config
+from vlpack.config import Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,16 +93,13 @@ def format_key(k: Key) -> str:
     return head + "".join(f"\n    {line}" if line else "\n" for line in k.doc.splitlines())
 
 
-def config_command(args: argparse.Namespace) -> int:
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `vlpack config key=value ...`: no recipe
-        config, overrides = None, [config, *overrides]
-    cfg = load_config(config or "tiny", overrides)
+def format_config(cfg: Config, *, prefix: str | None = None) -> str:
+    """Every key of `cfg` as `format_key` prints it (only those starting with `prefix`, when
+    given), a blank line apart; ValueError naming the sections when no key starts with it."""
     keys = config_keys(cfg)
-    if args.key:
-        keys = [k for k in keys if k.name.startswith(args.key)]
+    if prefix:
+        keys = [k for k in keys if k.name.startswith(prefix)]
         if not keys:
-            raise ValueError(f"no config key starts with {args.key!r}: sections are data, model, "
+            raise ValueError(f"no config key starts with {prefix!r}: sections are data, model, "
                              "optim, train, parallel")
-    print("\n\n".join(format_key(k) for k in keys))
-    return 0
+    return "\n\n".join(format_key(k) for k in keys)
