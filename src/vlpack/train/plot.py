@@ -4,7 +4,6 @@ MoE aux loss or any other per-step metric)."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,10 +59,3 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, x: str = "samp
     fig.savefig(out)
     plt.close(fig)
     return out
-
-
-def plot_command(args: argparse.Namespace) -> int:
-    out = args.out or Path(args.runs[0]) / "loss_overlay.png"
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
-    print(f"wrote {plot_runs(args.runs, out, x=args.x, metrics=metrics)}")
-    return 0
