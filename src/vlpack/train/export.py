@@ -18,7 +18,6 @@ the checkpoint and builds only shapes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -331,12 +330,3 @@ def parse_size(text: str) -> int:
         raise ValueError(f"--max-shard-size {text!r}: use a size like 5GB, 500MB or 1000000")
     return int(float(m.group(1)) * {None: 1, "B": 1, "KB": 10**3, "MB": 10**6,
                                     "GB": 10**9}[m.group(2)])
-
-
-def export_command(args: argparse.Namespace) -> int:
-    """`vlpack export RUN_OR_CHECKPOINT [--hf | --adapter] [--dtype D] [--out DIR]
-    [--max-shard-size SIZE]`."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    export_checkpoint(args.source, args.out, mode="adapter" if args.adapter else "hf",
-                      dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
-    return 0
