@@ -185,16 +185,3 @@ def test_pack_without_flags_packs_as_train_does() -> None:
     assert (args.seq_len, args.algo, args.buffer, args.max_patches, args.overlong,
             args.pad_to_multiple_of) == (d.seq_len, d.packing, d.buffer_size, d.max_patches,
                                          d.overlong, d.pad_to_multiple_of)
-
-
-def test_no_module_of_the_data_package_reads_flags() -> None:
-    """The CLI turns flags into the data section; `vlpack.data` takes sections, never an
-    argparse namespace."""
-    import re
-
-    import vlpack.data
-
-    root = Path(vlpack.data.__file__).parent
-    readers = [str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
-               if re.search(r"^\s*(import argparse|from argparse )", p.read_text(), re.M)]
-    assert readers == []
