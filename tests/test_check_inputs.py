@@ -305,8 +305,6 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     video file) before more of one kind, keeps file order, and skips bad records it meets,
     naming them; once it has a sample of every kind, it reads no further (a bad record there
     does not stop it)."""
-    import argparse
-
     from tests.test_video import _frames, _mp4
     from vlpack.model.build import build_model
     from vlpack.model.check_data import load_samples
@@ -326,8 +324,8 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     data = _rows(tmp_path, rows)
 
     def load(n: int):
-        args = argparse.Namespace(samples=n, seed=0, data=str(data), model="tiny-qwen3_vl")
-        samples, _, info = load_samples(args, spec)
+        samples, _, info = load_samples(spec, samples=n, seed=0, data=str(data),
+                                        model_name="tiny-qwen3_vl")
         return [s.key.split(":")[1] for s in samples], info
 
     keys, info = load(4)

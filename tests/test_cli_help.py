@@ -39,15 +39,10 @@ def test_data_synth_help_documents_seed(capsys) -> None:
     assert "--seed SEED seed of the receipts" in _help(capsys, "data", "synth")
 
 
-FLAG_READERS_BEING_RESTRUCTURED = {"model/check.py", "model/check_data.py", "train/check.py"}
-"""The check's modules still take its namespace while they are being restructured (issue 35);
-each leaves this set when its entry point takes typed arguments."""
-
-
 def test_no_module_below_the_cli_reads_flags() -> None:
     """cli.py turns the flags into config sections and typed arguments; no other module of
     vlpack names argparse (the `grep` of issue 35)."""
     root = Path(vlpack.__file__).parent
     readers = {str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
                if re.search(r"\bargparse\b", p.read_text())}
-    assert readers - {"cli.py"} - FLAG_READERS_BEING_RESTRUCTURED == set()
+    assert readers == {"cli.py"}

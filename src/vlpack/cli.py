@@ -205,8 +205,11 @@ def _run_check(args: argparse.Namespace) -> int:
     from vlpack.model.check import EXIT_COULD_NOT_RUN
     from vlpack.train.check import check_command
 
+    kw = dict(backend=args.backend, dtype=args.dtype, samples=args.samples, seed=args.seed,
+              data=args.data, init=getattr(args, "init", "auto"),
+              media_root=getattr(args, "media_root", None), as_json=args.json)
     if args.cp == 1:
-        return check_command(args)
+        return check_command(args.model, **kw)
     from vlpack.train.parallel import context_group, init_distributed, shutdown
     from vlpack.train.slurm import torchrun_env
 
@@ -225,7 +228,7 @@ def _run_check(args: argparse.Namespace) -> int:
         print(f"vlpack check could not run: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     try:
-        return check_command(args, context, replicas=world // args.cp)
+        return check_command(args.model, **kw, context=context, replicas=world // args.cp)
     finally:
         shutdown()
 

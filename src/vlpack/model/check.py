@@ -31,7 +31,6 @@ Legend: T = packed tokens, L = tokens of one sample, V = vocabulary.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field, replace
 
@@ -505,8 +504,8 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     dev = device
     model.train()
     batch_samples, source, data_info = load_samples(
-        argparse.Namespace(samples=samples, seed=seed, data=data, model=spec.name,
-                           replica=replica, media_root=media_root), spec, model)
+        spec, samples=samples, seed=seed, data=data, model_name=spec.name, replica=replica,
+        media_root=media_root, model=model)
     pad_to = pad_unit(cp)
     tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,

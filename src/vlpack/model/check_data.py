@@ -3,7 +3,6 @@ training encodes it, with ids the checked model can read."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from torch import nn
@@ -58,27 +57,31 @@ def kinds_of(conv: Conversation) -> set[str]:
     return out or {"text"}
 
 
-def load_samples(args: argparse.Namespace, spec: ModelSpec, model: nn.Module | None = None,
+def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
+                 model_name: str | None = None, replica: int = 0,
+                 media_root: str | None = None, model: nn.Module | None = None,
                  ) -> tuple[list[EncodedSample], str, dict]:
     """The check's samples, a description of their source, and what the report says of the
     data (`data_kinds`, `data_skipped`, and `encoding`: `check_encoding.compare_encoding` when
-    `args.model` is a folder and `model` is given).
+    `model_name` is a folder and `model` is given).
 
-    `args.samples`, `args.seed`; `args.data`: a JSONL file, "synth" or None for the synthetic
-    mix; `args.model`: a folder whose tokenizer and chat template encode the data, as
-    `vlpack train` uses them; `args.replica`: a data-parallel replica's index, whose row holds
-    the samples rotated by it, so that no two replicas pack the same row."""
-    n = int(args.samples)
+    `samples` to take and the `seed`; `data`: a JSONL file, "synth" or None for the synthetic
+    mix, its media inside `media_root` (None: its folder); `model_name`: a folder whose
+    tokenizer and chat template encode the data, as `vlpack train` uses them; `replica`: a
+    data-parallel replica's index, whose row holds the samples rotated by it, so that no two
+    replicas pack the same row."""
+    n = int(samples)
     if n < 2:
         raise CheckUnsupportedError("--samples must be >= 2: the check packs several samples "
                                     "into one row and proves they stay apart")
-    if not args.data:
-        samples = default_mix(spec, n, seed=args.seed)
+    if not data:
+        rows = default_mix(spec, n, seed=seed)
         source, info = "synthetic (multi-image, text-only, padded)", {}
     else:
-        samples, source, info = _from_file(args, spec, n, model)
-    k = int(getattr(args, "replica", 0) or 0) % len(samples)
-    return samples[k:] + samples[:k], source, info
+        rows, source, info = _from_file(data, spec, n, seed=seed, model_name=model_name,
+                                        media_root=media_root, model=model)
+    k = int(replica or 0) % len(rows)
+    return rows[k:] + rows[:k], source, info
 
 
 def _encoder(spec: ModelSpec, folder: Path):
@@ -151,16 +154,16 @@ def _pick(good: list[Conversation], n: int, encode, skipped: list[str],
     return [chosen[i] for i in sorted(chosen)]
 
 
-def _from_file(args: argparse.Namespace, spec: ModelSpec, n: int, model: nn.Module | None):
-    folder = Path(getattr(args, "model", "") or "")
+def _from_file(path: str, spec: ModelSpec, n: int, *, seed: int, model_name: str | None,
+               media_root: str | None, model: nn.Module | None):
+    folder = Path(model_name or "")
     enc = _encoder(spec, folder)
-    path = args.data
     if path == "synth":
         from vlpack.data.synth import default_dataset
 
-        path = default_dataset(max(n, 16), seed=args.seed)
+        path = default_dataset(max(n, 16), seed=seed)
     skipped: list[str] = []
-    good = _scan(Path(path), n, skipped, getattr(args, "media_root", None))
+    good = _scan(Path(path), n, skipped, media_root)
     picked = _pick(good, n, enc.encode, skipped)
     if len(picked) < 2:
         raise CheckUnsupportedError(

@@ -8,7 +8,6 @@ imports nothing from train/ (whose parallelism imports torch.distributed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -66,17 +65,18 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
                      media_root=media_root)
 
 
-def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
+def check_command(model_name: str, *, backend: str, dtype: str | None, samples: int, seed: int,
+                  data: str | None, init: str = "auto", media_root: str | None = None,
+                  as_json: bool = False, context: ContextGroup | None = None,
                   replicas: int = 1) -> int:
-    """CLI entry (`vlpack check`): 0 passed, 1 failed, 2 could not run. `context`: the
-    context-parallel group of `--cp N` (made by the CLI); `replicas`: how many data-parallel
-    replicas of it the world holds, each checking its own row (`check_parallel`)."""
+    """`vlpack check`: run `check` and print its report (JSON with `as_json`); 0 passed, 1
+    failed, 2 could not run. `context`: the context-parallel group of `--cp N` (made by the
+    CLI); `replicas`: how many data-parallel replicas of it the world holds, each checking its
+    own row (`check_parallel`)."""
     replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
     try:
-        r = check(args.model, backend=args.backend, dtype=args.dtype, samples=args.samples,
-                  seed=args.seed, data=args.data, context=context,
-                  init=getattr(args, "init", "auto"), replica=replica,
-                  media_root=getattr(args, "media_root", None))
+        r = check(model_name, backend=backend, dtype=dtype, samples=samples, seed=seed,
+                  data=data, context=context, init=init, replica=replica, media_root=media_root)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise
@@ -90,5 +90,5 @@ def check_command(args: argparse.Namespace, context: ContextGroup | None = None,
         dist.all_gather_object(reports, r)
         r = merge_replicas(r, reports)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
-        print(json.dumps(r, default=float) if args.json else format_report(r))
+        print(json.dumps(r, default=float) if as_json else format_report(r))
     return EXIT_PASSED if r["passed"] else EXIT_FAILED
