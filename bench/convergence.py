@@ -15,6 +15,11 @@ their loss curves differ only by numerics. (With MoE, the aux loss pools each mi
 tokens: the same tokens as the packed row only while a bin fits one padded micro-batch, i.e.
 `--micro` ≥ samples per bin.) Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
 reads it); `--compare` writes the overlay PNG and the final-loss comparison.
+
+A run longer than one sitting: `--stop-after S` ends it after the first step that passes S
+seconds and saves what the next sitting needs in OUT/MODE/resume.pt (the trainable parameters,
+the optimizer, the schedule and the step; the frozen base is rebuilt from the seed). The same
+command with `--resume` goes on from there and appends to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[i
     raise AssertionError("an endless stream ended")
 
 
+def trainable_state(module: torch.nn.Module) -> dict:
+    """The parameters that get gradients (the frozen base is rebuilt from the seed)."""
+    return {n: p.detach().cpu() for n, p in module.named_parameters() if p.requires_grad}
+
+
 def train(args, cfg, items, encoder, bins, device) -> Path:
     """`args.mode`'s run over `bins`, built by the trainer's stack builder (LoRA, frozen bf16
     base, checkpointing and compile as the recipe says), one GPU or CPU."""
@@ -83,14 +93,31 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     sched = build_scheduler(opt, cfg.optim, len(bins))
     run = Path(args.out) / args.mode
     run.mkdir(parents=True, exist_ok=True)
+    resume = run / "resume.pt"
+    done, seen, before = 0, 0, 0.0
+    if args.resume:
+        if not resume.is_file():
+            raise ValueError(f"--resume: {resume} does not exist; run without --resume first")
+        state = torch.load(resume, map_location=device)
+        missing = set(trainable_state(module)) ^ set(state["trainable"])
+        assert not missing, f"resume.pt names other trainable parameters: {sorted(missing)[:4]}"
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                if p.requires_grad:
+                    p.copy_(state["trainable"][n])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        done, seen, before = state["step"], state["samples"], state["seconds"]
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[:done]))
+        print(f"{args.mode}: resumed after step {done}", flush=True)
     data = torch.utils.data.DataLoader(
-        StepBatches(items, encoder, bins, args.mode, args.micro, spec), batch_size=None,
+        StepBatches(items, encoder, bins[done:], args.mode, args.micro, spec), batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None,
         pin_memory=device.type == "cuda", collate_fn=lambda x: x)
-    seen = 0
-    t0 = time.perf_counter()
-    with open(run / "metrics.jsonl", "w") as f:
-        for k, mbs in enumerate(data, 1):
+    t0 = time.perf_counter() - before
+    with open(run / "metrics.jsonl", "a" if done else "w") as f:
+        for k, mbs in enumerate(data, done + 1):
             mbs = [b.to(device, non_blocking=True) for b in mbs]
             r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
                                grad_clip=cfg.optim.grad_clip, autocast=stack.autocast)
@@ -102,14 +129,25 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
             if k % 25 == 0 or k == len(bins):
                 print(f"{args.mode} step {k}/{len(bins)} loss {r.loss:.4f} "
                       f"({row['seconds']:.0f} s)", flush=True)
+            if args.stop_after and time.perf_counter() - t0 - before > args.stop_after \
+                    and k < len(bins):
+                torch.save({"trainable": trainable_state(module), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "step": k, "samples": seen,
+                            "seconds": row["seconds"]}, resume)
+                print(f"{args.mode}: stopped after step {k}; go on with --resume", flush=True)
+                return run
+    resume.unlink(missing_ok=True)
     return run
 
 
 def compare(out: Path, tail: int) -> dict:
-    """Overlay PNG and the final losses (mean of the last `tail` steps) of both modes."""
+    """Overlay PNG (loss, and the MoE aux loss and gradient norm where recorded) and the final
+    losses (mean of the last `tail` steps) of both modes."""
     runs = [out / "packed", out / "padded"]
     rows = {r.name: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
             for r in runs}
+    metrics = ["loss"] + [m for m in ("aux_loss", "grad_norm")
+                          if all(v[0].get(m) is not None for v in rows.values())]
     steps = min(len(v) for v in rows.values())
     final = {m: sum(x["loss"] for x in v[steps - tail : steps]) / tail for m, v in rows.items()}
     res = {
@@ -119,7 +157,7 @@ def compare(out: Path, tail: int) -> dict:
         "max_step_abs_difference": max(abs(a["loss"] - b["loss"]) for a, b in
                                        zip(rows["packed"][:steps], rows["padded"][:steps], strict=True)),
         "wall_s": {m: v[steps - 1]["seconds"] for m, v in rows.items()},
-        "png": str(plot_runs(runs, out / "convergence.png")),
+        "png": str(plot_runs(runs, out / "convergence.png", metrics=metrics)),
     }
     (out / "convergence.json").write_text(json.dumps(res, indent=1))
     return res
@@ -138,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers that encode")
     p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
     p.add_argument("--out", required=True)
+    p.add_argument("--stop-after", type=float, default=0,
+                   help="save OUT/MODE/resume.pt and stop after the first step past S seconds")
+    p.add_argument("--resume", action="store_true", help="go on from OUT/MODE/resume.pt")
     p.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -161,7 +202,8 @@ def main(argv=None) -> int:
     print(f"{args.mode}: {args.steps} steps over {used} distinct samples "
           f"({sum(map(len, bins))} sample-steps; dataset {len(items)})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"command_{args.mode}.txt").write_text("python " + " ".join(sys.argv) + "\n")
+    if not args.resume:
+        (out / f"command_{args.mode}.txt").write_text("python " + " ".join(sys.argv) + "\n")
     train(args, cfg, items, encoder, bins, device)
     return 0
 
