@@ -246,12 +246,18 @@ def run_mode(mode: str, args, samples, device) -> dict:
             model.set_experts_implementation(args.experts)
         params = list(module.parameters())
     else:  # stock transformers: the HF model as built, its own loss
-        model, spec = build_model(m.name, backend="sdpa", dtype=torch.float32, device=device,
-                                  seed=0)
-        if m.lora.rank:  # stock + peft, the frozen base in bf16 as a peft user loads it
+        # stock + peft loads the base in bf16 on a GPU (a 35B base in float32 would not fit) and
+        # keeps the adapters in float32, as peft does by default
+        low = m.lora.rank and device.type == "cuda"
+        model, spec = build_model(m.name, backend="sdpa", device=device, seed=0,
+                                  dtype=torch.bfloat16 if low else torch.float32)
+        if m.lora.rank:
             from vlpack.model.lora import apply_lora
 
             apply_lora(model, m.lora)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
         parallelize(model, model, topo, Parallelism(
             frozen_dtype=torch.bfloat16 if m.lora.rank and device.type == "cuda" else None,
             activation_checkpointing=m.activation_checkpointing,
