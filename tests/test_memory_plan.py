@@ -140,9 +140,13 @@ def test_the_first_step_says_what_it_waits_for() -> None:
 
     gdn = type("Spec", (), {"has_gdn": True})
     cuda = torch.device("cuda")
-    assert "fla's Triton autotuning" in _first_step_waits(load_config("qwen3.5-35b-a3b-lora"), gdn, cuda)
-    assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, torch.device("cpu"))
-    assert _first_step_waits(load_config("tiny"), gdn, torch.device("cpu")) is None
+    lora = load_config("qwen3.5-35b-a3b-lora")
+    assert "fla's Triton autotuning" in _first_step_waits(lora, gdn, cuda, None)
+    tuned = _first_step_waits(lora, gdn, cuda, Path("fla_configs/NVIDIA_H200"))
+    assert "compiling" in tuned and "NVIDIA_H200" in tuned and "autotuning of" not in tuned
+    cpu = torch.device("cpu")
+    assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, cpu, None)
+    assert _first_step_waits(load_config("tiny"), gdn, cpu, None) is None
 
 
 def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypatch, caplog) -> None:

@@ -433,6 +433,11 @@ class TrainConfig:
     run in the same folder starts warm on any machine; `default` = Triton's and Inductor's own
     folders (home, /tmp); or a folder that several runs share. TRITON_CACHE_DIR and
     TORCHINDUCTOR_CACHE_DIR set in the environment win (train/kernel_cache.py)."""
+    tuned_kernels: bool = True
+    """On a GPU that vlpack has measured, fla's Gated-DeltaNet kernels start from the
+    configurations that won its autotuning there instead of autotuning on the first step
+    (train/kernel_cache.py; keys must match exactly, others still autotune). false: always
+    autotune."""
     profile_steps: int = 0
     """Profile this many steps with torch.profiler (0: off), from step `profile_from`; each rank
     writes OUTPUT_DIR/profile_rank<R>.txt: kernel time per step against the unprofiled step

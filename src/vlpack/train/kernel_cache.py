@@ -6,18 +6,32 @@ fla's kernels, the autotuning winners (`FLA_CACHE_RESULTS`, on by default) in it
 `torch.compile` keeps its kernels in Inductor's. Both default to the machine's home or /tmp, which a
 fresh machine (a cloud node, a SLURM allocation) lacks. `train.kernel_cache=run` points both into
 the run's output folder, so a resume or a later run that names the same folder starts warm.
+
+A run on a fresh machine with an empty cache need not autotune either: fla reads kernel
+configurations from a folder of JSON files (`FLA_CONFIG_DIR`, `FLA_CACHE_MODE`, fla's
+`ops/utils/cache.py`). `fla_configs/<GPU>/` holds the winners vlpack measured on that GPU
+(its README names the model, the versions and the command; tools/fla_configs.py writes them).
+`train.tuned_kernels` points fla at them in strict mode: a kernel whose autotuning key matches
+an entry exactly (the same head counts, head dims, dtypes and flags) starts from that
+configuration and compiles it alone; any other key autotunes as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 from pathlib import Path
 
 log = logging.getLogger("vlpack.train")
 
 TRITON = "TRITON_CACHE_DIR"
 INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
+FLA_MODE = "FLA_CACHE_MODE"
+FLA_DIR = "FLA_CONFIG_DIR"
+FLA_CONFIGS = Path(__file__).parent / "fla_configs"
+"""One folder of fla kernel configurations per GPU, named as fla names it (`gpu_folder`)."""
 
 
 def kernel_cache_dir(setting: str, output_dir: Path) -> Path | None:
@@ -49,3 +63,31 @@ def keep_kernel_cache(setting: str, output_dir: Path, *, announce: bool = False,
     if announce and chosen:
         log.info("kernel cache (Triton, Inductor): %s", root)
     return chosen
+
+
+def gpu_folder(device_name: str) -> str:
+    """A GPU's folder name as fla spells it: `NVIDIA H200` → `NVIDIA_H200`."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
+
+
+def use_tuned_kernels(device_name: str, *, environ: dict[str, str] | None = None,
+                      modules=None) -> Path | None:
+    """Point fla at the kernel configurations vlpack measured on `device_name`'s GPU
+    (FLA_CACHE_MODE=strict, FLA_CONFIG_DIR) for this process. Returns the folder, or None when
+    none is kept for this GPU, the user set either variable (theirs wins), or fla is imported
+    already (it reads both when it is imported)."""
+    env = os.environ if environ is None else environ
+    folder = FLA_CONFIGS / gpu_folder(device_name)
+    if not folder.is_dir():
+        return None
+    if FLA_MODE in env or FLA_DIR in env:
+        log.info("%s/%s set in the environment: train.tuned_kernels leaves them", FLA_MODE, FLA_DIR)
+        return None
+    if "fla.ops.utils.cache" in (sys.modules if modules is None else modules):
+        log.info("fla was imported before the model was built: its kernels autotune (set "
+                 "%s=strict %s=%s before starting to use vlpack's configurations)", FLA_MODE,
+                 FLA_DIR, folder)
+        return None
+    env[FLA_MODE], env[FLA_DIR] = "strict", str(folder)
+    log.info("fla kernel configurations for %s: %s (other shapes autotune)", device_name, folder)
+    return folder

@@ -84,6 +84,7 @@ class Trainer:
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
         self.flops, self.autocast = stack.flops, stack.autocast
         self.plan, self.ways_out = stack.plan, stack.ways_out
+        self.tuned_kernels = stack.tuned_kernels
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type=self.info.device.type,
                                          parts=module_groups(self.model))
@@ -332,7 +333,7 @@ class Trainer:
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
                 if self.step == first_step and info.is_main and (w := _first_step_waits(
-                        cfg, self.spec, info.device)):
+                        cfg, self.spec, info.device, self.tuned_kernels)):
                     print(f"vlpack: step {self.step + 1} waits for {w}", flush=True)
                 profiler.before(self.step + 1)
                 try:
@@ -460,7 +461,8 @@ class Trainer:
 
 UNTRACKED = ("train.resume", "train.overwrite", "train.progress", "train.max_steps",
              "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
-             "train.export_dtype", "train.kernel_cache", "train.memory_check",
+             "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
+             "train.memory_check",
              "train.profile_steps", "train.profile_from")
 """Settings a resumed run may change without a warning: none changes what is trained."""
 
@@ -493,10 +495,15 @@ def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
                 "are kept in %s", step, diff, data, step, kept)
 
 
-def _first_step_waits(cfg: Config, spec, device: torch.device) -> str | None:
-    """What the first step of a run waits for beyond its own work (None: nothing)."""
+def _first_step_waits(cfg: Config, spec, device: torch.device, tuned: Path | None) -> str | None:
+    """What the first step of a run waits for beyond its own work (None: nothing); `tuned`:
+    the folder of fla kernel configurations in use (train/kernel_cache.py)."""
     waits = []
-    if device.type == "cuda" and spec.has_gdn:
+    if device.type == "cuda" and spec.has_gdn and tuned is not None:
+        waits.append(f"Triton compiling fla's Gated-DeltaNet kernels in the configurations of "
+                     f"{tuned.name} (under a minute on a fresh machine; a kernel whose shape "
+                     "has none autotunes)")
+    elif device.type == "cuda" and spec.has_gdn:
         waits.append("fla's Triton autotuning of the Gated-DeltaNet kernels (minutes on a fresh "
                      "machine: about 3 for Qwen3.5-35B-A3B on an H200; cached for later runs)")
     if cfg.model.compile:

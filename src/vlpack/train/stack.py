@@ -23,7 +23,7 @@ from torch import nn
 from vlpack.config import Config
 from vlpack.train import memory, precision
 from vlpack.train.flops import FlopModel, flop_model
-from vlpack.train.kernel_cache import keep_kernel_cache
+from vlpack.train.kernel_cache import keep_kernel_cache, use_tuned_kernels
 from vlpack.train.module import TrainModule, freeze
 from vlpack.train.parallel import Topology, load_full_state
 from vlpack.train.parallelize import Parallelism, parallelize
@@ -48,6 +48,8 @@ class Stack:
     """The dtype a step autocasts to; None without autocast or under FSDP2 (its policy casts)."""
     sharded: bool
     """FSDP2 applies: the model was built on the meta device and received its shards."""
+    tuned_kernels: Path | None = None
+    """The folder of fla kernel configurations this process uses (None: fla autotunes)."""
 
 
 def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -172,10 +174,15 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     sharded = is_sharded(cfg, info)
     autocast = autocast_dtype(cfg, info.device)
     low = frozen_dtype(cfg, autocast)
-    plan, ways = plan_memory(cfg, info, sharded=sharded)
-    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
+    # Before anything imports fla (the memory plan's meta model does, through transformers):
+    # fla reads its configuration settings when it is imported.
+    tuned = None
     if info.device.type == "cuda":
         keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
+        if t.tuned_kernels:
+            tuned = use_tuned_kernels(torch.cuda.get_device_name(info.device))
+    plan, ways = plan_memory(cfg, info, sharded=sharded)
+    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
@@ -212,4 +219,4 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         load_full_state(model, whole, info)
         del whole
     return Stack(model=model, spec=spec, module=module, flops=flops, plan=plan, ways_out=ways,
-                 autocast=autocast, sharded=sharded)
+                 autocast=autocast, sharded=sharded, tuned_kernels=tuned)
