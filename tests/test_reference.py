@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
-import functools
+import importlib.util
+import sys
+import types
 
-import pytest
 import torch
 
-from vlpack.model import build_model
+from vlpack.model import build_model, reference
 from vlpack.model.forward import unpacked_forward
-from vlpack.model.reference import GDN_KERNELS, stock_reference
+from vlpack.model.reference import stock_reference
 from vlpack.model.synthetic import default_mix
 
 
@@ -19,11 +20,41 @@ def _logits(model, spec, sample) -> torch.Tensor:
         return unpacked_forward(model, sample, spec=spec, hf_labels=True).logits.float()
 
 
+def _recording_packages(looked: list[str]) -> dict[str, types.ModuleType]:
+    """Stand-ins for fla and causal-conv1d, importable on the CPU: any name looked up in them
+    is recorded (and missing, so an import that finds them falls back to torch)."""
+    fakes = {}
+    for name in ("fla", "causal_conv1d"):
+        fake = types.ModuleType(name)
+
+        def lookup(attr: str, package: str = name):
+            looked.append(f"{package}.{attr}")
+            raise AttributeError(attr)
+
+        fake.__getattr__ = lookup
+        fakes[name] = fake
+    return fakes
+
+
+def _executed_again(module: types.ModuleType, alias: str) -> types.ModuleType:
+    """`module` executed once more from its file, as a fresh import would."""
+    spec = importlib.util.spec_from_file_location(alias, module.__file__)
+    again = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = again
+    try:
+        spec.loader.exec_module(again)
+    finally:
+        del sys.modules[alias]
+    return again
+
+
 def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch):
-    """fla "importable" (simulated on CPU: transformers' kernel wrappers of the Qwen3.5 modeling
-    module call a kernel that refuses to run): inside `stock_reference` the Gated-DeltaNet
-    layers run transformers' torch kernels, bit for bit the logits of the stock forward where
-    fla is absent, and not one name of the modeling module is replaced."""
+    """fla and causal-conv1d importable (simulated on the CPU by modules that record what is
+    looked up in them): a fresh import of transformers' Qwen3.5 modeling module looks for their
+    kernels, the reference's copy of it does not (they cannot be imported while it runs). Inside
+    `stock_reference` the Gated-DeltaNet layers are of that copy's class and give bit for bit
+    the logits of the stock forward; not one name of transformers' module changes and the
+    packages are importable again after."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as stock_mod
 
     model, spec = build_model("tiny-qwen3_5", backend="sdpa", device="cpu", dtype=torch.float32)
@@ -33,16 +64,23 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
         m.__class__ = getattr(type(m), "_vlpack_stock", type(m))
     without_fla = _logits(stock, spec, sample)
 
-    def fla_kernel(*a, **k):
-        raise AssertionError("an fla kernel ran on the CPU")
-
-    for name in GDN_KERNELS:  # a kernel wrapper that calls "fla", over transformers' own
-        wrapper = functools.wraps(getattr(stock_mod, name))(lambda *a, **k: fla_kernel())
-        monkeypatch.setattr(stock_mod, name, wrapper)
-    with pytest.raises(AssertionError, match="fla kernel"):  # the stock forward would call it
-        _logits(model, spec, sample)
+    looked: list[str] = []
+    fakes = _recording_packages(looked)
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    _executed_again(stock_mod, "transformers.models.qwen3_5._test_fresh_import")
+    assert any(k.startswith("fla.") for k in looked)  # a fresh import would pick fla
+    looked.clear()
+    reference.torch_kernel_module.cache_clear()  # the copy is made while the fakes are there
     names = dict(vars(stock_mod))
     with stock_reference(model):
+        assert looked == []
+        layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+        copy_mod = reference.torch_kernel_module(stock_mod.__name__)
+        assert layers and all(type(m) is copy_mod.Qwen3_5GatedDeltaNet for m in layers)
+        assert copy_mod is not stock_mod
         assert all(vars(stock_mod)[k] is v for k, v in names.items())
         assert torch.equal(_logits(model, spec, sample), without_fla)
     assert vars(stock_mod) == names
+    assert all(sys.modules[name] is module for name, module in fakes.items())
+    reference.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes

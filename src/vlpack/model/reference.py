@@ -8,11 +8,13 @@
   - MoE experts run transformers' `grouped_mm` (its default), not `vlpack_grouped_mm`;
   - the Gated-DeltaNet layers run transformers' own forward with its own torch kernels (conv
     and chunked delta rule) even where fla or causal-conv1d are importable and the stock
-    forward would call them: `torch_kernel_class` is a subclass of the stock layer that
-    overrides `forward` alone, with transformers' forward code bound to the torch functions
-    behind its kernel wrappers. transformers picks a kernel once, when its modeling module is
+    forward would call them. transformers picks a kernel once, when its modeling module is
     imported (`use_kernel_func_from_hub_with_fallback`, 5.17 and 5.24), and offers no choice at
-    call time; its modeling module is never changed.
+    call time. So `torch_kernel_module` executes a second instance of that modeling module
+    from its file while those packages are not importable (`KERNEL_PACKAGES` map to None in
+    sys.modules for that moment, which makes their import fail): its wrappers pick the torch
+    functions, and its Gated-DeltaNet class, transformers' code unchanged, is the reference
+    layer's class. transformers' own module is never changed.
 On exit everything is put back. The caller computes the loss with the model's own
 `model(..., labels=...)` (forward.unpacked_forward with hf_labels).
 """
@@ -22,10 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
+import importlib.util
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -35,44 +37,39 @@ from vlpack.model.seams import classes_of
 
 STOCK_EXPERTS = "grouped_mm"
 """transformers' default experts implementation (what a stock build of the MoE families picks)."""
-GDN_KERNELS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
-               "torch_recurrent_gated_delta_rule")
-"""Kernel wrappers of transformers' Qwen3.5 modeling module (5.17, 5.24) that the Gated-DeltaNet
-forward calls and that pick fla or causal-conv1d when importable."""
-
-
-def _torch_function(fn: Callable) -> Callable:
-    """The pure-torch function at the bottom of a chain of kernel wrappers."""
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
-
-
-def _torch_forward(stock: type) -> Callable:
-    """transformers' own `stock.forward`, its calls of `GDN_KERNELS` bound to their torch
-    functions: the same code object over a copy of its module's names. The forward's
-    decorators are left off: they rename a deprecated cache argument and fire accelerate's
-    offloading hooks, neither of which a reference forward without a cache or hooks uses."""
-    raw = inspect.unwrap(stock.forward)
-    names = dict(vars(sys.modules[stock.__module__]))
-    for name in GDN_KERNELS:
-        if name in names:
-            names[name] = _torch_function(names[name])
-    fwd = types.FunctionType(raw.__code__, names, raw.__name__, raw.__defaults__,
-                             raw.__closure__)
-    fwd.__kwdefaults__ = raw.__kwdefaults__
-    return functools.update_wrapper(fwd, raw)
+KERNEL_PACKAGES = ("fla", "causal_conv1d")
+"""Packages whose kernels transformers' Qwen3.5 modeling modules pick at import when importable."""
 
 
 @functools.cache
+def torch_kernel_module(name: str) -> types.ModuleType:
+    """A second instance of transformers' modeling module `name`, executed from its own file
+    while `KERNEL_PACKAGES` cannot be imported, so that its kernel wrappers chose their torch
+    functions; registered as `<package>._vlpack_torch_kernels_<module>` beside it (transformers'
+    own module and every name in it stay as they are). Once per module and process."""
+    package, leaf = name.rsplit(".", 1)
+    alias = f"{package}._vlpack_torch_kernels_{leaf}"
+    spec = importlib.util.spec_from_file_location(alias, sys.modules[name].__file__)
+    module = importlib.util.module_from_spec(spec)
+    saved = {k: sys.modules[k] for k in KERNEL_PACKAGES if k in sys.modules}
+    sys.modules[alias] = module
+    try:
+        sys.modules.update(dict.fromkeys(KERNEL_PACKAGES))
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[alias]
+        raise
+    finally:
+        for k in KERNEL_PACKAGES:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return module
+
+
 def torch_kernel_class(stock: type) -> type:
-    """The stock Gated-DeltaNet class `stock` with `forward` alone overridden to run its torch
-    kernels (`_torch_forward`); once per class, registered in this module under its name."""
-    name = f"TorchKernels{stock.__name__}"
-    cls = type(name, (stock,), {"__module__": __name__, "__qualname__": name,
-                                "forward": _torch_forward(stock)})
-    globals()[name] = cls
-    return cls
+    """The stock Gated-DeltaNet class `stock` as defined by `torch_kernel_module`: the same
+    code, its kernels the torch functions."""
+    return getattr(torch_kernel_module(stock.__module__), stock.__name__)
 
 
 def _reference_class(sub: type) -> type:
