@@ -81,14 +81,33 @@ def _two_and_one(tmp_path: Path, args: list[str]):
     return two, one
 
 
+def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported folder's safetensors shards."""
+    from safetensors.torch import load_file
+
+    return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+    """Full fine-tuning on 2 processes (FSDP2) equals 1 process with 2 micro-batches: the
+    losses, the bad-sample accounting, the merged export gathered shard by shard (and `vlpack
+    export` of the 2-process checkpoint), and an interrupted and resumed run."""
     data = _dirty_data(tmp_path)
     args = [*SMALL, "train.max_steps=3", "data.source=jsonl", f"data.path={data}", "model.init=random",
             "data.max_bad_fraction=0.2", "data.shuffle=false"]
-    two, one = _two_and_one(tmp_path, args)
+    export = ["train.export_hf=true", "train.export_dtype=float32"]
+    two, one = _two_and_one(tmp_path, [*args, *export])
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    from vlpack.train.export import export_checkpoint
+
+    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", dtype="float32")
+    h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
+    assert h1 and set(h1) == set(h2) == set(h3)
+    assert all(h1[k].shape == h2[k].shape for k in h1)
+    assert max((h1[k] - h2[k]).abs().max().item() for k in h1) < 1e-5
+    assert all(torch.equal(h2[k], h3[k]) for k in h2)
     # Both runs consumed the same bins: the same samples trained and skipped, the two ranks'
     # counts added up; each skipped sample printed once.
     assert _accounting_lines(two.stdout) == _accounting_lines(one.stdout), (two.stdout, one.stdout)
@@ -296,8 +315,7 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
     from vlpack.train.export import export_checkpoint
 
     offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", dtype="float32")
-    h1, h2, h3 = ({k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
-                  for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
+    h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
     assert set(h1) == set(h2) == set(h3) and not any("lora" in k for k in h1)
     assert max((h1[k] - h2[k]).abs().max().item() for k in h1) < 1e-5
     assert all(torch.equal(h2[k], h3[k]) for k in h2)
