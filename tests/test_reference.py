@@ -11,6 +11,7 @@ import torch
 
 from vlpack.model import build_model, reference
 from vlpack.model.forward import unpacked_forward
+from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.reference import stock_reference
 from vlpack.model.synthetic import default_mix
 
@@ -73,8 +74,12 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
     looked.clear()
     reference.torch_kernel_module.cache_clear()  # the copy is made while the fakes are there
     names = dict(vars(stock_mod))
+    params = [id(p) for p in model.parameters()]
+    ours = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert ours
     with stock_reference(model):
         assert looked == []
+        assert [id(p) for p in model.parameters()] == params  # gradients land on the model's
         layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
         copy_mod = reference.torch_kernel_module(stock_mod.__name__)
         assert layers and all(type(m) is copy_mod.Qwen3_5GatedDeltaNet for m in layers)
@@ -82,5 +87,6 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
         assert all(vars(stock_mod)[k] is v for k, v in names.items())
         assert torch.equal(_logits(model, spec, sample), without_fla)
     assert vars(stock_mod) == names
+    assert [m for m in model.modules() if isinstance(m, GatedDeltaNet)] == ours  # put back
     assert all(sys.modules[name] is module for name, module in fakes.items())
     reference.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes

@@ -13,8 +13,11 @@
     call time. So `torch_kernel_module` executes a second instance of that modeling module
     from its file while those packages are not importable (`KERNEL_PACKAGES` map to None in
     sys.modules for that moment, which makes their import fail): its wrappers pick the torch
-    functions, and its Gated-DeltaNet class, transformers' code unchanged, is the reference
-    layer's class. transformers' own module is never changed.
+    functions. For the block each Gated-DeltaNet layer is replaced in its parent by a layer of
+    that copy's class, built by its own `__init__` (with the `kernels` package installed,
+    transformers 5.25 gives each instance its own kernel wrappers, made from the module that
+    defined the class) and holding the model's parameter objects. transformers' own module is
+    never changed.
 On exit everything is put back. The caller computes the loss with the model's own
 `model(..., labels=...)` (forward.unpacked_forward with hf_labels).
 """
@@ -29,6 +32,7 @@ import sys
 import types
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from vlpack.model.build import set_attn_implementation
@@ -72,31 +76,47 @@ def torch_kernel_class(stock: type) -> type:
     return getattr(torch_kernel_module(stock.__module__), stock.__name__)
 
 
-def _reference_class(sub: type) -> type:
-    """The class a module of vlpack seam class `sub` gets inside `stock_reference`."""
-    stock = sub._vlpack_stock
-    if issubclass(sub, GatedDeltaNet):
-        return torch_kernel_class(stock)
-    return stock
+def torch_kernel_layer(layer: nn.Module, config) -> nn.Module:
+    """A Gated-DeltaNet layer of `torch_kernel_class`, built by its own `__init__` (so that
+    whatever transformers and the `kernels` package attach to an instance comes from the
+    copy's functions too) and holding `layer`'s parameter objects themselves: gradients of
+    the reference land on the model's parameters."""
+    cls = torch_kernel_class(type(layer)._vlpack_stock)
+    with torch.device("meta"):
+        ref = cls(config, layer.layer_idx)
+    ref.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
+    return ref.train(layer.training)
 
 
-def _seam_classes(model: nn.Module) -> list[tuple[nn.Module, type]]:
-    """(module, its vlpack subclass) for every module that has one."""
-    return [(m, type(m)) for m in model.modules() if hasattr(type(m), "_vlpack_stock")]
+def _seams(model: nn.Module) -> tuple[list[tuple[nn.Module, type]], list[tuple[nn.Module, str]]]:
+    """(module, its vlpack subclass) of every seam but Gated-DeltaNet, and (parent, name) of
+    every Gated-DeltaNet layer."""
+    classes, layers = [], []
+    for parent in model.modules():
+        for name, m in parent.named_children():
+            if isinstance(m, GatedDeltaNet):
+                layers.append((parent, name))
+    for m in model.modules():
+        if hasattr(type(m), "_vlpack_stock") and not isinstance(m, GatedDeltaNet):
+            classes.append((m, type(m)))
+    return classes, layers
 
 
 @contextlib.contextmanager
 def stock_reference(model: nn.Module) -> Iterator[nn.Module]:
     """`model` as stock transformers for the block (see the module docstring)."""
     importlib.import_module(type(model).__module__)  # the modeling module is loaded
-    seams = _seam_classes(model)
+    seams, gdn_layers = _seams(model)
     attn = model.config._attn_implementation
     config = getattr(model.config, "text_config", model.config)
     experts = getattr(config, "_experts_implementation", None)
     moe = classes_of(model).experts is not None
+    layers = [(parent, name, getattr(parent, name)) for parent, name in gdn_layers]
     try:
         for m, sub in seams:
-            m.__class__ = _reference_class(sub)
+            m.__class__ = sub._vlpack_stock
+        for parent, name in gdn_layers:
+            setattr(parent, name, torch_kernel_layer(getattr(parent, name), config))
         set_attn_implementation(model, "sdpa")
         if moe:
             model.set_experts_implementation(STOCK_EXPERTS)
@@ -104,6 +124,8 @@ def stock_reference(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, sub in seams:
             m.__class__ = sub
+        for parent, name, layer in layers:
+            setattr(parent, name, layer)
         set_attn_implementation(model, attn)
         if moe and experts is not None:
             model.set_experts_implementation(experts)
