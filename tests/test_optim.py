@@ -85,3 +85,12 @@ def test_bad_values_are_named(override: str, message: str) -> None:
 def test_fine_tuning_defaults(overrides: list[str], lr: float) -> None:
     optim = load_config(None, overrides).optim
     assert (optim.lr, optim.betas) == (lr, (0.9, 0.999))
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-vl-2b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-9b",
+                                    "qwen3.5-35b-a3b"])
+def test_a_recipe_with_lora_switched_on_gets_the_lora_rate(recipe: str) -> None:
+    """The full fine-tuning recipes leave the rate to the default, so `model.lora.rank=N` on
+    one of them trains at LoRA's 2e-4, not at full fine-tuning's 1e-5."""
+    assert load_config(recipe).optim.lr == 1e-5
+    assert load_config(recipe, ["model.lora.rank=8"]).optim.lr == 2e-4
