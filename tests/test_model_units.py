@@ -482,8 +482,9 @@ def _stand_in_fla(monkeypatch, leaky: bool):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     from vlpack.model import fla_hopper
+    from vlpack.model.torch_kernels import torch_function
 
-    raw = m.torch_chunk_gated_delta_rule.__wrapped__
+    raw = torch_function(m.Qwen3_5GatedDeltaNet, "torch_chunk_gated_delta_rule")
 
     def stand_in(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens):
         host = [0, q.shape[1]] if leaky else cu_seqlens.tolist()

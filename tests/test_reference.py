@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from vlpack.model import build_model, reference
+from vlpack.model import build_model, torch_kernels
 from vlpack.model.forward import unpacked_forward
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.reference import stock_reference
@@ -72,7 +72,7 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
     _executed_again(stock_mod, "transformers.models.qwen3_5._test_fresh_import")
     assert any(k.startswith("fla.") for k in looked)  # a fresh import would pick fla
     looked.clear()
-    reference.torch_kernel_module.cache_clear()  # the copy is made while the fakes are there
+    torch_kernels.torch_kernel_module.cache_clear()  # the copy is made while the fakes are there
     names = dict(vars(stock_mod))
     params = [id(p) for p in model.parameters()]
     ours = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
@@ -81,7 +81,7 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
         assert looked == []
         assert [id(p) for p in model.parameters()] == params  # gradients land on the model's
         layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
-        copy_mod = reference.torch_kernel_module(stock_mod.__name__)
+        copy_mod = torch_kernels.torch_kernel_module(stock_mod.__name__)
         assert layers and all(type(m) is copy_mod.Qwen3_5GatedDeltaNet for m in layers)
         assert copy_mod is not stock_mod
         assert all(vars(stock_mod)[k] is v for k, v in names.items())
@@ -89,4 +89,4 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
     assert vars(stock_mod) == names
     assert [m for m in model.modules() if isinstance(m, GatedDeltaNet)] == ours  # put back
     assert all(sys.modules[name] is module for name, module in fakes.items())
-    reference.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes
+    torch_kernels.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes

@@ -149,7 +149,9 @@ def _hopper_guard_or_skip():
 def _torch_delta_rule():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    return m.torch_chunk_gated_delta_rule.__wrapped__
+    from vlpack.model.torch_kernels import torch_function
+
+    return torch_function(m.Qwen3_5GatedDeltaNet, "torch_chunk_gated_delta_rule")
 
 
 def test_fla_backward_approved_at_the_qwen3_5_head_shape():
@@ -262,9 +264,7 @@ def test_fla_chunk_indices_equal_fla_own():
 @pytest.mark.skipif(gdn._fla() is None, reason="fla not installed")
 def test_fla_delta_rule_forward_rule():
     """fla's chunk_gated_delta_rule with cu_seqlens (bf16) vs the per-segment torch reference."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    raw = m.torch_chunk_gated_delta_rule.__wrapped__
+    raw = _torch_delta_rule()
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, D = 700, 4, 64  # the GDN module repeats key heads to the value heads
     q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=g) for _ in range(3))

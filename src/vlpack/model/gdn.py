@@ -30,7 +30,6 @@ import functools
 import importlib
 import inspect
 import itertools
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 from vlpack.model import fla_hopper
 from vlpack.model.bounds import BOUNDS_KWARG, Boundaries, Segments
+from vlpack.model.torch_kernels import torch_function
 
 
 @functools.cache
@@ -99,11 +99,6 @@ def _fla_params(fn: Callable) -> frozenset[str]:
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
-
-
-def _torch_kernel(original: Callable) -> Callable:
-    """transformers' pure-torch function behind its kernel-selecting wrapper."""
-    return getattr(original, "__wrapped__", original)
 
 
 def _use_fla(x: torch.Tensor) -> bool:
@@ -288,15 +283,6 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
     return out
 
 
-def _stock_function(stock: type, name: str) -> Callable:
-    """transformers' pure-torch `name` of the modeling module that defines `stock`."""
-    fn = getattr(sys.modules[stock.__module__], name, None)
-    if fn is None:
-        raise ValueError(f"{stock.__module__} has no {name}: this transformers version's "
-                         "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.24)")
-    return _torch_kernel(fn)
-
-
 class GatedDeltaNet:
     """Mixin over a transformers Gated-DeltaNet class (`_vlpack_stock`): the packed forward."""
 
@@ -328,7 +314,7 @@ class GatedDeltaNet:
         the packed path does; a refused shape is a clear error instead of fla's."""
         if not (x.is_cuda and torch.is_grad_enabled() and _fla() is not None):
             return
-        torch_fn = _stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
+        torch_fn = torch_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
         decision = fla_hopper.decide(self.head_k_dim, self.head_v_dim, x.device, torch_fn,
                                      heads=self.num_v_heads)
         if not decision.ok:
@@ -362,7 +348,7 @@ class GatedDeltaNet:
         if self.num_v_heads // self.num_k_heads > 1:
             query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
             key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
-        torch_fn = _stock_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
+        torch_fn = torch_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
         if split is None:
             out = segment_delta_rule(query, key, value, g, beta, segs, bounds,
                                      torch_fn=torch_fn, torch_only=torch_only)

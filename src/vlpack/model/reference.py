@@ -10,10 +10,9 @@
     and chunked delta rule) even where fla or causal-conv1d are importable and the stock
     forward would call them. transformers picks a kernel once, when its modeling module is
     imported (`use_kernel_func_from_hub_with_fallback`, 5.17 and 5.24), and offers no choice at
-    call time. So `torch_kernel_module` executes a second instance of that modeling module
-    from its file while those packages are not importable (`KERNEL_PACKAGES` map to None in
-    sys.modules for that moment, which makes their import fail): its wrappers pick the torch
-    functions. For the block each Gated-DeltaNet layer is replaced in its parent by a layer of
+    call time. So `torch_kernels.torch_kernel_module` executes a second instance of that
+    modeling module from its file while those packages cannot be imported: its wrappers pick
+    the torch functions. For the block each Gated-DeltaNet layer is replaced in its parent by a layer of
     that copy's class, built by its own `__init__` (with the `kernels` package installed,
     transformers 5.25 gives each instance its own kernel wrappers, made from the module that
     defined the class) and holding the model's parameter objects. transformers' own module is
@@ -25,11 +24,7 @@ On exit everything is put back. The caller computes the loss with the model's ow
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import importlib.util
-import sys
-import types
 from collections.abc import Iterator
 
 import torch
@@ -38,38 +33,10 @@ from torch import nn
 from vlpack.model.build import set_attn_implementation
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.seams import classes_of
+from vlpack.model.torch_kernels import torch_kernel_module
 
 STOCK_EXPERTS = "grouped_mm"
 """transformers' default experts implementation (what a stock build of the MoE families picks)."""
-KERNEL_PACKAGES = ("fla", "causal_conv1d")
-"""Packages whose kernels transformers' Qwen3.5 modeling modules pick at import when importable."""
-
-
-@functools.cache
-def torch_kernel_module(name: str) -> types.ModuleType:
-    """A second instance of transformers' modeling module `name`, executed from its own file
-    while `KERNEL_PACKAGES` cannot be imported, so that its kernel wrappers chose their torch
-    functions; registered as `<package>._vlpack_torch_kernels_<module>` beside it (transformers'
-    own module and every name in it stay as they are). Once per module and process."""
-    package, leaf = name.rsplit(".", 1)
-    alias = f"{package}._vlpack_torch_kernels_{leaf}"
-    spec = importlib.util.spec_from_file_location(alias, sys.modules[name].__file__)
-    module = importlib.util.module_from_spec(spec)
-    saved = {k: sys.modules[k] for k in KERNEL_PACKAGES if k in sys.modules}
-    sys.modules[alias] = module
-    try:
-        sys.modules.update(dict.fromkeys(KERNEL_PACKAGES))
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[alias]
-        raise
-    finally:
-        for k in KERNEL_PACKAGES:
-            del sys.modules[k]
-        sys.modules.update(saved)
-    return module
-
-
 def torch_kernel_class(stock: type) -> type:
     """The stock Gated-DeltaNet class `stock` as defined by `torch_kernel_module`: the same
     code, its kernels the torch functions."""
