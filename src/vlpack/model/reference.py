@@ -9,14 +9,14 @@
   - the Gated-DeltaNet layers run transformers' own forward with its own torch kernels (conv
     and chunked delta rule) even where fla or causal-conv1d are importable and the stock
     forward would call them. transformers picks a kernel once, when its modeling module is
-    imported (`use_kernel_func_from_hub_with_fallback`, 5.17 and 5.24), and offers no choice at
+    imported (`use_kernel_func_from_hub_with_fallback`, 5.17 to 5.25), and offers no choice at
     call time. So `torch_kernels.torch_kernel_module` executes a second instance of that
     modeling module from its file while those packages cannot be imported: its wrappers pick
-    the torch functions. For the block each Gated-DeltaNet layer is replaced in its parent by a layer of
-    that copy's class, built by its own `__init__` (with the `kernels` package installed,
-    transformers 5.25 gives each instance its own kernel wrappers, made from the module that
-    defined the class) and holding the model's parameter objects. transformers' own module is
-    never changed.
+    the torch functions. For the block each Gated-DeltaNet layer is replaced in its parent by
+    a layer of that copy's class, built by its own `__init__` (with the `kernels` package
+    installed, transformers 5.25 gives each instance its own kernel wrappers, made from the
+    module that defined the class) and holding the model's parameter objects. transformers'
+    own module is never changed.
 On exit everything is put back. The caller computes the loss with the model's own
 `model(..., labels=...)` (forward.unpacked_forward with hf_labels).
 """
