@@ -74,12 +74,16 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
     looked.clear()
     torch_kernels.torch_kernel_module.cache_clear()  # the copy is made while the fakes are there
     names = dict(vars(stock_mod))
+    frozen = [p for n, p in model.named_parameters() if "linear_attn.in_proj" in n]
+    for p in frozen:  # a frozen part stays frozen inside the block and after it
+        p.requires_grad_(False)
     params = [id(p) for p in model.parameters()]
     ours = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     assert ours
     with stock_reference(model):
         assert looked == []
         assert [id(p) for p in model.parameters()] == params  # gradients land on the model's
+        assert frozen and not any(p.requires_grad for p in frozen)
         layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
         copy_mod = torch_kernels.torch_kernel_module(stock_mod.__name__)
         assert layers and all(type(m) is copy_mod.Qwen3_5GatedDeltaNet for m in layers)
@@ -88,5 +92,6 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
         assert torch.equal(_logits(model, spec, sample), without_fla)
     assert vars(stock_mod) == names
     assert [m for m in model.modules() if isinstance(m, GatedDeltaNet)] == ours  # put back
+    assert not any(p.requires_grad for p in frozen)
     assert all(sys.modules[name] is module for name, module in fakes.items())
     torch_kernels.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes

@@ -51,7 +51,10 @@ def torch_kernel_layer(layer: nn.Module, config) -> nn.Module:
     cls = torch_kernel_class(type(layer)._vlpack_stock)
     with torch.device("meta"):
         ref = cls(config, layer.layer_idx)
+    trains = {p: p.requires_grad for p in layer.parameters()}
     ref.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
+    for p, flag in trains.items():  # the load sets requires_grad to the new layer's (True)
+        p.requires_grad_(flag)
     return ref.train(layer.training)
 
 

@@ -12,8 +12,9 @@ configurations from a folder of JSON files (`FLA_CONFIG_DIR`, `FLA_CACHE_MODE`, 
 `ops/utils/cache.py`). `fla_configs/<GPU>/` holds the winners vlpack measured on that GPU
 (its README names the model, the versions and the command; tools/fla_configs.py writes them).
 `train.tuned_kernels` points fla at them in strict mode: a kernel whose autotuning key matches
-an entry exactly (the same head counts, head dims, dtypes and flags) starts from that
-configuration and compiles it alone; any other key autotunes as before.
+an entry exactly (the same head counts, head dims, dtypes and flags; for fla's l2norm kernels
+also the row's tokens × heads in buckets of 65,536) starts from that configuration and compiles
+it alone; any other key autotunes as before.
 """
 
 from __future__ import annotations
