@@ -259,7 +259,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
                 if p.requires_grad:
                     p.data = p.data.float()
         parallelize(model, model, topo, Parallelism(
-            frozen_dtype=torch.bfloat16 if m.lora.rank and device.type == "cuda" else None,
+            frozen_dtype=torch.bfloat16 if low else None,
             activation_checkpointing=m.activation_checkpointing,
             checkpoint_share=m.checkpoint_share,
             compile_scope=m.compile_scope if m.compile else None,

@@ -499,13 +499,13 @@ def _first_step_waits(cfg: Config, spec, device: torch.device, tuned: Path | Non
     """What the first step of a run waits for beyond its own work (None: nothing); `tuned`:
     the folder of fla kernel configurations in use (train/kernel_cache.py)."""
     waits = []
-    if device.type == "cuda" and spec.has_gdn and tuned is not None:
-        waits.append(f"Triton compiling fla's Gated-DeltaNet kernels in the configurations of "
-                     f"{tuned.name} (under a minute on a fresh machine; a kernel whose shape "
-                     "has none autotunes)")
-    elif device.type == "cuda" and spec.has_gdn:
-        waits.append("fla's Triton autotuning of the Gated-DeltaNet kernels (minutes on a fresh "
-                     "machine: about 3 for Qwen3.5-35B-A3B on an H200; cached for later runs)")
+    if device.type == "cuda" and spec.has_gdn:
+        waits.append(
+            f"Triton compiling fla's Gated-DeltaNet kernels in the configurations of {tuned.name} "
+            "(under a minute on a fresh machine; a kernel whose shape has none autotunes)"
+            if tuned is not None else
+            "fla's Triton autotuning of the Gated-DeltaNet kernels (minutes on a fresh machine: "
+            "about 3 for Qwen3.5-35B-A3B on an H200; cached for later runs)")
     if cfg.model.compile:
         waits.append("torch.compile of every layer")
     return " and ".join(waits) or None
