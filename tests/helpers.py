@@ -1,14 +1,20 @@
-"""Hand-built samples for tests that must not depend on the tokenizer or images."""
+"""Helpers shared by test files: hand-built samples for tests that must not depend on the
+tokenizer or images, process helpers, the small `tiny` run the trainer tests start, media files."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from PIL import Image
 
-from vlpack.config import DataConfig
+from vlpack.config import DataConfig, load_config
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
+from vlpack.train.parallel import Topology
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 PAD = 151643
@@ -123,3 +129,72 @@ def split_data(kw: dict) -> tuple[DataConfig, dict]:
     names = {f.name for f in dataclasses.fields(DataConfig)}
     return (DataConfig(**{k: v for k, v in kw.items() if k in names}),
             {k: v for k, v in kw.items() if k not in names})
+
+
+CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+SMALL = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
+         "data.video.min_pixels=4096", "data.video.max_pixels=50176",
+         "data.buffer_size=8", "data.eval_samples=0", "train.progress=false",
+         "train.eval_every=0", "train.save_every=0"]
+
+
+def small_cfg(out: Path, *extra: str):
+    return load_config("tiny", [*SMALL, f"train.output_dir={out}", *extra])
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def _frames(folder: Path, n: int, size=(90, 120), seed: int = 0, name: str = "f") -> list[str]:
+    """`n` random RGB frames of `size` (h, w) as PNGs; their names."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(
+            folder / f"{name}{i}.png")
+        names.append(f"{name}{i}.png")
+    return names
+
+
+def _mp4(path: Path, n: int, fps: int = 10, size=(64, 96), seed: int = 0) -> np.ndarray:
+    """Write an `n`-frame mp4 of smooth random frames; the frames written."""
+    av = pytest.importorskip("av")
+    rng = np.random.default_rng(seed)
+    frames = np.repeat(np.repeat(rng.integers(0, 256, (n, size[0] // 8, size[1] // 8, 3),
+                                              dtype=np.uint8), 8, 1), 8, 2)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[1], size[0], "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return frames
+
+
+def _dirty_data(tmp_path: Path) -> Path:
+    """The 24 synthetic samples and three bad ones: a broken JSON line, a missing image (both
+    skipped while planning) and an image whose header reads but whose body does not (skipped
+    at encode time, by the rank whose bin holds it)."""
+    import shutil
+
+    from PIL import Image
+
+    from vlpack.data.synth import default_dataset
+
+    out = tmp_path / "data"
+    shutil.copytree(default_dataset(n=24).parent, out)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(out / "cut.png")
+    (out / "cut.png").write_bytes((out / "cut.png").read_bytes()[:60])
+    lines = (out / "data.jsonl").read_text().splitlines()
+    ask = [{"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]
+    bad = ["{not json", json.dumps({"id": "gone", "conversations": ask, "image": "nope.png"}),
+           json.dumps({"id": "cut", "conversations": ask, "image": "cut.png"})]
+    (out / "data.jsonl").write_text("\n".join(bad[:1] + lines[:2] + bad[1:] + lines[2:]) + "\n")
+    return out / "data.jsonl"

@@ -258,7 +258,7 @@ def test_check_on_user_data_with_videos(tmp_path, capsys, name):
     """`vlpack check --data FILE.jsonl` on frame-list and mp4 videos mixed with an image and
     text: packed equals unpacked (the stock model given pixel_values_videos / video_grid_thw /
     second_per_grid_ts) and the report names the samples it used."""
-    from tests.test_video import _frames, _mp4
+    from tests.helpers import _frames, _mp4
 
     a = _frames(tmp_path, 5, size=(60, 90))
     _frames(tmp_path, 1, size=(64, 64), name="im")

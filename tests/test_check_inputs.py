@@ -305,7 +305,7 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     video file) before more of one kind, keeps file order, and skips bad records it meets,
     naming them; once it has a sample of every kind, it reads no further (a bad record there
     does not stop it)."""
-    from tests.test_video import _frames, _mp4
+    from tests.helpers import _frames, _mp4
     from vlpack.model.build import build_model
     from vlpack.model.check_data import load_samples
 
@@ -355,7 +355,7 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     import importlib.util
     from dataclasses import replace
 
-    from tests.test_video import _frames
+    from tests.helpers import _frames
     from vlpack.data.encode import Encoder
     from vlpack.data.sources import read_jsonl
     from vlpack.model.build import build_model

@@ -267,7 +267,7 @@ def test_dp2_cp2_trains_as_dp2_cp1_and_resumes_exactly(tmp_path):
         return [x for x in run.stdout.splitlines()
                 if x.lstrip().startswith(("samples ", "epochs ", "tokens "))]
 
-    from tests.test_distributed import _dirty_data
+    from tests.helpers import _dirty_data
 
     data = [f"data.path={_dirty_data(tmp_path)}", "data.source=jsonl", "data.max_bad_fraction=0.3",
             "model.init=random"]

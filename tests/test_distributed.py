@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import finished
-from tests.test_train import SMALL
+from tests.helpers import SMALL, _dirty_data, finished
 from vlpack.config import load_config
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -34,28 +33,6 @@ def _env() -> dict:
 def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if "loss" in r]
-
-
-def _dirty_data(tmp_path: Path) -> Path:
-    """The 24 synthetic samples and three bad ones: a broken JSON line, a missing image (both
-    skipped while planning) and an image whose header reads but whose body does not (skipped
-    at encode time, by the rank whose bin holds it)."""
-    import shutil
-
-    from PIL import Image
-
-    from vlpack.data.synth import default_dataset
-
-    out = tmp_path / "data"
-    shutil.copytree(default_dataset(n=24).parent, out)
-    Image.new("RGB", (64, 64), (200, 30, 30)).save(out / "cut.png")
-    (out / "cut.png").write_bytes((out / "cut.png").read_bytes()[:60])
-    lines = (out / "data.jsonl").read_text().splitlines()
-    ask = [{"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]
-    bad = ["{not json", json.dumps({"id": "gone", "conversations": ask, "image": "nope.png"}),
-           json.dumps({"id": "cut", "conversations": ask, "image": "cut.png"})]
-    (out / "data.jsonl").write_text("\n".join(bad[:1] + lines[:2] + bad[1:] + lines[2:]) + "\n")
-    return out / "data.jsonl"
 
 
 def _accounting_lines(stdout: str) -> list[str]:

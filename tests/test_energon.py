@@ -314,7 +314,7 @@ def test_warns_when_a_buffer_exceeds_a_workers_share(clean, encoder, caplog) -> 
 def test_video_samples_pack_as_on_the_jsonl_path(tmp_path: Path, encoder) -> None:
     """Frame-list and container videos, mixed with an image, through `energon-prepare`: the
     shards hold the files as members and the rows equal the JSONL loader's."""
-    from tests.test_video import _frames, _mp4
+    from tests.helpers import _frames, _mp4
 
     src = tmp_path / "src"
     a = [f"clipA/{n}" for n in _frames(src / "clipA", 5, size=(60, 90))]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import SMALL, losses
+from tests.helpers import SMALL, losses
 from vlpack.config import load_config
 from vlpack.data.energon.prepare import prepare_energon
 from vlpack.data.synth import default_dataset

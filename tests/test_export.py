@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, small_cfg
 from vlpack.data.loader import open_dataset
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.export import INDEX, export_checkpoint

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_train import CPU
+from tests.helpers import CPU
 from vlpack.config import load_config
 from vlpack.train.loop import Trainer
 

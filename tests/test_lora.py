@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import CPU, losses, samples, small_cfg  # noqa: F401  (fixture)
+from tests.helpers import CPU, losses, small_cfg
 from vlpack.config import LoraConfig, load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.padded import build_padded_batch
@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
 
 
-def test_packed_lora_training_equals_padded(samples):  # noqa: F811
+def test_packed_lora_training_equals_padded(samples):
     """3 AdamW steps of LoRA (rank 4, vision adapted too) on the same samples: packed (varlen)
     vs right-padded (sdpa, transformers' own path); the adapters end within 1e-5, the base
     weights do not move."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.model.build import build_model, meta_model
 from vlpack.train import memory

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, small_cfg
 from vlpack.train.loop import Trainer
 from vlpack.train.metrics import format_summary
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import make_sample, run_ranks
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, make_sample, run_ranks, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
@@ -168,7 +167,7 @@ def test_a_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path: Path) -> N
     assert params and all("lora_" in k for k in params), params[:5]
     resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.resume=auto", *args), CPU)
     resumed.fit()
-    from tests.test_train import losses
+    from tests.helpers import losses
 
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 

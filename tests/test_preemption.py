@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import run_ranks
-from tests.test_train import SMALL
+from tests.helpers import SMALL, run_ranks
 from vlpack.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, small_cfg
 from vlpack.train import runlock
 from vlpack.train.loop import Trainer
 from vlpack.train.parallel import Topology

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_train import CPU, small_cfg
+from tests.helpers import CPU, small_cfg
 from vlpack.train import memory
 from vlpack.train.loop import Trainer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import CPU, losses, small_cfg
+from tests.helpers import CPU, losses, small_cfg
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.loop import Trainer
 

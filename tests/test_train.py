@@ -10,43 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import GradRecorder
+from tests.helpers import CPU, GradRecorder, losses, small_cfg
 from vlpack.config import load_config
 from vlpack.data.batch import build_thd_batch
-from vlpack.data.encode import Encoder
-from vlpack.data.loader import open_dataset
 from vlpack.data.padded import build_padded_batch
-from vlpack.data.video import VideoSettings
 from vlpack.model.build import build_model
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.loop import NonFiniteLossError, Trainer
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import Topology
 from vlpack.train.step import optimizer_step
-
-CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-SMALL = ["data.synthetic_samples=24", "data.seq_len=512", "data.min_pixels=16384", "data.max_pixels=50176",
-         "data.video.min_pixels=4096", "data.video.max_pixels=50176",
-         "data.buffer_size=8", "data.eval_samples=0", "train.progress=false",
-         "train.eval_every=0", "train.save_every=0"]
-
-
-def small_cfg(out: Path, *extra: str):
-    return load_config("tiny", [*SMALL, f"train.output_dir={out}", *extra])
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-@pytest.fixture(scope="module")
-def samples():
-    enc = Encoder("qwen3_vl", min_pixels=16384, max_pixels=50176,
-                  video=VideoSettings(min_pixels=4096, max_pixels=50176))
-    items = open_dataset("synthetic", None, synthetic_samples=24)
-    return [enc.encode(c) for c in items[:15]]
 
 
 def test_packed_training_equals_padded_training(samples) -> None:

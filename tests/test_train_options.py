@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import CPU, losses, small_cfg
+from tests.helpers import CPU, losses, small_cfg
 from vlpack.cli import main
 from vlpack.config import RECIPES, load_config
 from vlpack.model.presets import PRESETS

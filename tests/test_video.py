@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import _frames, _mp4
 from vlpack.data import video as vid
 from vlpack.data.encode import Encoder
 from vlpack.data.rope import mrope_positions
@@ -28,35 +29,6 @@ from vlpack.data.types import TOKEN_TYPE_VIDEO, BadSampleError, VideoRef
 from vlpack.families import family
 
 ROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
-
-
-def _frames(folder: Path, n: int, size=(90, 120), seed: int = 0, name: str = "f") -> list[str]:
-    """`n` random RGB frames of `size` (h, w) as PNGs; their names."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    names = []
-    for i in range(n):
-        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(
-            folder / f"{name}{i}.png")
-        names.append(f"{name}{i}.png")
-    return names
-
-
-def _mp4(path: Path, n: int, fps: int = 10, size=(64, 96), seed: int = 0) -> np.ndarray:
-    """Write an `n`-frame mp4 of smooth random frames; the frames written."""
-    av = pytest.importorskip("av")
-    rng = np.random.default_rng(seed)
-    frames = np.repeat(np.repeat(rng.integers(0, 256, (n, size[0] // 8, size[1] // 8, 3),
-                                              dtype=np.uint8), 8, 1), 8, 2)
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = size[1], size[0], "yuv420p"
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return frames
 
 
 def _record(tmp_path: Path, content: list, answer: str = "a clip") -> dict:

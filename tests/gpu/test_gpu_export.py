@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_train import small_cfg
+from tests.helpers import small_cfg
 from vlpack.train.parallel import Topology
 
 pytestmark = [
