@@ -1,4 +1,4 @@
-"""Re-derive `tests/test_tool_calls.py`'s EXPECTED from the released chat templates.
+"""Re-derive `tests/data/test_tools.py`'s EXPECTED from the released chat templates.
 
     python -m tests.tool_templates_reference QWEN3_VL_TEMPLATE.jinja QWEN3_5_TEMPLATE.jinja
 
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.test_tool_calls import AGENT, EXPECTED
+from tests.data.test_tools import AGENT, EXPECTED
 from vlpack.data.encode import Encoder
 from vlpack.data.sources import parse_record
 from vlpack.data.template import hf_messages

@@ -3,8 +3,8 @@
 A run on a preset (or a folder without a template) renders its samples with vlpack's built-in
 template (data/encode.py); its exported folder carries this Jinja source, which renders the same
 text for conversations of system, user and assistant turns with images and videos, so a serving
-engine prompts the model as it was trained (tests/test_export.py renders both ways and compares
-the token ids and labels). What it writes, per family:
+engine prompts the model as it was trained (tests/data/test_chat_templates.py renders both ways
+and compares the token ids and labels). What it writes, per family:
 
 - every turn `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an image
   `<|vision_start|><|image_pad|><|vision_end|>`, a video the same with `<|video_pad|>` (the

@@ -2,7 +2,7 @@
 
 A video is a container file (mp4, webm, ...; decoded with PyAV, the `video` extra) or a list of
 frame images (a video already sampled at its `fps`, default 2; no decoder needed). The rules
-follow transformers' video processors, checked against them (tests/test_video.py):
+follow transformers' video processors, checked against them (tests/data/test_video.py):
 
 - **Frames.** A file is sampled to `fps` frames per second of its duration, clamped to
   `[min_frames, max_frames]` and to its frame count. qwen2_vl / qwen2_5_vl

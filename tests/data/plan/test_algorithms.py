@@ -1,4 +1,4 @@
-"""Offline bin planners: exactness against slow references, invariants, errors, DP sharding."""
+"""Offline bin planners: exactness against slow references, invariants, errors."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 
 from vlpack.data.plan import (
     ALGOS,
-    assign_bins_to_ranks,
     bin_stats,
-    estimate_bin_cost,
     plan_bins,
     trees,
 )
@@ -271,41 +269,3 @@ def test_fill_beats_next_fit_on_receipts(algo):
     assert stats["efficiency"] >= 0.99 > naive["efficiency"]
     two = plan_bins(lens, 8192, algo, patches=pats, max_patches=16384)
     check_partition(two, len(lens), lens, 8192, pats, 16384)
-
-
-def test_bin_stats():
-    s = bin_stats([[0, 1], [2]], [3, 5, 4], 10)
-    assert s == pytest.approx({"bins": 2, "items": 3, "tokens": 12, "efficiency": 0.6,
-                               "mean_fill": 0.6, "min_fill": 0.4, "max_fill": 0.8})
-
-
-# ----------------------------------------------------------------- data-parallel helpers
-
-
-def test_estimate_bin_cost_terms():
-    assert estimate_bin_cost([10, 20], 0, attn_cost=0.0) == 30.0
-    assert estimate_bin_cost([10, 20], 8, token_cost=0, attn_cost=1, patch_cost=0.5) == 504.0
-    # One 8k sample costs more than eight 1k samples: the attention term.
-    assert estimate_bin_cost([8192], 0) > estimate_bin_cost([1024] * 8, 0)
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(0, 1e6), max_size=40), st.integers(1, 8))
-def test_assign_bins_to_ranks(costs, world):
-    costs = costs[: len(costs) - len(costs) % world]
-    out = assign_bins_to_ranks(costs, world)
-    assert len(out) == world
-    assert sorted(i for r in out for i in r) == list(range(len(costs)))
-    assert len({len(r) for r in out}) <= 1, "same number of bins (steps) on every rank"
-    for r in out:
-        assert [costs[i] for i in r] == sorted((costs[i] for i in r), reverse=True)
-    assert assign_bins_to_ranks(costs, world) == out
-
-
-def test_assign_bins_balances_and_rejects_uneven():
-    costs = [10, 9, 8, 7, 6, 5, 4, 3]
-    out = assign_bins_to_ranks(costs, 2)
-    assert [sum(costs[i] for i in r) for r in out] == [26, 26]
-    assert out == [[0, 3, 4, 7], [1, 2, 5, 6]]
-    with pytest.raises(ValueError, match="multiple of world_size"):
-        assign_bins_to_ranks([1.0, 2.0, 3.0], 2)

@@ -4,16 +4,21 @@ within a binomial bound, per-source counts, and resume ≡ uninterrupted."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.test_loader import dataset, loader, same
+from tests.data.test_loader import dataset, loader, same
+from tests.helpers import CPU, small_cfg
 from vlpack.config import load_config
 from vlpack.data.mixture import Mixture, mixture_counts, mixture_index
 from vlpack.data.stream import BinStream
+from vlpack.train.loop import Trainer
+from vlpack.train.metrics import format_summary
 
 
 @pytest.mark.parametrize("sizes, weights, counts", [
@@ -98,3 +103,19 @@ def test_a_preset_on_mixed_user_data_is_refused() -> None:
     with pytest.raises(ValueError, match=r"data.source=hf \(in data.mix\) is your data"):
         load_config("qwen3-vl-2b", ["data.mix=[{source: synthetic}, {path: d, weight: 2}]"])
     assert load_config("qwen3-vl-2b", ["data.mix=[{source: synthetic}]"]).data.mix
+
+
+# --- a training run over a mixture -------------------------------------------------------------------
+# A training run over a mixture (data.mix) reports what it trained from each source.
+def test_run_reports_samples_per_source(tmp_path: Path) -> None:
+    cfg = small_cfg(tmp_path, "train.max_steps=2", "train.log_every=1",
+                    "data.mix=[{source: synthetic, weight: 3, name: receipts}, "
+                    "{source: synthetic, weight: 1, name: more}]")
+    trainer = Trainer(cfg, CPU)
+    summary = trainer.fit()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "sources" in r][-1]
+    assert summary["sources"] == last["sources"]
+    assert summary["sources"] and set(summary["sources"]) <= {"receipts", "more"}
+    assert sum(summary["sources"].values()) == summary["samples"]
+    assert "sources" in format_summary({**summary, "metrics": "m", "plot": None})

@@ -15,7 +15,7 @@ CAP, MAXP = 64, 48
 
 
 def receipts(n: int, seed: int) -> list[int]:
-    """Receipt-like token counts (as in test_plan.py): text 150-600 + 0/1/2 images of
+    """Receipt-like token counts (as in test_algorithms.py): text 150-600 + 0/1/2 images of
     100-2000 tokens (log-uniform; 15% / 70% / 15%)."""
     rng = np.random.default_rng(seed)
     k = rng.choice(3, size=n, p=[0.15, 0.7, 0.15])

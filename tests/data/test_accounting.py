@@ -8,8 +8,8 @@ import logging
 
 import numpy as np
 
+from tests.data.test_loader import dataset, loader
 from tests.helpers import make_sample
-from tests.test_loader import dataset, loader
 from vlpack.data.accounting import MAX_PRINTED, Tally
 
 
