@@ -198,3 +198,87 @@ def _dirty_data(tmp_path: Path) -> Path:
            json.dumps({"id": "cut", "conversations": ask, "image": "cut.png"})]
     (out / "data.jsonl").write_text("\n".join(bad[:1] + lines[:2] + bad[1:] + lines[2:]) + "\n")
     return out / "data.jsonl"
+
+
+# transformers' own model-test configs (tests/models/<family>/test_modeling_<family>.py): vocab
+# 99, bos 0, eos 1, pad 2, image 3, video 4, vision start 5, vision end 6; hidden 32, 2 layers.
+TEXT = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 32, "vocab_size": 99, "intermediate_size": 37,
+        "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000, "mrope_section": [2, 1, 1]}}
+
+
+IDS = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5,
+       "vision_end_token_id": 6, "tie_word_embeddings": True}
+
+
+ROPE3 = {"rope_type": "default", "rope_theta": 10000, "mrope_section": [2, 1, 1],
+         "mrope_interleaved": True}
+
+
+VISION3 = {"depth": 2, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 32,
+           "intermediate_size": 32, "out_hidden_size": 32, "num_heads": 4, "patch_size": 16,
+           "spatial_merge_size": 1, "temporal_patch_size": 2, "num_position_embeddings": 16}
+
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
+GDN = {"head_dim": 32, "layer_types": ["full_attention", "linear_attention"],
+       "linear_conv_kernel_dim": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+       "linear_num_key_heads": 4, "linear_num_value_heads": 8, "rope_parameters": ROPE3}
+
+
+HF_TEST_CONFIGS = {
+    "qwen2_vl": dict(text_config=TEXT, vision_config={
+        "depth": 2, "embed_dim": 32, "hidden_act": "quick_gelu", "hidden_size": 32,
+        "mlp_ratio": 4, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2}),
+    "qwen2_5_vl": dict(text_config=TEXT, vision_config={
+        "depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 32,
+        "out_hidden_size": 32, "num_heads": 4, "patch_size": 14, "spatial_merge_size": 1,
+        "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [0],
+        "tokens_per_second": 2}),
+    "qwen3_vl": dict(text_config={**TEXT, "head_dim": 8, "rope_parameters": ROPE3},
+                     vision_config={**VISION3, "deepstack_visual_indexes": [0, 1]}),
+    "qwen3_vl_moe": dict(text_config={**TEXT, **MOE, "head_dim": 8, "rope_parameters": ROPE3,
+                                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+                         vision_config={**VISION3, "deepstack_visual_indexes": [0, 1]}),
+    "qwen3_5": dict(text_config={**TEXT, **GDN}, vision_config=VISION3),
+    "qwen3_5_moe": dict(text_config={**TEXT, **GDN, **MOE, "shared_expert_intermediate_size": 16},
+                        vision_config=VISION3),
+}
+
+
+def hf_test_folder(path, family: str, weights: bool = True):
+    """A checkpoint folder of transformers' test config of `family` (random weights saved with
+    save_pretrained, or config.json alone)."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from vlpack.families import family as family_of
+
+    config = CONFIG_MAPPING[family](**HF_TEST_CONFIGS[family], **IDS)
+    if not weights:
+        config.save_pretrained(path)
+        return path
+    torch.manual_seed(0)
+    getattr(transformers, family_of(family).hf_class)(config).save_pretrained(path)
+    return path
+
+
+def _report(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _rows(tmp_path: Path, rows: list) -> Path:
+    """A JSONL file of `rows` (dicts; a string is written as it is: a bad record)."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join((json.dumps(r) if isinstance(r, dict) else r) + "\n" for r in rows))
+    return data
+
+
+def _chat(q, a: str = "A receipt.") -> dict:
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers import HF_TEST_CONFIGS, _report, hf_test_folder
 from vlpack.cli import main
 
 
@@ -299,3 +300,26 @@ def test_the_report_names_the_worst_parameters_first():
     lines = _named("err", {n: f"{v:g}" for n, v in _worst_first(errors)})
     assert lines[0] == f"err of p{MAX_NAMED + 2:02d}: {MAX_NAMED + 2}"
     assert lines[-1] == "err: 3 more parameters" and "err of p00: 0" not in lines
+
+
+@pytest.mark.parametrize("family", list(HF_TEST_CONFIGS))
+def test_check_passes_on_transformers_test_configs(tmp_path, capsys, family):
+    """A vocabulary of 99 with special ids 0-6: the check's text ids stay inside it and away
+    from the special ids, and packed equals unpacked."""
+    folder = hf_test_folder(tmp_path / family, family)
+    assert main(["check", "--model", str(folder), "--samples", "2", "--json"]) == 0
+    r = _report(capsys)
+    assert r["passed"] and r["family"] == family, r["failures"]
+
+
+def test_check_config_only_folder_names_init_random(tmp_path, capsys):
+    """A folder with config.json alone: refused with a message that names the check's own
+    `--init random` (not a training key); with it, random weights of its shape pass."""
+    folder = hf_test_folder(tmp_path / "cfg", "qwen3_vl", weights=False)
+    assert main(["check", "--model", str(folder), "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no weights" in err and "--init random" in err and "model.init" not in err
+    assert main(["check", "--model", str(folder), "--samples", "2", "--init", "random",
+                 "--json"]) == 0
+    r = _report(capsys)
+    assert r["passed"] and r["init"] == "random"

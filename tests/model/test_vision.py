@@ -12,10 +12,11 @@ import torch
 
 from tests.helpers import make_sample
 from vlpack.data.batch import build_thd_batch
-from vlpack.model import vision
+from vlpack.model import attention, vision
 from vlpack.model.bounds import BOUNDS_KWARG
 from vlpack.model.build import build_model
 from vlpack.model.forward import packed_forward, packed_model_inputs
+from vlpack.model.synthetic import default_mix
 
 FAMILIES = ["tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-qwen3_vl_moe",
             "tiny-qwen3_5", "tiny-qwen3_5_moe"]
@@ -142,3 +143,39 @@ def test_tables_on_the_device_are_never_read_back(name, monkeypatch):
     got = packed_forward(model, batch, spec=spec)
     assert copies and got.paths["vision.tables"] == "host"
     assert torch.equal(got.loss_sum, want)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_vl", "tiny-qwen2_5_vl"])
+def test_vision_tower_one_call_per_layer_with_the_rows_boundaries(name, monkeypatch):
+    """In a packed forward each vision layer makes one attention call over all images of the
+    row, with the per-image (or, in Qwen2.5-VL's windowed layers, per-window) boundaries;
+    the text cu kwargs handed to the tower change nothing."""
+    model, spec = build_model(name, device="cpu")
+    samples = default_mix(spec, 4, seed=0)
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                            spatial_merge_size=spec.merge_size)
+    calls = []
+    real = attention.attend
+
+    def spy(name_, q, k, v, segs, **kw):
+        calls.append((kw["stream"], segs.host))
+        return real(name_, q, k, v, segs, **kw)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    with torch.no_grad():
+        out = packed_forward(model, batch, spec=spec, return_hidden=True)
+    vision = [c for s, c in calls if s == "vision"]
+    assert len(vision) == model.config.vision_config.depth
+    assert tuple(batch.vision_cu_seqlens.tolist()) in vision
+    if spec.family == "qwen2_5_vl":  # windowed layers see finer (window) boundaries
+        assert any(len(c) > len(batch.vision_cu_seqlens) for c in vision)
+    inputs = packed_model_inputs(model, batch, spec)
+    with torch.no_grad():  # without the text kwargs (the tower drops them): the same features
+        img = model.model.get_image_features(batch.pixel_values, batch.image_grid_thw,
+                                             vlpack_bounds=inputs["vlpack_bounds"])
+        dirty = model.model.get_image_features(batch.pixel_values, batch.image_grid_thw,
+                                               **{k: v for k, v in inputs.items()
+                                                  if k.startswith(("cu_", "max_", "vlpack"))})
+    get = (lambda o: o.pooler_output) if hasattr(img, "pooler_output") else (lambda o: o)
+    assert all(torch.equal(a, b) for a, b in zip(get(img), get(dirty), strict=True))
+    assert torch.isfinite(out.hidden).all()
