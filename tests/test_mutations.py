@@ -124,7 +124,7 @@ MUTATIONS = [
              "obj = out.loss_sum * (ws / max(b.num_label_tokens, 1) / len(mbs))",
              tests=("tests/test_step_gradient.py::"
                     "test_one_process_step_gradient_is_the_global_token_mean",
-                    "tests/test_train.py::test_micro_batches_normalise_by_global_token_count")),
+                    "tests/train/test_step.py::test_micro_batches_normalise_by_global_token_count")),
     Mutation("gradients halved on 2 ranks", "train/step.py",
              "obj = out.loss_sum * (ws / denom)", "obj = out.loss_sum * (1 / denom)",
              tests=("tests/test_step_gradient.py::"

@@ -3,15 +3,19 @@ trace_vision_attention=True)`): one set of graphs for every row, the kernel call
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from tests.helpers import CPU, losses, small_cfg
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
 from vlpack.model.compile import compile_layers
 from vlpack.model.forward import packed_forward
 from vlpack.model.synthetic import default_mix
+from vlpack.train.loop import Trainer
 
 
 def _break_names() -> set[str]:
@@ -50,3 +54,62 @@ def test_traced_vision_attention_serves_every_row_without_recompiling(name):
         fused.zero_grad(set_to_none=True)
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
     assert _break_names() == {"attend_row", "varlen_attention_forward"}, _break_names()
+
+
+# --- model.compile through the trainer ---------------------------------------------------------------
+@pytest.mark.parametrize("name,fsdp,scope", [
+    ("tiny-qwen3_vl", "auto", "regions"), ("tiny-qwen3_5_moe", "auto", "regions"),
+    ("tiny-qwen3_vl", "always", "regions"), ("tiny-qwen3_vl", "always", "layers"),
+    ("tiny-qwen3_5_moe", "auto", "layers")])
+def test_compiled_model_gives_the_same_losses(tmp_path: Path, name: str, fsdp: str,
+                                               scope: str) -> None:
+    """`model.compile=true` trains to the eager run's losses. `regions` (inductor-fused norms,
+    MLPs and rotary functions): the hybrid MoE family covers its offset RMSNorm and shared-expert
+    MLP, fsdp=always the compiled modules inside FSDP2-sharded blocks. `layers` (decoder layers
+    and vision blocks whole): the attention call is a graph break, Gated-DeltaNet and routed
+    experts stay eager, and nothing else breaks the graphs."""
+    import inspect
+
+    from torch._dynamo.utils import counters
+
+    from vlpack.model.compile import compile_regions
+    from vlpack.model.recompute import layer_stacks
+    from vlpack.model.seams import classes_of
+    from vlpack.model.vision import VisionAttention
+    from vlpack.train.parallel import shutdown
+
+    plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
+    plain.fit()
+    modeling = inspect.getmodule(type(plain.model))
+    stock = modeling.apply_rotary_pos_emb_vision
+    torch._dynamo.reset()  # compile afresh: graphs cached by earlier tests would count nothing
+    counters.clear()
+    try:
+        fused = Trainer(small_cfg(tmp_path / "b", "train.max_steps=3", f"model.name={name}",
+                                  "model.compile=true", f"model.compile_scope={scope}",
+                                  f"train.fsdp={fsdp}"), CPU)
+        if scope == "regions":
+            units = [m for m in fused.model.modules()
+                     if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+            assert {type(m).__name__ for m in units} >= {"LayerNorm"}  # the vision blocks' norms
+        else:
+            units = [layer for stack in layer_stacks(fused.model).values() for layer in stack]
+            assert len(units) > 2
+        assert all(getattr(m, "_compiled_call_impl", None) is not None for m in units)
+        attn = [m for m in fused.model.modules() if isinstance(m, VisionAttention)]
+        assert attn and all(m.vlpack_rotary is not stock for m in attn)  # compiled, ...
+        fused.fit()
+    finally:
+        shutdown()
+    assert modeling.apply_rotary_pos_emb_vision is stock  # ... and transformers' left alone
+    assert counters["stats"]["unique_graphs"] > 0
+    if scope == "layers":  # every graph break is one of the eager islands, by design
+        breaks = {k.split("Developer debug context: ")[1].split()[1] for k in counters["graph_break"]}
+        eager = {"varlen_attention_forward", "VisionAttention.forward",
+                 "GatedDeltaNet.forward"}  # vlpack's seams
+        islands = tuple(f"{c.__name__}.forward" for c in classes_of(fused.model).eager)
+        assert breaks and all(b in eager or b.endswith(islands) for b in breaks), breaks
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+    with pytest.raises(ValueError, match=r"config\.model_type"):
+        compile_regions(torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -115,3 +115,24 @@ def test_frozen_lm_head_gets_no_grad():
     s, _ = linear_ce_sum(h, lm, torch.tensor([1, 2, 3, 4, 5, 6]), method="chunked")
     s.backward()
     assert lm.weight.grad is None and h.grad is not None
+
+
+def test_weighted_chunked_loss_matches_plain() -> None:
+    """Per-token weights (sample-mean path): chunked loss and gradients == plain computation."""
+    from vlpack.model.loss import linear_ce_sum
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    h = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (40,))
+    labels[::3] = -100
+    w = torch.rand(40)
+    grads = []
+    for method in ("plain", "chunked"):
+        head.zero_grad()
+        h.grad = None
+        total, _ = linear_ce_sum(h, head, labels, method=method, chunk_size=7, token_weight_T=w)
+        total.backward()
+        grads.append((total.detach(), h.grad.clone(), head.weight.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

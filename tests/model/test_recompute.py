@@ -4,15 +4,18 @@ those of the model that keeps every activation."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import CPU, small_cfg
 from vlpack.config import load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
 from vlpack.model.recompute import enable_activation_checkpointing, layer_stacks
 from vlpack.model.synthetic import default_mix
+from vlpack.train.loop import Trainer
 from vlpack.train.module import TrainModule
 
 
@@ -68,3 +71,11 @@ def test_share_is_validated() -> None:
                            ).model.activation_checkpointing
     assert load_config(None, ["model.activation_checkpointing=true",
                               "model.checkpoint_share=0.5"]).model.checkpoint_share == 0.5
+
+
+# --- model.activation_checkpointing through the trainer ----------------------------------------------
+def test_activation_checkpointing_gives_the_same_losses(tmp_path: Path) -> None:
+    plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=2"), CPU).fit()
+    ckpt = Trainer(small_cfg(tmp_path / "b", "train.max_steps=2",
+                             "model.activation_checkpointing=true"), CPU).fit()
+    assert abs(plain["last_loss"] - ckpt["last_loss"]) < 1e-5

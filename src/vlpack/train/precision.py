@@ -4,7 +4,7 @@ Training autocasts to bf16 on a GPU over float32 master weights. A parameter tha
 gradient (the base of a LoRA run, a `model.freeze_*` part) needs no master: where autocast would
 cast it to bf16 at every use anyway (the weights and biases of linear layers, the routed
 experts' 3-D weights), vlpack holds it in bf16 from the start. The arithmetic is unchanged
-(autocast's cast of a bf16 tensor is a no-op; tests/test_precision.py shows the loss and every
+(autocast's cast of a bf16 tensor is a no-op; tests/train/test_precision.py shows the loss and every
 gradient bit for bit equal) and the frozen base takes half the memory: the 35.1 B parameters of
 Qwen3.5-35B-A3B take 65 GiB instead of 131.
 

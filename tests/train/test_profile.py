@@ -6,9 +6,13 @@ runs it on a real profile."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers import CPU, small_cfg
+from vlpack.train.loop import Trainer
 from vlpack.train.profile import _innermost_at, format_gaps, idle_gaps
 
 
@@ -98,3 +102,30 @@ def test_innermost_span_sweep_matches_brute_force(seed):
 def test_innermost_span_of_spans_starting_together_is_the_shorter():
     spans = [(0.0, 10.0, "outer"), (0.0, 5.0, "inner"), (0.0, 0.0, "instant")]
     assert _innermost_at(spans, [0.0, 3.0, 7.0, 11.0]) == ["instant", "inner", "outer", None]
+
+
+# --- train.profile_steps through the trainer ---------------------------------------------------------
+def test_profile_writes_a_summary(tmp_path: Path) -> None:
+    """`train.profile_steps`: a table of the profiled step, set against the unprofiled ones."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=3", "train.profile_steps=1",
+                      "train.profile_from=3"), CPU).fit()
+    text = (tmp_path / "profile_rank0.txt").read_text()
+    assert text.startswith("1 steps, profiled wall") and "operators only" in text
+    assert "operators:" in text and "aten::" in text
+    with pytest.raises(ValueError, match=r"lower train\.profile_from"):
+        small_cfg(tmp_path, "train.max_steps=3", "train.profile_steps=2", "train.profile_from=3")
+
+
+def test_profile_stacks_add_host_time_by_call_site(tmp_path: Path) -> None:
+    from vlpack.train.profile import StepProfiler
+
+    prof = StepProfiler(tmp_path / "p.txt", start=1, count=1, device=torch.device("cpu"), stacks=True)
+    prof.before(1)
+    x = torch.randn(64, 64)
+    for _ in range(3):
+        x = torch.tanh(x @ x)
+    prof.after(1)
+    text = (tmp_path / "p.txt").read_text()
+    assert "host time by call site" in text and "test_profile.py" in text
+    # the sites themselves, not only Python function events among the operators
+    assert "Source Location" in text.split("host time by call site")[1]

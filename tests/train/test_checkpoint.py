@@ -132,3 +132,13 @@ def test_write_failure_message_has_no_traceback(tmp_path: Path, monkeypatch) -> 
     msg = str(info.value)
     assert "(OSError: [Errno 28] No space left on device)" in msg
     assert "Traceback" not in msg and "File \"" not in msg and "\n" not in msg
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=2"), CPU)
+    t.fit()
+    good = ckpt.latest_checkpoint(tmp_path)
+    broken = good.parent / "step_00000009.tmp"  # a save killed half-way
+    broken.mkdir()
+    (broken / "trainer_rank0.pt").write_bytes(b"partial")
+    assert ckpt.latest_checkpoint(tmp_path) == good

@@ -1,5 +1,5 @@
 """The memory plan (train/memory.py) against hand-worked numbers, `vlpack train --dry-run`, the
-one-paragraph out-of-memory message, and the FLOPs a frozen weight costs (train/flops.py)."""
+one-paragraph out-of-memory message, and a model too large refused before it is built."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from torch import nn
 
 from tests.helpers import CPU, small_cfg
 from vlpack.config import LoraConfig
-from vlpack.model.build import build_model, meta_model
+from vlpack.model.build import meta_model
 from vlpack.train import memory
-from vlpack.train.flops import flop_model
 from vlpack.train.loop import Trainer, train
 
 
@@ -108,47 +107,6 @@ def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeyp
     assert "Traceback" not in out and "Tried to allocate" not in out
 
 
-def test_a_frozen_weight_costs_four_flops_and_a_frozen_tower_two() -> None:
-    """FLOPs per token of the LLM's weights: 6 per parameter when they train; with LoRA the base
-    costs 4 (no weight gradient) and each adapter 6; the frozen vision tower (no gradient flows
-    into it) costs 2 per parameter and its attention one pass instead of three."""
-    from vlpack.model import lora
-
-    full = flop_model(build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0])
-    model = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0]
-    lora.apply_lora(model, LoraConfig(rank=4))
-    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
-    adapter_params = sum(4 * (m.in_features + m.out_features) for m in adapted)
-    ft = flop_model(model)
-    assert ft.text_per_token == pytest.approx(full.text_per_token * 4 / 6 + 6 * adapter_params)
-    assert ft.vision_per_patch == pytest.approx(full.vision_per_patch / 3)
-    assert (full.vision_attn_passes, ft.vision_attn_passes) == (3, 1)
-
-
-def test_a_step_reports_the_frozen_aware_mfu_inputs(tmp_path: Path) -> None:
-    """The trainer counts FLOPs after freezing: a frozen vision tower costs less than a training
-    one on the same batch."""
-    a = Trainer(small_cfg(tmp_path / "a"), CPU)
-    b = Trainer(small_cfg(tmp_path / "b", "model.freeze_vision=true", "model.freeze_merger=true"),
-                CPU)
-    assert b.flops.vision_per_patch == pytest.approx(a.flops.vision_per_patch / 3)
-
-
-def test_the_first_step_says_what_it_waits_for() -> None:
-    from vlpack.config import load_config
-    from vlpack.train.loop import _first_step_waits
-
-    gdn = type("Spec", (), {"has_gdn": True})
-    cuda = torch.device("cuda")
-    lora = load_config("qwen3.5-35b-a3b-lora")
-    assert "fla's Triton autotuning" in _first_step_waits(lora, gdn, cuda, None)
-    tuned = _first_step_waits(lora, gdn, cuda, Path("fla_configs/NVIDIA_H200"))
-    assert "compiling" in tuned and "NVIDIA_H200" in tuned and "autotuning of" not in tuned
-    cpu = torch.device("cpu")
-    assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, cpu, None)
-    assert _first_step_waits(load_config("tiny"), gdn, cpu, None) is None
-
-
 def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypatch, caplog) -> None:
     """The plan is an estimate: train.memory_check=warn starts a run it refuses (saying so),
     skip does not look."""
@@ -161,3 +119,13 @@ def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypa
     Trainer(small_cfg(tmp_path / "b", "train.memory_check=warn"), CPU)
     assert "train.memory_check=warn: starting although" in caplog.text
     Trainer(small_cfg(tmp_path / "c", "train.memory_check=skip"), CPU)
+
+
+# --- a model too large for the machine ---------------------------------------------------------------
+def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch) -> None:
+    """The 35B-A3B preset on a machine with a few GiB: refused in about a second, with the
+    numbers, instead of running out of host memory while building random weights."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 * memory.GIB)
+    with pytest.raises(ValueError, match=r"model.name=qwen3.5-35b-a3b has 35.1\d B parameters .*"
+                                         r"would take about 5\d\d.\d GiB on each cpu device, but 8.0 GiB"):
+        Trainer(small_cfg(tmp_path, "model.name=qwen3.5-35b-a3b"), CPU)

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import SMALL, _dirty_data, finished
+from tests.helpers import CPU, SMALL, _dirty_data, finished, losses, small_cfg
 from vlpack.config import load_config
+from vlpack.train.loop import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 
@@ -296,3 +297,120 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
     assert set(h1) == set(h2) == set(h3) and not any("lora" in k for k in h1)
     assert max((h1[k] - h2[k]).abs().max().item() for k in h1) < 1e-5
     assert all(torch.equal(h2[k], h3[k]) for k in h2)
+
+
+# --- trainer switches --------------------------------------------------------------------------------
+# Trainer switches: freezing, anomaly mode, token-budget accumulation, rows padded to seq_len.
+def test_fsdp_root_keeps_its_parameters_for_backward(tmp_path: Path, monkeypatch) -> None:
+    """FSDP2 re-gathers a module for backward from hooks on the tensors its forward returns. Up
+    to torch 2.11 it finds them with pytree, which does not enter the root's `ForwardOut`
+    dataclass: no hook. A root resharded after forward then read freed parameters in backward
+    (a segfault on CPU, an illegal memory access on an H200: the 8B recipe on 2 GPUs). With that
+    registration patched in, the root's parameters must still be gathered after forward, and
+    the run must equal the plain one."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten
+
+    from vlpack.train.parallel import shutdown
+
+    def pytree_hooks(self, output):  # torch <= 2.11's registration
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    monkeypatch.setattr(FSDPState, "_register_pre_backward_hook", pytree_hooks)
+    try:
+        plain = Trainer(small_cfg(tmp_path / "plain", "train.max_steps=2"), CPU)
+        plain.fit()
+        t = Trainer(small_cfg(tmp_path / "fsdp", "train.max_steps=2", "train.fsdp=always",
+                              "train.reshard_after_forward=true"), CPU)
+        root_params = [t.model.lm_head.weight, t.model.model.language_model.norm.weight]
+        seen = []
+
+        def after_forward(module, args, out):  # runs after FSDP2's own post-forward hook
+            for name in ("lm_head", "model.language_model.norm"):
+                w = t.model.get_submodule(name).weight
+                # fails here, before a backward that would read freed memory and crash
+                assert not isinstance(w, DTensor) and w.untyped_storage().nbytes() > 0, \
+                    f"the root resharded {name} after forward: its backward reads freed memory"
+            seen.append(True)
+
+        t.module.register_forward_hook(after_forward)
+        assert all(isinstance(p, DTensor) for p in root_params)  # sharded before any forward
+        t.fit()
+        assert len(seen) == 2
+        assert max(abs(a - b) for a, b in zip(losses(tmp_path / "plain"),
+                                               losses(tmp_path / "fsdp"), strict=True)) < 1e-5
+    finally:
+        shutdown()
+
+
+def test_sharded_run_builds_shapes_then_receives_rank0s_weights(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """An FSDP2 run builds the model on the meta device, shards it, and only then receives
+    rank 0's whole CPU copy (no rank holds the whole model on its accelerator): every
+    parameter and buffer (rotary tables included) equals a plain build with the run's seed."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import vlpack.model.build as build
+    from vlpack.train.parallel import shutdown
+
+    devices, original = [], build.build_model
+
+    def record(*args, **kwargs):
+        devices.append(torch.device(kwargs["device"]).type)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(build, "build_model", record)
+    try:
+        t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.fsdp=always"), CPU)
+        assert devices == ["meta", "cpu"]
+        got = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True))
+        want, _ = original(t.cfg.model.name, dtype=torch.float32, device="cpu",
+                           seed=t.cfg.train.seed)
+        assert set(got) == set(want.state_dict())
+        for name, value in want.state_dict().items():
+            assert torch.equal(got[name], value), name
+        buffers = dict(t.model.named_buffers())
+        for name, value in want.named_buffers():
+            assert torch.equal(buffers[name], value), name
+    finally:
+        shutdown()
+
+
+def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
+    """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
+    its sharded checkpoint resumes to the straight run's losses."""
+    from vlpack.train import checkpoint as ckpt
+    from vlpack.train.parallel import shutdown
+
+    try:
+        plain = Trainer(small_cfg(tmp_path / "plain", "train.max_steps=4"), CPU)
+        plain.fit()
+        fsdp = Trainer(small_cfg(tmp_path / "fsdp", "train.max_steps=4", "train.fsdp=always"), CPU)
+        assert torch.distributed.is_initialized()
+        assert type(fsdp.model.model.language_model.layers[0]).__name__.startswith("FSDP")
+        fsdp.fit()
+        a, b = losses(tmp_path / "plain"), losses(tmp_path / "fsdp")
+        assert len(a) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+
+        kept = Trainer(small_cfg(tmp_path / "kept", "train.max_steps=4", "train.fsdp=always",
+                                 "train.reshard_after_forward=false"), CPU)
+        kept.fit()  # parameters kept gathered from forward to backward: the same arithmetic
+        assert losses(tmp_path / "kept") == b
+        bf16 = Trainer(small_cfg(tmp_path / "bf16", "train.max_steps=1", "train.fsdp=always",
+                                 "train.reduce_dtype=bfloat16"), CPU)
+        block = bf16.model.model.language_model.layers[0]
+        assert block._get_fsdp_state()._mp_policy.reduce_dtype == torch.bfloat16
+
+        part = Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always",
+                                 "train.stop_after=2"), CPU)
+        part.fit()
+        assert ckpt.latest_checkpoint(tmp_path / "part").name == "step_00000002"
+        Trainer(small_cfg(tmp_path / "part", "train.max_steps=4", "train.fsdp=always"), CPU).fit()
+        assert losses(tmp_path / "part") == b
+    finally:
+        shutdown()

@@ -96,7 +96,7 @@ def test_the_tool_keeps_tritons_fastest_configuration(tmp_path: Path) -> None:
     import json
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
     try:
         import fla_configs
     finally:

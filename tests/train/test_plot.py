@@ -8,6 +8,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
+from tests.helpers import CPU, small_cfg
+from vlpack.cli import main
+from vlpack.train.loop import Trainer
 from vlpack.train.plot import plot_runs
 
 
@@ -45,3 +48,23 @@ def test_memory_of_a_cpu_run_is_refused_by_name(tmp_path: Path) -> None:
     run = _run(tmp_path / "cpu", [{**r, "peak_mem_gib": None, "peak_reserved_gib": None} for r in ROWS])
     with pytest.raises(ValueError, match=r"no run recorded 'memory' .*CPU runs no memory.*drop it"):
         plot_runs([run], tmp_path / "p.png", metrics=["loss", "memory"])
+
+
+# --- vlpack plot over trained runs -------------------------------------------------------------------
+def test_plot_overlays_runs(tmp_path: Path) -> None:
+    for name in ("packed", "nopack"):
+        packing = "bfd" if name == "packed" else "none"
+        Trainer(small_cfg(tmp_path / name, "train.max_steps=2", f"data.packing={packing}"), CPU).fit()
+    out = tmp_path / "overlay.png"
+    assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    panels = tmp_path / "panels.png"
+    assert main(["plot", str(tmp_path / "packed"), str(tmp_path / "nopack"), "--out", str(panels),
+                 "--metrics", "loss,grad_norm", "--x", "step"]) == 0
+    from PIL import Image
+
+    # two panels stacked: taller than the one-panel figure at the same width
+    assert Image.open(panels).size[1] > Image.open(out).size[1] * 1.5
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    # a dense model records no aux loss: refused with the metrics it does record
+    assert main(["plot", str(tmp_path / "packed"), "--metrics", "aux_loss"]) == 2

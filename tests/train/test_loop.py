@@ -1,0 +1,201 @@
+"""The trainer (train/loop.py): exact resume, faults, outputs and export, and its switches."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import CPU, losses, small_cfg
+from vlpack.train import checkpoint as ckpt
+from vlpack.train.loop import NonFiniteLossError, Trainer
+from vlpack.train.module import module_groups
+
+
+def test_resume_is_bit_identical(tmp_path: Path) -> None:
+    """6 steps straight == 3 steps, stop (Ctrl-C path saves), resume, 3 more."""
+    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=6"), CPU)
+    straight.fit()
+    interrupted = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6"), CPU)
+    original = interrupted.train_step
+
+    def stop_after_three(mbs):
+        r = original(mbs)
+        if interrupted.step == 2:  # the step being run is the third
+            interrupted._stop = True
+        return r
+
+    interrupted.train_step = stop_after_three
+    interrupted.fit()
+    assert interrupted.step == 3
+    assert ckpt.latest_checkpoint(tmp_path / "b").name == "step_00000003"
+    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6"), CPU)
+    resumed.fit()
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    pa = dict(straight.model.named_parameters())
+    assert all(torch.equal(p, pa[n]) for n, p in resumed.model.named_parameters())
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=4", "train.save_every=1"), CPU)
+    original = t.train_step
+
+    def poison(mbs):
+        if t.step == 2:
+            with torch.no_grad():
+                next(t.model.parameters()).fill_(float("nan"))
+        return original(mbs)
+
+    t.train_step = poison
+    with pytest.raises(NonFiniteLossError, match=r"last good checkpoint is .*step_00000002"):
+        t.fit()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4", "train.progress=true",
+                          "train.export_hf=true", "train.export_dtype=float32",
+                          "train.report_to=[tensorboard]"), CPU)
+    summary = t.fit()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in ("lr", "grad_norm", "real_tokens", "padded_tokens", "tokens_per_s", "mfu",
+                "peak_mem_gib", "peak_reserved_gib", "skipped", "packing_efficiency", "time",
+                "elapsed_s", "eta_s"):
+        assert key in steps[0]
+    assert [r["tokens_seen"] for r in steps] == list(itertools.accumulate(r["real_tokens"] for r in steps))
+    assert [r["epoch"] for r in steps] == [round(r["samples"] / 20, 4) for r in steps]  # 24 - 4 eval
+    assert steps[0]["eta_s"] is None and steps[2]["eta_s"] == 0.0
+    # stderr is no terminal here: one plain line per step, then the final eval and save, named
+    err = [x for x in capfd.readouterr().err.splitlines() if x.startswith("vlpack: ")]
+    assert [x.split(" loss ")[0] for x in err[:3]] == [f"vlpack: step {s}/3" for s in (1, 2, 3)]
+    assert err[3:5] == ["vlpack: evaluating step 3…", err[4]] and err[4].startswith(
+        "vlpack: evaluated step 3 in ") and err[4].endswith(f": eval loss {summary['eval_loss']:.4f}")
+    assert err[5] == "vlpack: saving step 3…" and err[6].startswith("vlpack: saved step 3 in ")
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3] and evals[0]["eval_loss"] == summary["eval_loss"]
+    assert evals[0]["eval_s"] > 0
+    # train.report_to mirrors every row (tests/train/test_tracking.py reads the trackers back in detail)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in steps]
+    assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [(3, pytest.approx(summary["eval_loss"]))]
+    assert summary["steps"] == 3 and summary["samples"] > 0
+
+    # The HF export loads in transformers and fine-tunes further as model.name=FOLDER.
+    import transformers
+
+    hf = Path(summary["hf_export"])
+    reloaded = transformers.Qwen3VLForConditionalGeneration.from_pretrained(hf)
+    for n, p in t.model.named_parameters():
+        torch.testing.assert_close(reloaded.get_parameter(n), p, rtol=0, atol=0)
+    # A folder's own chat template renders the next run's samples and travels to its export.
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+                "{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+                "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}"
+                "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    (hf / "chat_template.jinja").write_text(template)
+    again = Trainer(small_cfg(tmp_path / "ft", "train.max_steps=1", f"model.name={hf}"), CPU)
+    assert again.encoder.chat_template.file == str(hf / "chat_template.jinja")
+    assert again.fit()["steps"] == 1
+    # data.chat_template=FILE overrides the folder's, and the export carries the one used
+    other = tmp_path / "other.jinja"
+    other.write_text(template.replace("<|im_end|>\n", "<|im_end|>\n\n"))
+    third = Trainer(small_cfg(tmp_path / "ft2", "train.max_steps=1", f"model.name={hf}",
+                              f"data.chat_template={other}", "train.export_hf=true"), CPU)
+    summary = third.fit()
+    assert (Path(summary["hf_export"]) / "chat_template.jinja").read_text() == other.read_text()
+
+
+# --- trainer switches --------------------------------------------------------------------------------
+# Trainer switches: freezing, anomaly mode, token-budget accumulation, rows padded to seq_len.
+def test_freeze_vision_and_merger_keeps_them_fixed(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=2", "model.freeze_vision=true",
+                          "model.freeze_merger=true"), CPU)
+    groups = module_groups(t.model)
+    before = {g: [p.detach().clone() for p in ps] for g, ps in groups.items()}
+    t.fit()
+    for g in ("vision", "merger"):
+        assert all(torch.equal(a, p) for a, p in zip(before[g], groups[g], strict=True)), g
+    assert any(not torch.equal(a, p) for a, p in zip(before["llm"], groups["llm"], strict=True))
+
+
+def test_detect_anomaly_runs_the_step_in_anomaly_mode(tmp_path: Path) -> None:
+    """`train.detect_anomaly=true` turns autograd's anomaly mode on for the step only."""
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.detect_anomaly=true"), CPU)
+    seen = []
+    t.model.model.language_model.norm.register_forward_hook(
+        lambda *_: seen.append(torch.is_anomaly_enabled()))
+    t.fit()
+    assert seen and all(seen) and not torch.is_anomaly_enabled()
+
+
+def test_token_budget_accumulates_micro_batches(tmp_path: Path) -> None:
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=1", "train.tokens_per_step=1200"), CPU)
+    mbs = t._next_micro_batches(iter(t.train_loader))
+    assert sum(b.num_real_tokens for b in mbs) >= 1200 > sum(b.num_real_tokens for b in mbs[:-1])
+
+
+def test_pad_to_seq_len_gives_static_rows_and_the_same_loss(tmp_path: Path) -> None:
+    a = Trainer(small_cfg(tmp_path / "a", "train.max_steps=1"), CPU)
+    b = Trainer(small_cfg(tmp_path / "b", "train.max_steps=1", "data.pad_to_seq_len=true"), CPU)
+    rows = [next(iter(t.train_loader)) for t in (a, b)]
+    assert rows[1].num_tokens == 512 and rows[0].num_tokens < 512
+    assert rows[0].sample_keys == rows[1].sample_keys
+    assert abs(a.fit()["last_loss"] - b.fit()["last_loss"]) < 1e-5
+
+
+# --- run messages ------------------------------------------------------------------------------------
+# What a user sees when a run cannot start or changes under a resume: an unwritable output folder, changed
+# settings on resume.
+def test_unwritable_output_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"  # below a regular file: no folder can be made there
+    with pytest.raises(ValueError, match=rf"train.output_dir={out} is not writable .*choose a"):
+        Trainer(small_cfg(out), CPU)
+
+
+def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: Path,
+                                                                      caplog, capfd) -> None:
+    Trainer(small_cfg(tmp_path, "train.max_steps=1", "optim.lr=1e-4", "train.progress=true"),
+            CPU).fit()
+    err = capfd.readouterr().err  # with train.progress the work after the last step is named
+    assert "vlpack: saving step 1…\n" in err and "vlpack: saved step 1 in " in err
+    assert f"vlpack: plotting {tmp_path / 'loss.png'}" in err
+    caplog.set_level(logging.WARNING, logger="vlpack.train.loop")
+    Trainer(small_cfg(tmp_path, "train.max_steps=2", "optim.lr=2e-4", "data.seq_len=1024"),
+            CPU).fit()
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "resuming at step 1 with changed settings" in text, text
+    assert "data.seq_len 512 → 1024" in text and "optim.lr 0.0001 → 0.0002" in text
+    assert "which samples come next" in text and "max_steps" not in text
+    old = yaml.safe_load((tmp_path / "config.step00000001.yaml").read_text())
+    new = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (old["optim"]["lr"], new["optim"]["lr"]) == (1e-4, 2e-4)
+
+
+def test_the_first_step_says_what_it_waits_for() -> None:
+    from vlpack.config import load_config
+    from vlpack.train.loop import _first_step_waits
+
+    gdn = type("Spec", (), {"has_gdn": True})
+    cuda = torch.device("cuda")
+    lora = load_config("qwen3.5-35b-a3b-lora")
+    assert "fla's Triton autotuning" in _first_step_waits(lora, gdn, cuda, None)
+    tuned = _first_step_waits(lora, gdn, cuda, Path("fla_configs/NVIDIA_H200"))
+    assert "compiling" in tuned and "NVIDIA_H200" in tuned and "autotuning of" not in tuned
+    cpu = torch.device("cpu")
+    assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, cpu, None)
+    assert _first_step_waits(load_config("tiny"), gdn, cpu, None) is None

@@ -1,0 +1,89 @@
+"""One optimizer step over micro-batches (train/step.py): packed == padded training, the global
+token mean over micro-batches, the sample-mean loss against a per-sample reference."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers import CPU, GradRecorder
+from vlpack.config import load_config
+from vlpack.data.batch import build_thd_batch
+from vlpack.data.padded import build_padded_batch
+from vlpack.model.build import build_model
+from vlpack.train.module import TrainModule
+from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.step import optimizer_step
+
+
+def test_packed_training_equals_padded_training(samples) -> None:
+    """5 AdamW steps on the same samples per step: packed (varlen) vs right-padded (sdpa)."""
+    cfg = load_config("tiny", ["optim.lr=1e-3", "optim.warmup_steps=0"])
+    runs = {}
+    for mode in ("packed", "padded"):
+        model, spec = build_model("tiny-qwen3_vl", backend="auto" if mode == "packed" else "sdpa",
+                                  dtype=torch.float32, device="cpu", seed=0)
+        module = TrainModule(model, spec, loss_method="plain")
+        opt = build_optimizer(module.parameters(), cfg.optim, device_type="cpu")
+        sched = build_scheduler(opt, cfg.optim, 5)
+        step_losses = []
+        for k in range(5):
+            group = samples[3 * k : 3 * k + 3]
+            if mode == "packed":
+                batch = build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+            else:
+                batch = build_padded_batch(group, pad_token_id=spec.pad_token_id)
+            step_losses.append(optimizer_step(module, opt, sched, [batch], info=CPU,
+                                              grad_clip=1.0).loss)
+        runs[mode] = (step_losses, dict(model.named_parameters()))
+    (lp, pp), (lq, pq) = runs["packed"], runs["padded"]
+    assert max(abs(a - b) for a, b in zip(lp, lq, strict=True)) <= 1e-5, (lp, lq)
+    worst = max((pp[n] - pq[n]).abs().max().item() for n in pp)
+    assert worst <= 1e-5, worst
+    assert lp[-1] < lp[0]
+
+
+def test_micro_batches_normalise_by_global_token_count(samples) -> None:
+    """Two micro-batches of a step == one bin holding the same samples (global token mean):
+    the same loss and the same gradient, read where the step hands it to the optimizer."""
+    cfg = load_config("tiny")
+    runs = []
+    for split in (False, True):
+        model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+        module = TrainModule(model, spec, loss_method="plain")
+        opt = GradRecorder(list(model.named_parameters()))
+        sched = build_scheduler(opt, cfg.optim, 5)
+        groups = [samples[:1], samples[1:5]] if split else [samples[:5]]
+        mbs = [build_thd_batch(g, pad_token_id=spec.pad_token_id) for g in groups]
+        runs.append((optimizer_step(module, opt, sched, mbs, info=CPU).loss, opt.grads))
+    (loss_one, g_one), (loss_split, g_split) = runs
+    assert abs(loss_one - loss_split) < 1e-5
+    assert set(g_one) == set(g_split)
+    worst = max((g_one[n] - g_split[n]).abs().max().item() for n in g_one)
+    assert worst < 1e-6
+
+
+def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:
+    """train.loss_norm=sample: packed and padded steps equal the mean of per-sample token means
+    computed one sample at a time with stock transformers."""
+    from vlpack.model.forward import unpacked_forward
+
+    group = samples[:4]
+    model, spec = build_model("tiny-qwen3_vl", backend="sdpa", dtype=torch.float32, device="cpu",
+                              seed=0)
+    per_sample = []
+    for s in group:
+        out = unpacked_forward(model, s, spec=spec)
+        per_sample.append(float(out.loss_sum.detach()) / out.num_label_tokens)
+    want = sum(per_sample) / len(per_sample)
+    cfg = load_config("tiny")
+    for mode in ("packed", "padded"):
+        m, _ = build_model("tiny-qwen3_vl", backend="auto" if mode == "packed" else "sdpa",
+                           dtype=torch.float32, device="cpu", seed=0)
+        module = TrainModule(m, spec, loss_method="chunked")
+        opt = torch.optim.SGD(module.parameters(), lr=0.0)
+        batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+                 if mode == "packed" else build_padded_batch(group, pad_token_id=spec.pad_token_id))
+        r = optimizer_step(module, opt, build_scheduler(opt, cfg.optim, 5), [batch], info=CPU,
+                           loss_norm="sample")
+        assert r.samples == 4
+        assert abs(r.loss - want) < 1e-5, (mode, r.loss, want)
