@@ -69,7 +69,7 @@ TINY_ROPE_THETA = 100.0
 """rope_theta of the tiny Qwen2/2.5-VL presets. Their MRoPE sections are contiguous, so h and w
 get the slowest of a tiny head's 8 rotary frequencies; with the published theta (1e6) an image
 position error turns them so little that logits move only about 3x past `vlpack check`'s fp32
-tolerance. At 100 a swapped h/w moves them about 30x past it (tests/test_mutations.py). The
+tolerance. At 100 a swapped h/w moves them about 30x past it (tests/gates/test_mutations.py). The
 interleaved Qwen3-VL and Qwen3.5 presets keep the published thetas (margins 20-300x)."""
 
 

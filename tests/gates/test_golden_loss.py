@@ -12,7 +12,7 @@ shifted by two move the first loss by 1.6e-3 relative; positions not restarted p
 barely move this tiny random model's losses (test_thd_literal and `vlpack check` catch that).
 
 A change that is MEANT to change the numbers re-pins them: run this file with
-`VLPACK_PRINT_GOLDEN=1 pytest tests/test_golden_loss.py -s` and paste the printed values, and
+`VLPACK_PRINT_GOLDEN=1 pytest tests/gates/test_golden_loss.py -s` and paste the printed values, and
 say why in the commit message.
 """
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -62,20 +62,20 @@ GDN_CARRIES_STATE = """    outs, state = [], None
 MUTATIONS = [
     Mutation("labels shifted by two instead of one", "data/batch.py",
              "out[:-1] = labels_L[1:]", "out[:-2] = labels_L[2:]", check="tiny-qwen2_vl",
-             tests=("tests/test_thd_literal.py",)),
+             tests=("tests/gates/test_thd_literal.py",)),
     Mutation("last label of a sample not masked", "data/batch.py",
              "out = np.full_like(labels_L, IGNORE_INDEX)", "out = labels_L.copy()",
-             check="tiny-qwen3_vl", tests=("tests/test_thd_literal.py",)),
+             check="tiny-qwen3_vl", tests=("tests/gates/test_thd_literal.py",)),
     Mutation("positions not restarted per sample (MRoPE continues across the row)",
              "data/batch.py", "position_ids[1:, seg] = mrope",
              "position_ids[1:, seg] = mrope + start",
              why_not="a constant offset per sample cancels in RoPE's q.k: no output moves",
-             tests=("tests/test_thd_literal.py",
+             tests=("tests/gates/test_thd_literal.py",
                     "tests/data/test_batch.py::test_batch_fields_match_per_sample_reference")),
     Mutation("image h and w positions swapped", "data/rope.py",
              "out[1, s:e] = hh.reshape(-1) + pos\n        out[2, s:e] = ww.reshape(-1) + pos",
              "out[1, s:e] = ww.reshape(-1) + pos\n        out[2, s:e] = hh.reshape(-1) + pos",
-             check="tiny-qwen2_vl", tests=("tests/test_thd_literal.py",), margin=10.0),
+             check="tiny-qwen2_vl", tests=("tests/gates/test_thd_literal.py",), margin=10.0),
     Mutation("text attention boundaries off by one", "model/attention.py",
              "        segs = bounds.text\n",
              "        h = bounds.text.host\n"
@@ -106,10 +106,10 @@ MUTATIONS = [
              GDN_PER_SEGMENT, GDN_CARRIES_STATE, check="tiny-qwen3_5"),
     Mutation("context-parallel gather's backward keeps only this rank's gradient",
              "model/context.py", "            dist.all_reduce(total, group=ctx.group)\n", "",
-             tests=("tests/test_context_parallel.py",), why_not=CP),
+             tests=("tests/gates/test_context_parallel.py",), why_not=CP),
     Mutation("context-parallel attention's causal diagonal aligned to the first key",
              "model/attention.py", "[:, None] + (lk - lq))", "[:, None])",
-             tests=("tests/test_context_parallel.py",), why_not=CP),
+             tests=("tests/gates/test_context_parallel.py",), why_not=CP),
     Mutation("MoE aux loss counts padding", "model/forward.py",
              "labels_T, real_T = batch.labels, ~batch.padding_mask",
              "labels_T, real_T = batch.labels, torch.ones_like(batch.padding_mask)",
@@ -117,25 +117,25 @@ MUTATIONS = [
     Mutation("MoE aux term not averaged over micro-batches", "train/step.py",
              "obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)",
              "obj = obj + aux_coef * (ws // info.dp) * out.aux_loss",
-             tests=("tests/test_step_gradient.py::"
+             tests=("tests/gates/test_step_gradient.py::"
                     "test_one_process_step_gradient_is_the_global_token_mean",)),
     Mutation("each micro-batch normalised by its own label count", "train/step.py",
              "obj = out.loss_sum * (ws / denom)",
              "obj = out.loss_sum * (ws / max(b.num_label_tokens, 1) / len(mbs))",
-             tests=("tests/test_step_gradient.py::"
+             tests=("tests/gates/test_step_gradient.py::"
                     "test_one_process_step_gradient_is_the_global_token_mean",
                     "tests/train/test_step.py::test_micro_batches_normalise_by_global_token_count")),
     Mutation("gradients halved on 2 ranks", "train/step.py",
              "obj = out.loss_sum * (ws / denom)", "obj = out.loss_sum * (1 / denom)",
-             tests=("tests/test_step_gradient.py::"
+             tests=("tests/gates/test_step_gradient.py::"
                     "test_two_rank_step_gradient_is_the_global_token_mean",)),
     Mutation("context-parallel Gated-DeltaNet: the chunk states' gather cut from the graph",
              "model/gdn.py", "gathered = split.gather_rows(summary)",
              "gathered = split.gather_rows(summary.detach())",
-             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
+             tests=("tests/gates/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
     Mutation("context-parallel Gated-DeltaNet conv without its left halo", "model/gdn.py",
              "have = min(h, index * c.length)", "have = 0",
-             tests=("tests/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
+             tests=("tests/gates/test_context_parallel.py::test_cp2_equals_cp1",), why_not=CP),
     Mutation("Qwen2.5-VL video positions not spaced by time", "data/rope.py",
              "step = 1.0 if temporal_step_I is None else float(temporal_step_I[item])",
              "step = 1.0", check="tiny-qwen2_5_vl",
@@ -169,7 +169,7 @@ MUTATIONS = [
     Mutation("the loader's filler row counted as a real token in the MoE statistics",
              "data/batch.py", "padding_mask[seg] = s.key == FILLER_KEY",
              "padding_mask[seg] = False",
-             tests=("tests/test_model_packed.py::test_filler_row_leaves_moe_statistics_untouched",),
+             tests=("tests/gates/test_model_packed.py::test_filler_row_leaves_moe_statistics_untouched",),
              why_not="the check packs no filler row: its samples all encode"),
 ]
 
