@@ -14,7 +14,8 @@ master weights). The two runs see the same samples with the same learning rate a
 their loss curves differ only by numerics. (With MoE, the aux loss pools each micro-batch's real
 tokens: the same tokens as the packed row only while a bin fits one padded micro-batch, i.e.
 `--micro` ≥ samples per bin.) Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
-reads it); `--compare` writes the overlay PNG and the final-loss comparison.
+reads it); `--compare` writes the overlay PNG and the final-loss comparison (`--also NAME` adds a
+further run under OUT, e.g. a second packed run: the run-to-run spread of one mode).
 
 A run longer than one sitting: `--stop-after S` ends it after the first step that passes S
 seconds and saves what the next sitting needs in OUT/MODE/resume.pt (the trainable parameters,
@@ -140,25 +141,33 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     return run
 
 
-def compare(out: Path, tail: int) -> dict:
+def compare(out: Path, tail: int, also: tuple[str, ...] = ()) -> dict:
     """Overlay PNG (loss, and the MoE aux loss and gradient norm where recorded) and the final
-    losses (mean of the last `tail` steps) of both modes."""
-    runs = [out / "packed", out / "padded"]
+    losses (mean of the last `tail` steps) of both modes; `also` names further runs under
+    `out` (e.g. a repeat of one mode), overlaid and compared with each mode too."""
+    runs = [out / "packed", out / "padded", *(out / a for a in also)]
     rows = {r.name: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
             for r in runs}
     metrics = ["loss"] + [m for m in ("aux_loss", "grad_norm")
                           if all(v[0].get(m) is not None for v in rows.values())]
     steps = min(len(v) for v in rows.values())
     final = {m: sum(x["loss"] for x in v[steps - tail : steps]) / tail for m, v in rows.items()}
+
+    def gap(a: str, b: str) -> float:
+        return abs(final[a] - final[b]) / final[b]
+
     res = {
         "steps": steps, "samples": rows["packed"][steps - 1]["samples"],
         "final_loss_mean_last": tail, "final_loss": final,
-        "relative_difference": abs(final["packed"] - final["padded"]) / final["padded"],
+        "relative_difference": gap("packed", "padded"),
         "max_step_abs_difference": max(abs(a["loss"] - b["loss"]) for a, b in
                                        zip(rows["packed"][:steps], rows["padded"][:steps], strict=True)),
         "wall_s": {m: v[steps - 1]["seconds"] for m, v in rows.items()},
         "png": str(plot_runs(runs, out / "convergence.png", metrics=metrics)),
     }
+    if also:
+        res["relative_difference_of"] = {f"{a}/{b}": gap(a, b) for a in also
+                                         for b in ("packed", "padded")}
     (out / "convergence.json").write_text(json.dumps(res, indent=1))
     return res
 
@@ -175,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers that encode")
     p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
+    p.add_argument("--also", action="append", default=[],
+                   help="--compare: a further run OUT/NAME (metrics.jsonl) to overlay, repeatable")
     p.add_argument("--out", required=True)
     p.add_argument("--stop-after", type=float, default=0,
                    help="save OUT/MODE/resume.pt and stop after the first step past S seconds")
@@ -183,7 +194,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.compare:
-        print(json.dumps(compare(out, args.tail), indent=1))
+        print(json.dumps(compare(out, args.tail, tuple(args.also)), indent=1))
         return 0
     if args.mode is None:
         p.error("pass --mode packed|padded, or --compare")
