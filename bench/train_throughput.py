@@ -8,7 +8,10 @@ Run one process per mode: cuDNN's SDPA plans each new shape once per process, so
 after another on the same images would inherit the earlier mode's plans.
 
 Each mode builds the model (random init, fp32 master weights, bf16 autocast on GPU), runs
-`--warmup` steps, then times `--steps` forward+backward steps and (separately) the optimizer.
+`--warmup` steps, then times `--steps` steps. The vlpack modes run the trainer's own step
+(`vlpack.train.step.optimizer_step`: global token-mean loss, the MoE aux loss, clipping, AdamW,
+the schedule; the model from the trainer's `build_stack`), its forward, backward and optimizer
+phases timed apart; the stock modes run their own forward, backward and AdamW step.
 Real tokens/s counts only non-padding tokens. MFU = model FLOPs (vlpack/train/flops.py: text + vision +
 attention) / time / peak, over the 989 TFLOP/s dense bf16 peak and over a measured bf16 matmul
 rate. The step-time breakdown (vision forward, text forward, loss, backward, optimizer, data) is
@@ -56,11 +59,12 @@ from vlpack.model.build import build_model
 from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
-from vlpack.train.optim import build_optimizer
+from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import Topology
 from vlpack.train.parallelize import Parallelism, parallelize
 from vlpack.train.profile import StepProfiler, count_host_syncs
 from vlpack.train.stack import build_stack
+from vlpack.train.step import optimizer_step
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
 PEAK = 989e12
@@ -108,6 +112,15 @@ class Timer:
             self.done.append((name, s, e))
         else:
             self.done.append((name, time.perf_counter() - s, None))
+
+    @contextlib.contextmanager
+    def region(self, name: str):
+        """`start(name)` … `stop(name)` around a block (optimizer_step's `phase`)."""
+        self.start(name)
+        try:
+            yield
+        finally:
+            self.stop(name)
 
     def totals(self) -> dict[str, float]:
         sync(self.device)
@@ -272,29 +285,37 @@ def run_mode(mode: str, args, samples, device) -> dict:
     _progress(mode, f"model built, {len(batches)} distinct batches", t0)
     need = args.warmup + args.steps + (args.profile_steps + 1 if args.profile else 0)
     batches = (batches * (need // len(batches) + 1))[:need]
+    if mode.startswith("vlpack"):  # the trainer's step needs an optimizer and a schedule
+        if opt is None:  # --no-optimizer: a stateless stand-in that leaves the weights as they are
+            opt = torch.optim.SGD(params, lr=0.0)
+        sched = build_scheduler(opt, cfg.optim, need)
     if device.type == "cuda":  # as the trainer's DataLoader (pin_memory=True) hands them over
         batches = [b.pin_memory() for b in batches]
     timer = Timer(device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and not args.bf16_params else contextlib.nullcontext())
-    paths: dict = {}
+    paths: dict = {}  # which kernels the vlpack forward ran (ForwardOut.paths)
+    if mode.startswith("vlpack"):
+        module.register_forward_hook(lambda m, args, out: paths.update(out.paths))
 
     def step(b, measuring: bool) -> None:
-        if not mode.startswith("vlpack"):  # read on the host before the batch moves: no waits
-            n = int((b.labels != IGNORE_INDEX).sum())
-            kinds = visual_kinds(b, spec.merge_size**2) if mode == "hf_padding_free" else ()
+        if mode.startswith("vlpack"):  # the trainer's own step (train/step.py), phases timed
+            timer.start("data") if measuring else None
+            b = b.to(device, non_blocking=True)
+            timer.stop("data") if measuring else None
+            out = optimizer_step(module, opt, sched, [b], info=topo,
+                                 aux_coef=cfg.train.aux_loss_coef, grad_clip=cfg.optim.grad_clip,
+                                 autocast=stack.autocast, phase=timer.region if measuring else None)
+            return out
+        n = int((b.labels != IGNORE_INDEX).sum())  # read on the host before the batch moves
+        kinds = visual_kinds(b, spec.merge_size**2) if mode == "hf_padding_free" else ()
         timer.start("data") if measuring else None
         b = b.to(device, non_blocking=True)
         timer.stop("data") if measuring else None
         timer.start("forward") if measuring else None
         with autocast:
-            if mode.startswith("vlpack"):
-                out = module(b)
-                loss, n = out.loss_sum, out.num_label_tokens
-                paths.update(out.paths)
-            else:
-                loss = (hf_padded_loss(model, b, spec) if mode == "hf_padded" else
-                        hf_padding_free_loss(model, b, kinds))
+            loss = (hf_padded_loss(model, b, spec) if mode == "hf_padded" else
+                    hf_padding_free_loss(model, b, kinds))
         timer.stop("forward") if measuring else None
         timer.start("backward") if measuring else None
         (loss / n).backward()
@@ -334,7 +355,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     train_s = wall - opt_s  # forward + backward (+ data), the anchor's definition
     res = {
         "real_tokens_per_s": real / train_s,
-        "real_tokens_per_s_with_optimizer": real / wall if opt is not None else None,
+        "real_tokens_per_s_with_optimizer": real / wall if args.optimizer else None,
         "padding_share": 1 - real / tokens,
         "mfu": flop_total / train_s / PEAK,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
@@ -344,7 +365,9 @@ def run_mode(mode: str, args, samples, device) -> dict:
         # the caching allocator's retries and cudaMalloc / cudaFree calls in the timed steps
         # (a retry or a cudaFree waits for the whole GPU)
         "allocator": {k: v - allocs0[k] for k, v in _allocator_counts(device).items()},
-        "optimizer": "AdamW, fp32 states" if opt is not None else "none (forward + backward)",
+        "optimizer": ("AdamW, fp32 states" if args.optimizer else
+                      "SGD at lr 0, no state (the trainer's step needs one)" if mode.startswith("vlpack")
+                      else "none (forward + backward)"),
         "tokens_per_step": tokens / args.steps,
         "real_tokens_per_step": real / args.steps,
         "step_s": wall / args.steps,

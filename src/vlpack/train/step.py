@@ -1,12 +1,14 @@
 """One optimizer step over a list of micro-batches, with the loss normalised globally.
 
-Shared by the trainer and the tests that compare packed with padded training step by step.
+Shared by the trainer, bench/train_throughput.py (which times its phases) and the tests that
+compare packed with padded training step by step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,7 @@ def optimizer_step(
     aux_coef: float = 0.0,
     grad_clip: float = 0.0,
     autocast: torch.dtype | None = None,
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step; the loss normalised globally.
 
@@ -49,7 +52,10 @@ def optimizer_step(
     a group holds the same batches: their counts are the group's (reduced over the data-parallel
     axis), and each rank's loss and aux loss are its share of the group's.
     The optimizer is not stepped when the loss or gradient norm is not finite.
+    `phase(name)`, when given, is entered around each micro-batch's `forward` and `backward` and
+    around the `optimizer` part (clipping, the step, the schedule, zeroing): a benchmark's timer.
     """
+    phase = phase or (lambda name: contextlib.nullcontext())
     ws = info.world_size
     weights = [sample_mean_weights(b) if loss_norm == "sample" else (None, 0) for b in mbs]
     n_labels, n_samples, n_supervised = all_reduce([
@@ -67,7 +73,7 @@ def optimizer_step(
         if hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(i == len(mbs) - 1)
         ctx = torch.autocast(info.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-        with ctx:
+        with phase("forward"), ctx:
             w = weights[i][0]
             out = module(b) if w is None else module(b, token_weights=w)
         # FSDP averages gradients over ranks, so scale by world size: the gradient is then the
@@ -78,20 +84,22 @@ def optimizer_step(
             has_aux = True
             obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)
             aux_sum += float(out.aux_loss.detach()) / len(mbs)
-        obj.backward()
+        with phase("backward"):
+            obj.backward()
         loss_sum += out.loss_sum.detach().double().cpu()
     loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
-    params = [p for p in module.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
-    loss = loss_total / denom
-    lr = scheduler.get_last_lr()[0]
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    with phase("optimizer"):
+        params = [p for p in module.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        loss = loss_total / denom
+        lr = scheduler.get_last_lr()[0]
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss=loss, aux_loss=aux_total / info.dp if has_aux else None, grad_norm=grad_norm, lr=lr,
         label_tokens=int(n_labels), real_tokens=0, tokens=0, samples=int(n_samples), flops=0.0,
