@@ -82,3 +82,31 @@ def test_fla_self_test_approves_a_correct_kernel_and_refuses_a_leaky_one(monkeyp
     assert d.ok is not leaky, d.describe()
     assert (Backend.approved == {}) is leaky
     assert ("refused" in d.reason) is leaky
+
+
+def test_fla_self_test_says_nothing_of_transformers_fallback(monkeypatch):
+    """The self-test calls transformers' torch kernel on purpose, on the GPU where fla runs the
+    layers: the kernel wrapper's "falling back ... not installed" warning would mislead, so the
+    reference runs say nothing (the stand-in torch kernel logs it as transformers' wrapper does)."""
+    import logging
+
+    from vlpack.model import fla_hopper
+    from vlpack.model.torch_kernels import FALLBACK_LOGGER
+
+    raw, _ = _stand_in_fla(monkeypatch, leaky=False)
+    log = logging.getLogger(FALLBACK_LOGGER)
+
+    def wrapped(*args, **kwargs):
+        log.warning("`chunk_gated_delta_rule` is falling back to its reference PyTorch "
+                    "implementation because `flash-linear-attention` is not installed.")
+        return raw(*args, **kwargs)
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        assert fla_hopper.self_test(16, 16, torch.device("cpu"), wrapped).ok
+    finally:
+        log.removeHandler(handler)
+    assert seen == []

@@ -33,6 +33,8 @@ from typing import ClassVar
 
 import torch
 
+from vlpack.model.torch_kernels import quiet_fallback
+
 BROKEN_WIDTH = 64
 """The block width of `chunk_bwd_kernel_dqkwg` that Triton 3.4-3.7.0 miscompiles on Hopper."""
 SELF_TEST_BOUNDS = (0, 61, 64, 250, 384)
@@ -201,7 +203,7 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
     # checkpoint from capturing the self-test's own tensors and recomputing the layer in its
     # backward.
     plain_saving = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    with plain_saving, torch.autocast(device.type, enabled=False):
+    with plain_saving, torch.autocast(device.type, enabled=False), quiet_fallback():
         ref = grads(per_segment, torch.float32)
         plain = grads(per_segment, torch.bfloat16)
     before = cls.approved.get((K, V))

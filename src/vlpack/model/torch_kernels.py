@@ -9,18 +9,45 @@ check's stock reference. `torch_kernel_module` executes a second instance of the
 from its file while `KERNEL_PACKAGES` cannot be imported (None in `sys.modules` for that moment,
 which makes their import fail), so every kernel name in it runs torch's code on any device.
 transformers' own module and every name in it stay as they are.
+
+Called on a GPU (fla's Hopper self-test compares fla with them), the copy's kernel wrappers log
+transformers' "falling back to its reference PyTorch implementation because fla is not
+installed" although fla is installed and runs the layers; `quiet_fallback` drops that warning
+around such deliberate calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import logging
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 KERNEL_PACKAGES = ("fla", "causal_conv1d")
 """Packages whose kernels transformers' Qwen3.5 modeling modules pick at import when importable."""
+FALLBACK_LOGGER = "transformers.integrations.hub_kernels"
+"""The logger of transformers' kernel wrappers (`use_kernel_func_from_hub_with_fallback`)."""
+FALLBACK_WARNING = "falling back to its reference PyTorch implementation"
+
+
+class _DropFallback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return FALLBACK_WARNING not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_fallback() -> Iterator[None]:
+    """Within the block, transformers' kernel wrappers' fallback warning is dropped (it is a
+    `warning_once`: a dropped message counts as said for the rest of the process)."""
+    log, drop = logging.getLogger(FALLBACK_LOGGER), _DropFallback()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 @functools.cache
