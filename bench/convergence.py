@@ -26,6 +26,7 @@ command with `--resume` goes on from there and appends to metrics.jsonl.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -141,11 +142,24 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     return run
 
 
+STRETCHES = (25, 50, 100, 150, 200)
+"""Last steps of the stretches over which `compare` reports the mean relative loss gap."""
+
+
 def compare(out: Path, tail: int, also: tuple[str, ...] = ()) -> dict:
-    """Overlay PNG (loss, and the MoE aux loss and gradient norm where recorded) and the final
-    losses (mean of the last `tail` steps) of both modes; `also` names further runs under
-    `out` (e.g. a repeat of one mode), overlaid and compared with each mode too."""
-    runs = [out / "packed", out / "padded", *(out / a for a in also)]
+    """Overlay PNG (loss, and the MoE aux loss and gradient norm where recorded), the final
+    losses (mean of the last `tail` steps) and the mean relative loss gap per stretch of steps
+    (`STRETCHES`) of both modes; `also` names further runs under `out` (e.g. a repeat of one
+    mode), overlaid and compared with each mode too. Each gap is (a − b) / b of the pair a/b."""
+    names = ["packed", "padded", *also]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--also {' '.join(also)}: packed and padded are compared already; "
+                         "name other runs")
+    missing = [n for n in names if not (out / n / "metrics.jsonl").is_file()]
+    if missing:
+        raise ValueError(f"no {', '.join(str(out / n / 'metrics.jsonl') for n in missing)}: "
+                         "run that mode (or copy that run) into OUT first")
+    runs = [out / n for n in names]
     rows = {r.name: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
             for r in runs}
     metrics = ["loss"] + [m for m in ("aux_loss", "grad_norm")
@@ -153,21 +167,27 @@ def compare(out: Path, tail: int, also: tuple[str, ...] = ()) -> dict:
     steps = min(len(v) for v in rows.values())
     final = {m: sum(x["loss"] for x in v[steps - tail : steps]) / tail for m, v in rows.items()}
 
-    def gap(a: str, b: str) -> float:
-        return abs(final[a] - final[b]) / final[b]
+    def mean(name: str, lo: int, hi: int) -> float:
+        xs = [r["loss"] for r in rows[name][lo:hi]]
+        return sum(xs) / len(xs)
 
+    pairs = [("packed", "padded"), *((a, b) for a in also for b in ("packed", "padded"))]
+    bounds = [0, *(s for s in STRETCHES if s < steps), steps]
+    stretch = {f"{a}/{b}": {f"{lo + 1}-{hi}": (mean(a, lo, hi) - mean(b, lo, hi)) / mean(b, lo, hi)
+                            for lo, hi in itertools.pairwise(bounds)} for a, b in pairs}
     res = {
         "steps": steps, "samples": rows["packed"][steps - 1]["samples"],
         "final_loss_mean_last": tail, "final_loss": final,
-        "relative_difference": gap("packed", "padded"),
+        "relative_difference": abs(final["packed"] - final["padded"]) / final["padded"],
         "max_step_abs_difference": max(abs(a["loss"] - b["loss"]) for a, b in
                                        zip(rows["packed"][:steps], rows["padded"][:steps], strict=True)),
+        "relative_gap_by_stretch": stretch,
         "wall_s": {m: v[steps - 1]["seconds"] for m, v in rows.items()},
         "png": str(plot_runs(runs, out / "convergence.png", metrics=metrics)),
     }
     if also:
-        res["relative_difference_of"] = {f"{a}/{b}": gap(a, b) for a in also
-                                         for b in ("packed", "padded")}
+        res["relative_difference_of"] = {f"{a}/{b}": abs(final[a] - final[b]) / final[b]
+                                         for a, b in pairs[1:]}
     (out / "convergence.json").write_text(json.dumps(res, indent=1))
     return res
 
@@ -198,6 +218,8 @@ def main(argv=None) -> int:
         return 0
     if args.mode is None:
         p.error("pass --mode packed|padded, or --compare")
+    if args.also:
+        p.error("--also goes with --compare")
     mode = ["data.packing=none"] if args.mode == "padded" else []
     cut = ([f"model.name={get_preset(load_config(args.recipe).model.name).name}-{args.layers}L"]
            if args.layers else [])

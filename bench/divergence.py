@@ -17,17 +17,19 @@ a bin runs five ways:
 
 Reported per text layer and sample: the relative difference ‖a − b‖ / ‖b‖ of the layer's output
 on the sample's tokens for the pairs below, the share of the sample's tokens whose routed
-experts (the top-k set) agree, and each sample's loss. A boundary leak shows in packed/alone
-for every sample of a bin but its first (nothing precedes the first). Then the step's gradient
-of the trainable parameters for each way, with the trainer's normalisation (global token mean;
-the MoE aux loss as convergence.py adds it, and without it): relative difference and norm.
-Everything is written to OUT/divergence.json; a summary is printed.
+experts (the top-k set) agree, and each sample's loss; then the step's gradient of the trainable
+parameters for each way, with the trainer's normalisation (global token mean; the MoE aux loss
+as convergence.py adds it, and without it): relative difference and norm. In bf16 a row's
+kernels round differently with its length, so packed/alone differs even where nothing leaks;
+a leak shows cleanly only in float32 (`--truth`). Everything is written to OUT/divergence.json;
+a summary is printed.
 
-With `--truth` the model is built in float32 without LoRA and every way is also compared with the
-float32 forward of the stock model (`model/reference.py`: SDPA, transformers' experts, its torch
-Gated-DeltaNet kernels) on each sample alone, before the frozen matmul weights are cast to bf16
-as a LoRA run holds them (`precision.hold_parameters`): which path is nearer the float32 result,
-layer by layer. No gradients then.
+With `--truth` (LoRA recipes: their frozen base is what is cast) the model is built in float32
+without LoRA and each way is also compared with the float32 forward of the stock model
+(`model/reference.py`: SDPA, transformers' experts, its torch Gated-DeltaNet kernels) on each
+sample alone: vlpack's float32 path on the packed row (`packed_fp32`) and on each sample alone
+(`ours_fp32`), then, after the frozen matmul weights are cast to bf16 as a LoRA run holds them
+(`precision.hold_parameters`), the bf16 ways. No gradients then.
 
 Legend: T = tokens of a forward (flattened), H = hidden size, k = experts per token.
 """
@@ -53,6 +55,7 @@ from vlpack.model.moe import routers
 from vlpack.model.presets import get_preset
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
 from vlpack.train import precision
+from vlpack.train.kernel_cache import use_tuned_kernels
 from vlpack.train.module import TrainModule
 from vlpack.train.parallel import Topology
 from vlpack.train.stack import build_base, build_stack
@@ -70,7 +73,7 @@ def spans_of(batch) -> list[tuple[int, int]]:
     if hasattr(batch, "cu_seqlens"):
         starts = batch.cu_seqlens_padded.tolist()
         lens = torch.diff(batch.cu_seqlens).tolist()
-        return [(s, s + n) for s, n in zip(starts, lens, strict=False)]
+        return [(s, s + n) for s, n in zip(starts[:-1], lens, strict=True)]
     L = batch.input_ids.shape[1]
     return [(r * L, r * L + int(n)) for r, n in enumerate(batch.attention_mask.sum(1).tolist())]
 
@@ -133,8 +136,9 @@ def sample_losses(model, finals, labels, autocast) -> list[float]:
 
 
 def step_gradient(module, mbs, aux_coef: float, autocast) -> dict[str, torch.Tensor]:
-    """The trainable parameters' gradient of one step over `mbs` (optimizer_step's objective:
-    Σ CE / all label tokens + aux_coef · aux loss per micro-batch / micro-batches)."""
+    """The trainable parameters' gradient of one step over `mbs` on one process: optimizer_step's
+    objective with `train.loss_norm=token` (Σ CE / all label tokens + aux_coef · aux loss per
+    micro-batch / micro-batches)."""
     module.zero_grad(set_to_none=True)
     denom = sum(b.num_label_tokens for b in mbs)
     for b in mbs:
@@ -188,7 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro", type=int, default=16, help="padded: samples per micro-batch")
     p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--steps", type=int, default=200, help="convergence.py's --steps (the plan)")
+    p.add_argument("--steps", type=int, default=200,
+                   help="convergence.py's --steps: the plan's length (at least --bins)")
     p.add_argument("--truth", action="store_true",
                    help="compare with the float32 stock forward (no LoRA, no gradients)")
     p.add_argument("--out", required=True)
@@ -201,13 +206,25 @@ def main(argv=None) -> int:
     truth = ["model.lora.rank=0"] if args.truth else []
     cfg = load_config(args.recipe, [*args.overrides, *cut, *truth, "model.compile=false",
                                     f"train.output_dir={out}"])
+    if args.bins > args.steps:
+        raise ValueError(f"--bins {args.bins} > --steps {args.steps}: the plan has --steps bins")
+    if cfg.train.loss_norm != "token":
+        raise ValueError("bench/divergence.py computes the step's gradient with "
+                         "train.loss_norm=token; drop the train.loss_norm override")
+    if args.truth and not load_config(args.recipe, list(args.overrides)).model.lora.rank:
+        raise ValueError("--truth casts the frozen base to bf16 as a LoRA run holds it: pass a "
+                         "LoRA recipe (e.g. qwen3.5-35b-a3b-lora)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     encoder = Encoder(get_preset(cfg.model.name).family)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)[: args.bins]
     low = torch.bfloat16 if device.type == "cuda" else None
+    if args.truth and low is None:
+        print("no GPU: no bf16 autocast, so the ways compared with the truth run in float32")
     if args.truth:  # float32 weights first; cast below, after the float32 forwards
+        if device.type == "cuda" and cfg.train.tuned_kernels:  # as build_stack does
+            use_tuned_kernels(torch.cuda.get_device_name(device))
         model, spec = build_base(cfg, device, torch.float32)
         module = TrainModule(model, spec)
     else:
@@ -255,7 +272,9 @@ def main(argv=None) -> int:
                     module, model, ways["padded_alone"], nothing)
             hidden[k]["ours_fp32"], routes[k]["ours_fp32"] = run_forward(
                 module, model, ways["alone"], nothing)
-            for w in ("truth", "ours_fp32"):
+            hidden[k]["packed_fp32"], routes[k]["packed_fp32"] = run_forward(
+                module, model, ways["packed"], nothing)
+            for w in ("truth", "ours_fp32", "packed_fp32"):
                 losses[k][w] = sample_losses(model, [h[-1] for h in hidden[k][w]], labels, nothing)
         for prm in model.parameters():
             prm.requires_grad_(False)
@@ -271,8 +290,8 @@ def main(argv=None) -> int:
                     grads[k][w, coef] = step_gradient(module, ways[w], coef, autocast)
             print(f"bin {k + 1}: {w} done", flush=True)
         stock(False)
-    pairs = ([(w, "truth") for w in ("ours_fp32", "packed", "alone", "padded", "padded_alone")]
-             if args.truth else PAIRS)
+    pairs = ([(w, "truth") for w in ("packed_fp32", "ours_fp32", "packed", "alone", "padded",
+                                     "padded_alone")] if args.truth else PAIRS)
     for k, group in enumerate(encoded):
         h, r, n = hidden[k], routes[k], len(group)
         layers = {f"{a}/{b}": [[rel(h[a][s][i], h[b][s][i]) for s in range(n)]

@@ -298,7 +298,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     if mode.startswith("vlpack"):
         module.register_forward_hook(lambda m, args, out: paths.update(out.paths))
 
-    def step(b, measuring: bool) -> None:
+    def step(b, measuring: bool):
         if mode.startswith("vlpack"):  # the trainer's own step (train/step.py), phases timed
             timer.start("data") if measuring else None
             b = b.to(device, non_blocking=True)

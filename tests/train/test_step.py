@@ -87,3 +87,42 @@ def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:
                            loss_norm="sample")
         assert r.samples == 4
         assert abs(r.loss - want) < 1e-5, (mode, r.loss, want)
+
+
+def test_phases_wrap_each_micro_batch_and_the_optimizer_in_order() -> None:
+    """optimizer_step's `phase` (a benchmark's timer) opens around each micro-batch's forward
+    and backward, then once around clipping, the optimizer's step and zeroing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    events: list[str] = []
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, b):
+            events.append("module")
+            return SimpleNamespace(loss_sum=(self.w * b.x).sum(), aux_loss=None)
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            events.append("optimizer.step")
+            return super().step(closure)
+
+    @contextlib.contextmanager
+    def phase(name):
+        events.append(f"{name} in")
+        yield
+        events.append(f"{name} out")
+
+    module = Module()
+    opt = Recording(module.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    mbs = [SimpleNamespace(x=torch.arange(3.0), num_label_tokens=3, num_samples=1)
+           for _ in range(2)]
+    r = optimizer_step(module, opt, sched, mbs, info=CPU, phase=phase)
+    micro = ["forward in", "module", "forward out", "backward in", "backward out"]
+    assert events == [*micro, *micro, "optimizer in", "optimizer.step", "optimizer out"]
+    assert r.loss == 1.0 and torch.equal(module.w.detach(), 1 - 0.1 * torch.arange(3.0) / 3)

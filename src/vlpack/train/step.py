@@ -1,7 +1,7 @@
 """One optimizer step over a list of micro-batches, with the loss normalised globally.
 
-Shared by the trainer, bench/train_throughput.py (which times its phases) and the tests that
-compare packed with padded training step by step.
+Shared by the trainer, bench/train_throughput.py (which times its phases), bench/convergence.py
+and the tests that compare packed with padded training step by step.
 """
 
 from __future__ import annotations
