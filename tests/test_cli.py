@@ -29,6 +29,20 @@ def test_check_help_lists_presets_and_documents_its_flags(capsys) -> None:
     assert "synth: the built-in synthetic receipts" in text
 
 
+def test_help_keeps_preset_names_whole_however_the_list_wraps(capsys, monkeypatch) -> None:
+    """argparse wraps the preset list; a name is never split at its hyphens, whatever cut
+    presets (`NAME-<n>L`, registered on use) lengthen the list."""
+    from vlpack.model import presets
+
+    monkeypatch.setattr(presets, "PRESETS", dict(presets.PRESETS))
+    monkeypatch.setenv("COLUMNS", "80")
+    for n in range(2, 40):  # each longer list moves every line break
+        presets.get_preset(f"qwen3.5-35b-a3b-{n}L")
+        for cmd in ("check", "train"):
+            text = _help(capsys, cmd)
+            assert all(name in text for name in presets.PRESETS), (n, text)
+
+
 def test_train_help_lists_recipes_and_presets(capsys) -> None:
     text = _help(capsys, "train")
     assert all(p.stem in text for p in RECIPES.glob("*.yaml"))

@@ -5,13 +5,32 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import textwrap
 from pathlib import Path
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapping lines at spaces only: a name such as `tiny-qwen2_vl` or
+    `qwen3.5-35b-a3b` stays whole (textwrap breaks at hyphens by default)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(re.sub(r"\s+", " ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(re.sub(r"\s+", " ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
 
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose `epilog` may be a function, called only when its help is printed
-    (the preset list imports the model code, which `vlpack --help` should not wait for)."""
+    (the preset list imports the model code, which `vlpack --help` should not wait for), and
+    whose help wraps at spaces only (`_Formatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
 
     def format_help(self) -> str:
         if callable(self.epilog):
