@@ -13,7 +13,10 @@ fixed, index-based order):
   a time, repeatedly taking the largest remaining item that still fits (equal lengths: highest
   index first). The distinct lengths left form one sorted list, so a pick is one bisect.
 - `ffd` (first fit decreasing) — items longest first (ties: lower index first), each into the
-  lowest-numbered bin it fits, else a new bin. A max-tree over the bins' free tokens finds it.
+  lowest-numbered bin it fits, else a new bin. The bins with more free tokens than every bin
+  before them (the records) form one increasing list, so a search is one bisect; when a record
+  shrinks, the bins up to the next record are scanned for the new records, and once such a scan
+  would pass `trees.SCAN_LIMIT` bins, a max-tree over free tokens (built then) finds them.
 - `bfd` (best fit decreasing) — items longest first (ties: lower index first), each into the
   bin it fits with the fewest free tokens (ties: lowest bin number), else a new bin. Bins live
   in one sorted list of keys free tokens·K + bin, so a search is one bisect.
@@ -21,11 +24,13 @@ fixed, index-based order):
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
 candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
 patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
-that has them (best fit scans a few bins on before it builds its tree). A search is a bisect or a
-descent of a tree, never a scan over all bins or items: only items of one length (greedy) or bins
-with equal free tokens (best fit) are scanned one by one, and first fit's two-budget search backs
-off a subtree whose two maxima belong to different bins. Inputs whose patch budget never binds (a
-generous `max_patches`) build no tree.
+that has them (first fit and best fit first scan on over at most `trees.SCAN_LIMIT` bins, and
+build their tree when a scan would pass that). A search is a bisect, a scan of at most
+`SCAN_LIMIT` bins or a descent of a tree, never a scan over all bins or items: only items
+of one length (greedy) or bins with equal free tokens (best fit) are scanned one by one past
+that, and first fit's two-budget search backs off a subtree whose two maxima belong to different
+bins. Inputs whose patch budget never binds (a
+generous `max_patches`) build no patch tree.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
 were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
@@ -41,7 +46,13 @@ from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 from vlpack.data.plan import trees
-from vlpack.data.plan.trees import BinPatches, LengthPatches, RoomPatches, grown_max_tree
+from vlpack.data.plan.trees import (
+    BinPatches,
+    LengthPatches,
+    RoomPatches,
+    first_above,
+    max_tree,
+)
 
 __all__ = ["ALGOS", "Algo", "check_algo", "plan_bins"]
 
@@ -217,75 +228,190 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
 
 
 def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
-    """A max-tree over bins holds free tokens (unopened bins are empty, so the leftmost leaf
-    that fits is the answer, opened or not); it starts at the fewest bins possible and doubles
-    when every leaf is opened. A patch miss asks `BinPatches` from the next bin on. (The loop
-    without a patch budget is the same loop with the patch steps left out.)"""
+    """The records are the bins with more free tokens than every bin before them (prefix
+    maxima): free tokens `rv` (increasing) and bin numbers `rb`, then a sentinel (capacity + 1
+    free tokens, the next bin to open). The first bin that fits is a record, so one bisect
+    finds it. When a record shrinks, the bins between it and the next record that now beat
+    every bin before them become records: a scan over those bins finds them until a gap passes
+    `trees.SCAN_LIMIT` bins; then a max-tree over the bins' free tokens (built then, unopened
+    leaves full, updated from then on) does, one descent per new record. A patch miss scans on
+    from the first fit over at most `SCAN_LIMIT` bins, then builds the tree (if not yet built)
+    and `BinPatches` and asks them. Other bins than records never change the records. (The
+    loop without a patch budget is the same loop with the patch steps left out.)"""
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-    size = 1 << (-(-sum(lens) // capacity)).bit_length()
-    tree = [capacity] * (2 * size)
+    limit = trees.SCAN_LIMIT
+    room: list[int] = []
     bins: Bins = []
-    nb = 0
+    rv, rb = [capacity + 1], [0]
+    nb = size = 0
+    tree: list[int] | None = None
     if pats is None:
         for i in order:
-            if nb == size:  # keep one unopened leaf, so every search ends on a leaf
-                size, tree = grown_max_tree(tree, size, capacity)
             s = lens[i]
-            node = 1
-            while node < size:
-                node <<= 1
-                if tree[node] < s:
-                    node += 1
-            j = node - size
-            if j == nb:
+            p = bisect_left(rv, s)
+            j = rb[p]
+            if j == nb:  # the sentinel: open a bin
+                r = capacity - s
+                room.append(r)
                 bins.append([i])
                 nb += 1
+                if tree is not None:
+                    node = j + size
+                    v = tree[node] = r
+                    while node > 1:
+                        sib = tree[node ^ 1]
+                        node >>= 1
+                        v = v if v > sib else sib
+                        if tree[node] == v:
+                            break
+                        tree[node] = v
+                    if nb == size:  # keep one unopened leaf, so every search ends on a leaf
+                        size <<= 1
+                        tree = max_tree(room, size, capacity)
+                if not p or r > rv[p - 1]:
+                    rv.insert(p, r)
+                    rb.insert(p, j)
+                rb[-1] = nb
+                continue
+            r = room[j] = rv[p] - s
+            bins[j].append(i)
+            if tree is not None:
+                node = j + size
+                v = tree[node] = r
+                while node > 1:  # parents hold the max of their children
+                    sib = tree[node ^ 1]
+                    node >>= 1
+                    v = v if v > sib else sib
+                    if tree[node] == v:
+                        break
+                    tree[node] = v
+            low = rv[p - 1] if p else -1
+            end = rb[p + 1]
+            if j + 1 == end:  # nothing between this record and the next
+                if r > low:
+                    rv[p] = r
+                else:
+                    del rv[p], rb[p]
+                continue
+            if r > low:
+                new_v, new_b, m = [r], [j], r
             else:
-                bins[j].append(i)
-            v = tree[node] = tree[node] - s
-            while node > 1:  # parents hold the max of their children
+                new_v, new_b, m = [], [], low
+            if tree is None and end - j > limit:
+                size = 1 << nb.bit_length()
+                tree = max_tree(room, size, capacity)
+            if tree is None:
+                for k in range(j + 1, end):
+                    x = room[k]
+                    if x > m:
+                        new_v.append(x)
+                        new_b.append(k)
+                        m = x
+            else:
+                k = first_above(tree, size, j + 1, m)
+                while k < end:
+                    m = room[k]
+                    new_v.append(m)
+                    new_b.append(k)
+                    k = first_above(tree, size, k + 1, m)
+            rv[p : p + 1] = new_v
+            rb[p : p + 1] = new_b
+        return bins
+    proom: list[int] = []
+    index: BinPatches | None = None
+    for i in order:
+        s, q = lens[i], pats[i]
+        p = bisect_left(rv, s)
+        j = rb[p]
+        if j < nb and proom[j] < q:  # a patch miss: the first fit after j with both
+            j += 1
+            if tree is None:
+                stop = min(nb, j + limit)
+                while j < stop and (room[j] < s or proom[j] < q):
+                    j += 1
+                if j == stop < nb:  # too far: from now on the trees answer
+                    size = 1 << nb.bit_length()
+                    tree = max_tree(room, size, capacity)
+            if tree is not None and j < nb and (room[j] < s or proom[j] < q):
+                if index is None:
+                    index = BinPatches(size, proom, max_p)
+                j = index.first_fit(tree, j, s, q)
+            p = bisect_left(rb, j)
+        if j == nb:
+            r = capacity - s
+            room.append(r)
+            proom.append(max_p - q)
+            bins.append([i])
+            nb += 1
+            if index is not None:
+                index.dirty.append(j)
+            if tree is not None:
+                node = j + size
+                v = tree[node] = r
+                while node > 1:
+                    sib = tree[node ^ 1]
+                    node >>= 1
+                    v = v if v > sib else sib
+                    if tree[node] == v:
+                        break
+                    tree[node] = v
+                if nb == size:
+                    size <<= 1
+                    tree = max_tree(room, size, capacity)
+                    index = None
+            if not p or r > rv[p - 1]:
+                rv.insert(p, r)
+                rb.insert(p, j)
+            rb[-1] = nb
+            continue
+        r = room[j] = room[j] - s
+        proom[j] -= q
+        bins[j].append(i)
+        if index is not None:
+            index.dirty.append(j)
+        if tree is not None:
+            node = j + size
+            v = tree[node] = r
+            while node > 1:
                 sib = tree[node ^ 1]
                 node >>= 1
                 v = v if v > sib else sib
                 if tree[node] == v:
                     break
                 tree[node] = v
-        return bins
-    proom: list[int] = []
-    index: BinPatches | None = None
-    for i in order:
-        if nb == size:
-            size, tree = grown_max_tree(tree, size, capacity)
-            index = None
-        s, q = lens[i], pats[i]
-        node = 1
-        while node < size:
-            node <<= 1
-            if tree[node] < s:
-                node += 1
-        j = node - size
-        if j < nb and proom[j] < q:
-            if index is None:
-                index = BinPatches(size, proom, max_p)
-            j = index.first_fit(tree, j + 1, s, q)
-            node = j + size
-        if j == nb:
-            bins.append([i])
-            proom.append(max_p - q)
-            nb += 1
+        if rb[p] != j:  # not a record (a patch miss placed it): the records stand
+            continue
+        low = rv[p - 1] if p else -1
+        end = rb[p + 1]
+        if j + 1 == end:
+            if r > low:
+                rv[p] = r
+            else:
+                del rv[p], rb[p]
+            continue
+        if r > low:
+            new_v, new_b, m = [r], [j], r
         else:
-            bins[j].append(i)
-            proom[j] -= q
-        if index is not None:
-            index.dirty.append(j)
-        v = tree[node] = tree[node] - s
-        while node > 1:
-            sib = tree[node ^ 1]
-            node >>= 1
-            v = v if v > sib else sib
-            if tree[node] == v:
-                break
-            tree[node] = v
+            new_v, new_b, m = [], [], low
+        if tree is None and end - j > limit:
+            size = 1 << nb.bit_length()
+            tree = max_tree(room, size, capacity)
+        if tree is None:
+            for k in range(j + 1, end):
+                x = room[k]
+                if x > m:
+                    new_v.append(x)
+                    new_b.append(k)
+                    m = x
+        else:
+            k = first_above(tree, size, j + 1, m)
+            while k < end:
+                m = room[k]
+                new_v.append(m)
+                new_b.append(k)
+                k = first_above(tree, size, k + 1, m)
+        rv[p : p + 1] = new_v
+        rb[p : p + 1] = new_b
     return bins
 
 

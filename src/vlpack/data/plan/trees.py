@@ -1,11 +1,13 @@
-"""Patch-budget indexes of the planners (algorithms.py): segment trees built on first need.
+"""Indexes of the planners (algorithms.py): segment trees built on first need.
 
 With a patch budget, a planner first checks the bin (or item) its token rule picks. When that
-one lacks the patches, one of these trees answers "the first candidate, in the rule's own
-order, whose patches fit too" in O(log) steps: greedy and first fit ask their tree on every
-such miss; best fit first scans on over at most `SCAN_LIMIT` bins and builds its tree only
-when a scan runs past that. A tree is built on the first miss that needs it, from the
-planner's state at that moment; inputs whose patch budget never binds build none.
+one lacks the patches, greedy asks its tree; first fit and best fit scan on in their rule's
+order over at most `SCAN_LIMIT` bins and, when a scan would run past that, build their tree
+from their state at that moment and ask it on every miss from then on. A tree answers "the
+first candidate, in the rule's own order, whose patches fit too" in O(log) steps. Inputs whose
+patch budget never binds build none. First fit's max-tree over free tokens (`max_tree`,
+`first_above`) is built the same way, when repairing its records or a patch miss would scan
+past `SCAN_LIMIT` bins.
 
 Node k's children are 2k and 2k+1; the root is node 1; leaves start at `size`.
 """
@@ -16,7 +18,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 SCAN_LIMIT = 64
-"""Bins best fit scans on a patch miss before it builds its tree (and asks it from then on)."""
+"""Bins first fit and best fit scan before they build a tree (and ask it from then on)."""
 
 _INF = float("inf")
 
@@ -185,11 +187,26 @@ class RoomPatches:
         return p
 
 
-def grown_max_tree(tree: list[int], size: int, fill: int) -> tuple[int, list[int]]:
-    """A max-tree over twice as many leaves, the new ones holding `fill`."""
-    new = [fill] * (4 * size)
-    new[2 * size : 3 * size] = tree[size:]
-    for node in range(2 * size - 1, 0, -1):
-        a, c = new[2 * node], new[2 * node + 1]
-        new[node] = a if a > c else c
-    return 2 * size, new
+def max_tree(leaves: list[int], size: int, fill: int) -> list[int]:
+    """A max-tree over `size` leaves: `leaves` first, then `fill`."""
+    tree = [fill] * (2 * size)
+    tree[size : size + len(leaves)] = leaves
+    for node in range(size - 1, 0, -1):
+        a, c = tree[2 * node], tree[2 * node + 1]
+        tree[node] = a if a > c else c
+    return tree
+
+
+def first_above(tree: list[int], size: int, start: int, m: int) -> int:
+    """The lowest leaf ≥ start of max-tree `tree` that holds more than m. One must exist (first
+    fit keeps an unopened, full bin to the right of every search)."""
+    node = start + size
+    while tree[node] <= m:  # on to the next subtree to the right
+        while node & 1:
+            node >>= 1
+        node += 1
+    while node < size:
+        node <<= 1
+        if tree[node] <= m:
+            node += 1
+    return node - size
