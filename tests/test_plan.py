@@ -120,8 +120,8 @@ def check_partition(bins, n, lens, cap, pats=None, max_p=None):
 
 @contextmanager
 def scan_limit(limit):
-    """First fit and best fit scan `limit` bins before they build a tree (1: the trees answer
-    nearly every patch miss and first fit's record repairs; greedy always asks its tree)."""
+    """Planners scan `limit` items or bins before they build a tree (1: the trees answer nearly
+    every patch miss and first fit's record repairs)."""
     saved = trees.SCAN_LIMIT
     trees.SCAN_LIMIT = limit
     try:

@@ -24,9 +24,9 @@ fixed, index-based order):
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
 candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
 patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
-that has them (first fit and best fit first scan on over at most `trees.SCAN_LIMIT` bins, and
-build their tree when a scan would pass that). A search is a bisect, a scan of at most
-`SCAN_LIMIT` bins or a descent of a tree, never a scan over all bins or items: only items
+that has them (each planner first scans on over at most `trees.SCAN_LIMIT` items or bins, and
+builds its tree when a scan would pass that). A search is a bisect, a scan of at most
+`SCAN_LIMIT` candidates or a descent of a tree, never a scan over all bins or items: only items
 of one length (greedy) or bins with equal free tokens (best fit) are scanned one by one past
 that, and first fit's two-budget search backs off a subtree whose two maxima belong to different
 bins. Inputs whose patch budget never binds (a
@@ -48,7 +48,7 @@ from typing import Literal, get_args
 from vlpack.data.plan import trees
 from vlpack.data.plan.trees import (
     BinPatches,
-    LengthPatches,
+    ItemPatches,
     RoomPatches,
     first_above,
     max_tree,
@@ -177,8 +177,10 @@ def _validate(
 def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Items of one length form a stack (highest index on top, as a stable ascending sort
     plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
-    largest fitting item is one bisect away. A patch miss asks `LengthPatches`. (The loop
-    without a patch budget is the same loop with the patch steps left out.)"""
+    largest fitting item is one bisect away. A patch miss walks on in the rule's order over at
+    most `trees.SCAN_LIMIT` items; after the first walk that would pass that, every miss asks
+    `ItemPatches`. (The loop without a patch budget is the same loop with the patch steps left
+    out.)"""
     stacks: dict[int, list[int]] = {}
     stack_of = stacks.setdefault
     for i, v in enumerate(lens):
@@ -198,33 +200,66 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     del vals[k - 1]
             bins.append(b)
         return bins
-    index: LengthPatches | None = None
+    index: ItemPatches | None = None
+    limit = trees.SCAN_LIMIT
     while vals:
         room, proom = capacity, max_p
         b = []
         while k := bisect_right(vals, room):
             v = vals[k - 1]
             st = stacks[v]
-            at = -1
-            if pats[st[-1]] > proom:
-                if index is None:
-                    index = LengthPatches(vals, stacks, pats)
-                k, at = index.rightmost(vals, k - 1, proom)
-                if k < 0:
-                    break
-                k += 1
-                v = vals[k - 1]
-                st = stacks[v]
-            i = st.pop(at)
+            if pats[st[-1]] <= proom:
+                i = st.pop()
+                if not st:
+                    del vals[k - 1]
+            else:
+                pick = None if index is not None else _walk_left(vals, stacks, pats, k - 1, proom, limit)
+                if pick is not None:
+                    g, at = pick
+                    if g < 0:
+                        break
+                    v = vals[g]
+                    st = stacks[v]
+                    i = st.pop(at)
+                    if not st:
+                        del vals[g]
+                else:  # too far: from now on the tree answers
+                    if index is None:
+                        index = ItemPatches(lens, pats, stacks.values())
+                    i = index.rightmost(room, proom)
+                    if i < 0:
+                        break
+                    v = lens[i]
+                    st = stacks[v]
+                    del st[bisect_left(st, i)]
+                    if not st:
+                        del vals[bisect_left(vals, v)]
+            if index is not None:
+                index.take(i)
             b.append(i)
             room -= v
             proom -= pats[i]
-            if index is not None:
-                index.dirty.add(v)
-            if not st:
-                del vals[k - 1]
         bins.append(b)
     return bins
+
+
+def _walk_left(
+    vals: list[int], stacks: dict[int, list[int]], pats: Sequence[int], g: int, budget: int,
+    limit: int,
+) -> tuple[int, int] | None:
+    """Greedy's pick with a patch budget, walking items in the rule's order from the top of
+    length vals[g]'s stack down, then on to the shorter lengths: (its index in vals, its position
+    in the stack), (-1, -1) when no item has ≤ budget patches, or None after `limit` items."""
+    while g >= 0:
+        st = stacks[vals[g]]
+        for at in range(len(st) - 1, -1, -1):
+            if pats[st[at]] <= budget:
+                return g, at
+            limit -= 1
+            if not limit:
+                return None
+        g -= 1
+    return -1, -1
 
 
 def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:

@@ -1,24 +1,23 @@
 """Indexes of the planners (algorithms.py): segment trees built on first need.
 
 With a patch budget, a planner first checks the bin (or item) its token rule picks. When that
-one lacks the patches, greedy asks its tree; first fit and best fit scan on in their rule's
-order over at most `SCAN_LIMIT` bins and, when a scan would run past that, build their tree
-from their state at that moment and ask it on every miss from then on. A tree answers "the
-first candidate, in the rule's own order, whose patches fit too" in O(log) steps. Inputs whose
-patch budget never binds build none. First fit's max-tree over free tokens (`max_tree`,
-`first_above`) is built the same way, when repairing its records or a patch miss would scan
-past `SCAN_LIMIT` bins.
+one lacks the patches, it scans on in its rule's order over at most `SCAN_LIMIT` items (greedy)
+or bins and, when a scan would run past that, builds its tree from its state at that moment and
+asks it on every miss from then on. A tree answers "the first candidate, in the rule's own
+order, whose patches fit too" in O(log) steps. Inputs whose patch budget never binds build
+none. First fit's max-tree over free tokens (`max_tree`, `first_above`) is built the same way,
+when repairing its records or a patch miss would scan past `SCAN_LIMIT` bins.
 
 Node k's children are 2k and 2k+1; the root is node 1; leaves start at `size`.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 
 SCAN_LIMIT = 64
-"""Bins first fit and best fit scan before they build a tree (and ask it from then on)."""
+"""Items or bins a planner scans before it builds a tree (and asks it from then on)."""
 
 _INF = float("inf")
 
@@ -35,54 +34,53 @@ def _raise_max(tree: list, node: int) -> None:
         node >>= 1
 
 
-class LengthPatches:
-    """Greedy's index: leaf g holds the fewest patches among the items left of the g-th
-    distinct length (∞: none left). The planner adds every length it takes from to `dirty`;
-    a search first brings those leaves up to date."""
+class ItemPatches:
+    """Greedy's index: leaf p holds the patches of the p-th item in a stable ascending sort by
+    length (∞: taken), so the item greedy takes among those of ≤ room tokens is the rightmost
+    leaf before `bisect_right(lengths, room)` with ≤ budget patches. Built from the items left
+    (`left`: greedy's stacks); the planner reports every item it takes with `take`."""
 
-    __slots__ = ("dirty", "lengths", "pats", "size", "stacks", "tree")
+    __slots__ = ("lengths", "order", "pos", "size", "tree")
 
-    def __init__(self, vals: list[int], stacks: dict[int, list[int]], pats: Sequence[int]) -> None:
-        self.lengths = lengths = sorted(stacks)
-        self.stacks, self.pats = stacks, pats
-        self.size = size = 1 << max(len(lengths) - 1, 0).bit_length()
-        self.tree: list[float] = [_INF] * (2 * size)
-        self.dirty: set[int] = set(vals)
-        """Lengths whose stacks changed since the last search."""
+    def __init__(self, lens: Sequence[int], pats: Sequence[int], left: Iterable[list[int]]) -> None:
+        n = len(lens)
+        self.order = order = sorted(range(n), key=lens.__getitem__)
+        self.lengths = list(map(lens.__getitem__, order))
+        self.pos = pos = [0] * n
+        """pos[i]: item i's leaf."""
+        for p, i in enumerate(order):
+            pos[i] = p
+        self.size = size = 1 << max(n - 1, 0).bit_length()
+        self.tree = tree = [_INF] * (2 * size)
+        for st in left:
+            for i in st:
+                tree[size + pos[i]] = pats[i]
+        for node in range(size - 1, 0, -1):
+            a, c = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a < c else c
 
-    def rightmost(self, vals: list[int], k: int, budget: int) -> tuple[int, int]:
-        """The item the greedy rule takes: the largest length vals[≤ k] with an item of
-        ≤ budget patches, and in its stack the last such item. Returns (its index in vals,
-        its position in the stack), or (-1, -1)."""
-        g = self._rightmost_length(bisect_left(self.lengths, vals[k]), budget)
-        if g < 0:
-            return -1, -1
-        v = self.lengths[g]
-        st, pats = self.stacks[v], self.pats
-        at = len(st) - 1
-        while pats[st[at]] > budget:
-            at -= 1
-        return bisect_left(vals, v), at
-
-    def _rightmost_length(self, g: int, budget: int) -> int:
-        """Largest g' ≤ g whose stack holds an item of ≤ budget patches, else -1."""
-        tree, size, stacks, pats, lengths = (
-            self.tree, self.size, self.stacks, self.pats, self.lengths
-        )
-        for v in self.dirty:
-            node = size + bisect_left(lengths, v)
-            st = stacks[v]
-            tree[node] = min(map(pats.__getitem__, st)) if st else _INF
+    def take(self, i: int) -> None:
+        """Item i leaves: its leaf becomes ∞, and the minima above it follow."""
+        tree = self.tree
+        node = self.size + self.pos[i]
+        tree[node] = _INF
+        node >>= 1
+        while node:
+            a, c = tree[2 * node], tree[2 * node + 1]
+            m = a if a < c else c
+            if tree[node] == m:
+                break
+            tree[node] = m
             node >>= 1
-            while node:
-                a, c = tree[2 * node], tree[2 * node + 1]
-                m = a if a < c else c
-                if tree[node] == m:
-                    break
-                tree[node] = m
-                node >>= 1
-        self.dirty.clear()
-        node = g + size
+
+    def rightmost(self, room: int, budget: int) -> int:
+        """The item greedy takes: the last one, in the sort, of ≤ room tokens and ≤ budget
+        patches, else -1."""
+        end = bisect_right(self.lengths, room)
+        if not end:
+            return -1
+        tree, size = self.tree, self.size
+        node = end - 1 + size
         while tree[node] > budget:  # on to the next subtree to the left
             while not node & 1:
                 node >>= 1
@@ -91,7 +89,7 @@ class LengthPatches:
             node -= 1
         while node < size:
             node = 2 * node + 1 if tree[2 * node + 1] <= budget else 2 * node
-        return node - size
+        return self.order[node - size]
 
 
 class BinPatches:
