@@ -452,47 +452,68 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
 
 def _bfd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Bins live in one sorted list of keys free tokens·K + bin (K > bins), so
-    `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A patch miss scans
-    on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss asks
-    `RoomPatches`."""
+    `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A bin left with fewer
+    free tokens than the shortest item leaves the keys (no item fits it again). A patch miss
+    scans on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss
+    asks `RoomPatches`. (The loop without a patch budget is the same loop with the patch steps
+    left out.)"""
     n = len(lens)
     K = n + 1
     order = sorted(range(n), key=lens.__getitem__, reverse=True)
+    least = lens[order[-1]] if n else 0
     keys: list[int] = []
     bins: Bins = []
+    if pats is None:
+        for i in order:
+            s = lens[i]
+            p = bisect_left(keys, s * K)
+            if p == len(keys):
+                r = capacity - s
+                if r >= least:
+                    insort(keys, r * K + len(bins))
+                bins.append([i])
+            else:
+                r, j = divmod(keys.pop(p), K)
+                bins[j].append(i)
+                r -= s
+                if r >= least:
+                    insort(keys, r * K + j, 0, p)
+        return bins
     proom: list[int] = []
     index: RoomPatches | None = None
     for i in order:
-        s = lens[i]
+        s, q = lens[i], pats[i]
         p = bisect_left(keys, s * K)
-        if pats is not None:
-            q = pats[i]
-            if p < len(keys) and proom[keys[p] % K] < q:
-                if index is None:  # scan on in key order
-                    end = min(p + trees.SCAN_LIMIT, len(keys))
+        if p < len(keys) and proom[keys[p] % K] < q:
+            if index is None:  # scan on in key order
+                end = min(p + trees.SCAN_LIMIT, len(keys))
+                p += 1
+                while p < end and proom[keys[p] % K] < q:
                     p += 1
-                    while p < end and proom[keys[p] % K] < q:
-                        p += 1
-                    if p == end < len(keys):  # too far: from now on the tree answers
-                        index = RoomPatches(capacity, keys, K, proom)
-                if index is not None:
-                    p = index.tightest(s, q)
+                if p == end < len(keys):  # too far: from now on the tree answers
+                    index = RoomPatches(capacity, keys, K, proom)
+            if index is not None:
+                p = index.tightest(keys[p] // K, q)  # no bin has s..that many free tokens
         if p == len(keys):
             r = capacity - s
-            insort(keys, r * K + len(bins))
+            j = len(bins)
             bins.append([i])
-            if pats is not None:
-                proom.append(max_p - q)
+            proom.append(max_p - q)
+            if r >= least:
+                insort(keys, r * K + j)
                 if index is not None:
                     index.opened(r, max_p - q)
         else:
             r, j = divmod(keys.pop(p), K)
             bins[j].append(i)
-            insort(keys, (r - s) * K + j)
-            if pats is not None:
-                proom[j] -= q
+            proom[j] -= q
+            if index is not None:
+                index.left(r, proom[j] + q, p)
+            r -= s
+            if r >= least:
+                insort(keys, r * K + j, 0, p)
                 if index is not None:
-                    index.moved(r, proom[j] + q, r - s, proom[j])
+                    index.opened(r, proom[j])
     return bins
 
 

@@ -135,7 +135,8 @@ class BinPatches:
 class RoomPatches:
     """Best fit's index: leaf r holds the most free patches among bins with exactly r free
     tokens (-1: no such bin), read from the planner's sorted keys (free tokens·K + bin). The
-    planner reports every bin it changes with `moved` or `opened`."""
+    planner reports every bin that leaves the keys with `left` and every one that joins them
+    with `opened`."""
 
     __slots__ = ("K", "keys", "proom", "size", "tree")
 
@@ -143,6 +144,7 @@ class RoomPatches:
         self.size = size = 1 << (capacity + 1).bit_length()
         self.keys, self.K, self.proom = keys, K, proom
         self.tree = tree = [-1] * (2 * size)
+        tree[0] = _INF  # above the root: stops every raise in `opened`
         for key in keys:
             r, j = divmod(key, K)
             if proom[j] > tree[size + r]:
@@ -151,20 +153,31 @@ class RoomPatches:
 
     def opened(self, r: int, free_patches: int) -> None:
         """A bin with r free tokens and `free_patches` free patches joined the keys."""
+        tree = self.tree
         node = self.size + r
-        if free_patches > self.tree[node]:
-            self.tree[node] = free_patches
-            _raise_max(self.tree, node)
+        if free_patches > tree[node]:
+            tree[node] = free_patches
+            node >>= 1
+            while tree[node] < free_patches:  # parents hold the max of their children
+                tree[node] = free_patches
+                node >>= 1
 
-    def moved(self, r: int, old_patches: int, r_new: int, new_patches: int) -> None:
-        """A bin went from (r, old_patches) free to (r_new, new_patches); keys are updated."""
+    def left(self, r: int, old_patches: int, p: int) -> None:
+        """The bin that had r free tokens and `old_patches` free patches left the keys from
+        position p (a bin that changes leaves with its old figures and joins with its new ones)."""
         tree, node = self.tree, self.size + r
-        if tree[node] == old_patches:  # it may have held the leaf's maximum
-            keys, K, proom = self.keys, self.K, self.proom
-            lo, hi = bisect_left(keys, r * K), bisect_left(keys, (r + 1) * K)
-            tree[node] = max((proom[k % K] for k in keys[lo:hi]), default=-1)
-            _raise_max(tree, node)
-        self.opened(r_new, new_patches)
+        if tree[node] != old_patches:  # it did not hold the leaf's maximum
+            return
+        keys, K = self.keys, self.K
+        lo, hi = r * K, (r + 1) * K
+        if (p and keys[p - 1] >= lo) or (p < len(keys) and keys[p] < hi):
+            proom = self.proom
+            lo, hi = bisect_left(keys, lo, 0, p), bisect_left(keys, hi, p)
+            m = max([proom[k % K] for k in keys[lo:hi]])
+        else:  # it was the leaf's only bin
+            m = -1
+        tree[node] = m
+        _raise_max(tree, node)
 
     def tightest(self, s: int, q: int) -> int:
         """Position in keys of the bin with the fewest free tokens ≥ s whose free patches are
