@@ -141,7 +141,8 @@ class RoomPatches:
     __slots__ = ("K", "keys", "proom", "size", "tree")
 
     def __init__(self, capacity: int, keys: list[int], K: int, proom: list[int]) -> None:
-        self.size = size = 1 << (capacity + 1).bit_length()
+        # leaves 0..capacity-1: a bin holds ≥ 1 token, and a search starts at a bin's leaf
+        self.size = size = 1 << max(capacity - 1, 0).bit_length()
         self.keys, self.K, self.proom = keys, K, proom
         self.tree = tree = [-1] * (2 * size)
         tree[0] = _INF  # above the root: stops every raise in `opened`
