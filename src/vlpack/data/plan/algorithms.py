@@ -111,11 +111,14 @@ def _plan_checked(
 # --------------------------------------------------------------------------- validation
 
 
+_INT = frozenset((int,))
+
+
 def _as_int_list(values: Sequence[int], name: str) -> list[int]:
     """A plain list of Python ints (fast path for numpy arrays via `.tolist()`)."""
     tolist = getattr(values, "tolist", None)
     out = tolist() if callable(tolist) else list(values)
-    if out and not all(type(v) is int for v in out):
+    if not _INT.issuperset(map(type, out)):  # one C pass
         if not all(float(v).is_integer() for v in out):
             raise ValueError(f"{name} must be integers; got {out[:8]}...")
         out = [int(v) for v in out]
