@@ -19,18 +19,18 @@ fixed, index-based order):
   would pass `trees.SCAN_LIMIT` bins, a max-tree over free tokens (built then) finds them.
 - `bfd` (best fit decreasing) — items longest first (ties: lower index first), each into the
   bin it fits with the fewest free tokens (ties: lowest bin number), else a new bin. Bins live
-  in one sorted list of keys free tokens·K + bin, so a search is one bisect.
+  in one sorted list of keys free tokens·K + bin, so a search is one bisect; a bin with fewer
+  free tokens than the shortest item leaves the list.
 
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
-candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
-patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
-that has them (each planner first scans on over at most `trees.SCAN_LIMIT` items or bins, and
-builds its tree when a scan would pass that). A search is a bisect, a scan of at most
-`SCAN_LIMIT` candidates or a descent of a tree, never a scan over all bins or items: only items
-of one length (greedy) or bins with equal free tokens (best fit) are scanned one by one past
-that, and first fit's two-budget search backs off a subtree whose two maxima belong to different
-bins. Inputs whose patch budget never binds (a
-generous `max_patches`) build no patch tree.
+candidate the token rule picks is checked first; when it lacks the patches, the planner scans on
+in its rule's order over at most `trees.SCAN_LIMIT` items (greedy) or bins, and once a scan would
+pass that, it builds a segment tree over patch counts (trees.py) that from then on finds the
+first candidate in the same order that has them. A search is a bisect, a scan of at most
+`SCAN_LIMIT` candidates or a descent of a tree, never a scan over all bins or items: only bins
+with equal free tokens (best fit) are scanned one by one past that, and first fit's two-budget
+search backs off a subtree whose two maxima belong to different bins. Inputs whose patch budget
+never binds (a generous `max_patches`) build no patch tree.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
 were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
