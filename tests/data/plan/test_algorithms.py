@@ -118,8 +118,8 @@ def check_partition(bins, n, lens, cap, pats=None, max_p=None):
 
 @contextmanager
 def scan_limit(limit):
-    """Best fit scans `limit` bins on a patch miss before it builds its patch tree (1: the tree
-    answers nearly every miss; greedy and first fit always ask theirs)."""
+    """Planners scan `limit` items or bins before they build a tree (1: the trees answer nearly
+    every patch miss and first fit's record repairs)."""
     saved = trees.SCAN_LIMIT
     trees.SCAN_LIMIT = limit
     try:
@@ -249,8 +249,8 @@ def random_items(n, cap, max_p, rng):
 )  # fmt: skip
 def test_matches_reference_on_random_inputs(n, cap, max_p, limit):
     """Several sizes (4,500 > the 4,096-item buffer), with and without a patch budget that
-    binds in most bins; capacity 16 makes many bins tie on free tokens. With limit 1 best fit's
-    patch tree answers nearly every patch miss."""
+    binds in most bins; capacity 16 makes many bins tie on free tokens. With limit 1 the trees
+    answer nearly every search that would scan."""
     lens, pats = random_items(n, cap, max_p, random.Random(n + cap))
     for algo in ALGOS:
         with scan_limit(limit):

@@ -13,19 +13,24 @@ fixed, index-based order):
   a time, repeatedly taking the largest remaining item that still fits (equal lengths: highest
   index first). The distinct lengths left form one sorted list, so a pick is one bisect.
 - `ffd` (first fit decreasing) — items longest first (ties: lower index first), each into the
-  lowest-numbered bin it fits, else a new bin. A max-tree over the bins' free tokens finds it.
+  lowest-numbered bin it fits, else a new bin. The bins with more free tokens than every bin
+  before them (the records) form one increasing list, so a search is one bisect; when a record
+  shrinks, the bins up to the next record are scanned for the new records, and once such a scan
+  would pass `trees.SCAN_LIMIT` bins, a max-tree over free tokens (built then) finds them.
 - `bfd` (best fit decreasing) — items longest first (ties: lower index first), each into the
   bin it fits with the fewest free tokens (ties: lowest bin number), else a new bin. Bins live
-  in one sorted list of keys free tokens·K + bin, so a search is one bisect.
+  in one sorted list of keys free tokens·K + bin, so a search is one bisect; a bin with fewer
+  free tokens than the shortest item leaves the list.
 
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
-candidate the token rule picks is checked first; when it lacks the patches, a segment tree over
-patch counts (trees.py, built on the first such miss) finds the first candidate in the same order
-that has them (best fit scans a few bins on before it builds its tree). A search is a bisect or a
-descent of a tree, never a scan over all bins or items: only items of one length (greedy) or bins
-with equal free tokens (best fit) are scanned one by one, and first fit's two-budget search backs
-off a subtree whose two maxima belong to different bins. Inputs whose patch budget never binds (a
-generous `max_patches`) build no tree.
+candidate the token rule picks is checked first; when it lacks the patches, the planner scans on
+in its rule's order over at most `trees.SCAN_LIMIT` items (greedy) or bins, and once a scan would
+pass that, it builds a segment tree over patch counts (trees.py) that from then on finds the
+first candidate in the same order that has them. A search is a bisect, a scan of at most
+`SCAN_LIMIT` candidates or a descent of a tree, never a scan over all bins or items: only bins
+with equal free tokens (best fit) are scanned one by one past that, and first fit's two-budget
+search backs off a subtree whose two maxima belong to different bins. Inputs whose patch budget
+never binds (a generous `max_patches`) build no patch tree.
 
 Within a bin, items appear in the order they were placed. Output bins appear in the order they
 were opened, unless `seed` is given: then the list of bins is shuffled with `random.Random(seed)`
@@ -41,7 +46,13 @@ from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 from vlpack.data.plan import trees
-from vlpack.data.plan.trees import BinPatches, LengthPatches, RoomPatches, grown_max_tree
+from vlpack.data.plan.trees import (
+    BinPatches,
+    ItemPatches,
+    RoomPatches,
+    first_above,
+    max_tree,
+)
 
 __all__ = ["ALGOS", "Algo", "check_algo", "plan_bins"]
 
@@ -100,11 +111,14 @@ def _plan_checked(
 # --------------------------------------------------------------------------- validation
 
 
+_INT = frozenset((int,))
+
+
 def _as_int_list(values: Sequence[int], name: str) -> list[int]:
     """A plain list of Python ints (fast path for numpy arrays via `.tolist()`)."""
     tolist = getattr(values, "tolist", None)
     out = tolist() if callable(tolist) else list(values)
-    if out and not all(type(v) is int for v in out):
+    if not _INT.issuperset(map(type, out)):  # one C pass
         if not all(float(v).is_integer() for v in out):
             raise ValueError(f"{name} must be integers; got {out[:8]}...")
         out = [int(v) for v in out]
@@ -166,8 +180,10 @@ def _validate(
 def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Items of one length form a stack (highest index on top, as a stable ascending sort
     plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
-    largest fitting item is one bisect away. A patch miss asks `LengthPatches`. (The loop
-    without a patch budget is the same loop with the patch steps left out.)"""
+    largest fitting item is one bisect away. A patch miss walks on in the rule's order over at
+    most `trees.SCAN_LIMIT` items; after the first walk that would pass that, every miss asks
+    `ItemPatches`. (The loop without a patch budget is the same loop with the patch steps left
+    out.)"""
     stacks: dict[int, list[int]] = {}
     stack_of = stacks.setdefault
     for i, v in enumerate(lens):
@@ -187,151 +203,320 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     del vals[k - 1]
             bins.append(b)
         return bins
-    index: LengthPatches | None = None
+    index: ItemPatches | None = None
+    limit = trees.SCAN_LIMIT
     while vals:
         room, proom = capacity, max_p
         b = []
         while k := bisect_right(vals, room):
             v = vals[k - 1]
             st = stacks[v]
-            at = -1
-            if pats[st[-1]] > proom:
-                if index is None:
-                    index = LengthPatches(vals, stacks, pats)
-                k, at = index.rightmost(vals, k - 1, proom)
-                if k < 0:
-                    break
-                k += 1
-                v = vals[k - 1]
-                st = stacks[v]
-            i = st.pop(at)
+            if pats[st[-1]] <= proom:
+                i = st.pop()
+                if not st:
+                    del vals[k - 1]
+            else:
+                pick = None if index is not None else _walk_left(vals, stacks, pats, k - 1, proom, limit)
+                if pick is not None:
+                    g, at = pick
+                    if g < 0:
+                        break
+                    v = vals[g]
+                    st = stacks[v]
+                    i = st.pop(at)
+                    if not st:
+                        del vals[g]
+                else:  # too far: from now on the tree answers
+                    if index is None:
+                        index = ItemPatches(lens, pats, stacks.values())
+                    i = index.rightmost(room, proom)
+                    if i < 0:
+                        break
+                    v = lens[i]
+                    st = stacks[v]
+                    del st[bisect_left(st, i)]
+                    if not st:
+                        del vals[bisect_left(vals, v)]
+            if index is not None:
+                index.take(i)
             b.append(i)
             room -= v
             proom -= pats[i]
-            if index is not None:
-                index.dirty.add(v)
-            if not st:
-                del vals[k - 1]
         bins.append(b)
     return bins
 
 
+def _walk_left(
+    vals: list[int], stacks: dict[int, list[int]], pats: Sequence[int], g: int, budget: int,
+    limit: int,
+) -> tuple[int, int] | None:
+    """Greedy's pick with a patch budget, walking items in the rule's order from the top of
+    length vals[g]'s stack down, then on to the shorter lengths: (its index in vals, its position
+    in the stack), (-1, -1) when no item has ≤ budget patches, or None after `limit` items."""
+    while g >= 0:
+        st = stacks[vals[g]]
+        for at in range(len(st) - 1, -1, -1):
+            if pats[st[at]] <= budget:
+                return g, at
+            limit -= 1
+            if not limit:
+                return None
+        g -= 1
+    return -1, -1
+
+
 def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
-    """A max-tree over bins holds free tokens (unopened bins are empty, so the leftmost leaf
-    that fits is the answer, opened or not); it starts at the fewest bins possible and doubles
-    when every leaf is opened. A patch miss asks `BinPatches` from the next bin on. (The loop
-    without a patch budget is the same loop with the patch steps left out.)"""
+    """The records are the bins with more free tokens than every bin before them (prefix
+    maxima): free tokens `rv` (increasing) and bin numbers `rb`, then a sentinel (capacity + 1
+    free tokens, the next bin to open). The first bin that fits is a record, so one bisect
+    finds it. When a record shrinks, the bins between it and the next record that now beat
+    every bin before them become records: a scan over those bins finds them until a gap passes
+    `trees.SCAN_LIMIT` bins; then a max-tree over the bins' free tokens (built then, unopened
+    leaves full, updated from then on) does, one descent per new record. A patch miss scans on
+    from the first fit over at most `SCAN_LIMIT` bins, then builds the tree (if not yet built)
+    and `BinPatches` and asks them. Other bins than records never change the records. (The
+    loop without a patch budget is the same loop with the patch steps left out.)"""
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-    size = 1 << (-(-sum(lens) // capacity)).bit_length()
-    tree = [capacity] * (2 * size)
+    limit = trees.SCAN_LIMIT
+    room: list[int] = []
     bins: Bins = []
-    nb = 0
+    rv, rb = [capacity + 1], [0]
+    nb = size = 0
+    tree: list[int] | None = None
     if pats is None:
         for i in order:
-            if nb == size:  # keep one unopened leaf, so every search ends on a leaf
-                size, tree = grown_max_tree(tree, size, capacity)
             s = lens[i]
-            node = 1
-            while node < size:
-                node <<= 1
-                if tree[node] < s:
-                    node += 1
-            j = node - size
-            if j == nb:
+            p = bisect_left(rv, s)
+            j = rb[p]
+            if j == nb:  # the sentinel: open a bin
+                r = capacity - s
+                room.append(r)
                 bins.append([i])
                 nb += 1
+                if tree is not None:
+                    node = j + size
+                    v = tree[node] = r
+                    while node > 1:
+                        sib = tree[node ^ 1]
+                        node >>= 1
+                        v = v if v > sib else sib
+                        if tree[node] == v:
+                            break
+                        tree[node] = v
+                    if nb == size:  # keep one unopened leaf, so every search ends on a leaf
+                        size <<= 1
+                        tree = max_tree(room, size, capacity)
+                if not p or r > rv[p - 1]:
+                    rv.insert(p, r)
+                    rb.insert(p, j)
+                rb[-1] = nb
+                continue
+            r = room[j] = rv[p] - s
+            bins[j].append(i)
+            if tree is not None:
+                node = j + size
+                v = tree[node] = r
+                while node > 1:  # parents hold the max of their children
+                    sib = tree[node ^ 1]
+                    node >>= 1
+                    v = v if v > sib else sib
+                    if tree[node] == v:
+                        break
+                    tree[node] = v
+            low = rv[p - 1] if p else -1
+            end = rb[p + 1]
+            if j + 1 == end:  # nothing between this record and the next
+                if r > low:
+                    rv[p] = r
+                else:
+                    del rv[p], rb[p]
+                continue
+            if r > low:
+                new_v, new_b, m = [r], [j], r
             else:
-                bins[j].append(i)
-            v = tree[node] = tree[node] - s
-            while node > 1:  # parents hold the max of their children
+                new_v, new_b, m = [], [], low
+            if tree is None and end - j > limit:
+                size = 1 << nb.bit_length()
+                tree = max_tree(room, size, capacity)
+            if tree is None:
+                for k in range(j + 1, end):
+                    x = room[k]
+                    if x > m:
+                        new_v.append(x)
+                        new_b.append(k)
+                        m = x
+            else:
+                k = first_above(tree, size, j + 1, m)
+                while k < end:
+                    m = room[k]
+                    new_v.append(m)
+                    new_b.append(k)
+                    k = first_above(tree, size, k + 1, m)
+            rv[p : p + 1] = new_v
+            rb[p : p + 1] = new_b
+        return bins
+    proom: list[int] = []
+    index: BinPatches | None = None
+    for i in order:
+        s, q = lens[i], pats[i]
+        p = bisect_left(rv, s)
+        j = rb[p]
+        if j < nb and proom[j] < q:  # a patch miss: the first fit after j with both
+            j += 1
+            if tree is None:
+                stop = min(nb, j + limit)
+                while j < stop and (room[j] < s or proom[j] < q):
+                    j += 1
+                if j == stop < nb:  # too far: from now on the trees answer
+                    size = 1 << nb.bit_length()
+                    tree = max_tree(room, size, capacity)
+            if tree is not None and j < nb and (room[j] < s or proom[j] < q):
+                if index is None:
+                    index = BinPatches(size, proom, max_p)
+                j = index.first_fit(tree, j, s, q)
+            p = bisect_left(rb, j)
+        if j == nb:
+            r = capacity - s
+            room.append(r)
+            proom.append(max_p - q)
+            bins.append([i])
+            nb += 1
+            if index is not None:
+                index.dirty.append(j)
+            if tree is not None:
+                node = j + size
+                v = tree[node] = r
+                while node > 1:
+                    sib = tree[node ^ 1]
+                    node >>= 1
+                    v = v if v > sib else sib
+                    if tree[node] == v:
+                        break
+                    tree[node] = v
+                if nb == size:
+                    size <<= 1
+                    tree = max_tree(room, size, capacity)
+                    index = None
+            if not p or r > rv[p - 1]:
+                rv.insert(p, r)
+                rb.insert(p, j)
+            rb[-1] = nb
+            continue
+        r = room[j] = room[j] - s
+        proom[j] -= q
+        bins[j].append(i)
+        if index is not None:
+            index.dirty.append(j)
+        if tree is not None:
+            node = j + size
+            v = tree[node] = r
+            while node > 1:
                 sib = tree[node ^ 1]
                 node >>= 1
                 v = v if v > sib else sib
                 if tree[node] == v:
                     break
                 tree[node] = v
-        return bins
-    proom: list[int] = []
-    index: BinPatches | None = None
-    for i in order:
-        if nb == size:
-            size, tree = grown_max_tree(tree, size, capacity)
-            index = None
-        s, q = lens[i], pats[i]
-        node = 1
-        while node < size:
-            node <<= 1
-            if tree[node] < s:
-                node += 1
-        j = node - size
-        if j < nb and proom[j] < q:
-            if index is None:
-                index = BinPatches(size, proom, max_p)
-            j = index.first_fit(tree, j + 1, s, q)
-            node = j + size
-        if j == nb:
-            bins.append([i])
-            proom.append(max_p - q)
-            nb += 1
+        if rb[p] != j:  # not a record (a patch miss placed it): the records stand
+            continue
+        low = rv[p - 1] if p else -1
+        end = rb[p + 1]
+        if j + 1 == end:
+            if r > low:
+                rv[p] = r
+            else:
+                del rv[p], rb[p]
+            continue
+        if r > low:
+            new_v, new_b, m = [r], [j], r
         else:
-            bins[j].append(i)
-            proom[j] -= q
-        if index is not None:
-            index.dirty.append(j)
-        v = tree[node] = tree[node] - s
-        while node > 1:
-            sib = tree[node ^ 1]
-            node >>= 1
-            v = v if v > sib else sib
-            if tree[node] == v:
-                break
-            tree[node] = v
+            new_v, new_b, m = [], [], low
+        if tree is None and end - j > limit:
+            size = 1 << nb.bit_length()
+            tree = max_tree(room, size, capacity)
+        if tree is None:
+            for k in range(j + 1, end):
+                x = room[k]
+                if x > m:
+                    new_v.append(x)
+                    new_b.append(k)
+                    m = x
+        else:
+            k = first_above(tree, size, j + 1, m)
+            while k < end:
+                m = room[k]
+                new_v.append(m)
+                new_b.append(k)
+                k = first_above(tree, size, k + 1, m)
+        rv[p : p + 1] = new_v
+        rb[p : p + 1] = new_b
     return bins
 
 
 def _bfd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Bins live in one sorted list of keys free tokens·K + bin (K > bins), so
-    `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A patch miss scans
-    on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss asks
-    `RoomPatches`."""
+    `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A bin left with fewer
+    free tokens than the shortest item leaves the keys (no item fits it again). A patch miss
+    scans on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss
+    asks `RoomPatches`. (The loop without a patch budget is the same loop with the patch steps
+    left out.)"""
     n = len(lens)
     K = n + 1
     order = sorted(range(n), key=lens.__getitem__, reverse=True)
+    least = lens[order[-1]] if n else 0
     keys: list[int] = []
     bins: Bins = []
+    if pats is None:
+        for i in order:
+            s = lens[i]
+            p = bisect_left(keys, s * K)
+            if p == len(keys):
+                r = capacity - s
+                if r >= least:
+                    insort(keys, r * K + len(bins))
+                bins.append([i])
+            else:
+                r, j = divmod(keys.pop(p), K)
+                bins[j].append(i)
+                r -= s
+                if r >= least:
+                    insort(keys, r * K + j, 0, p)
+        return bins
     proom: list[int] = []
     index: RoomPatches | None = None
     for i in order:
-        s = lens[i]
+        s, q = lens[i], pats[i]
         p = bisect_left(keys, s * K)
-        if pats is not None:
-            q = pats[i]
-            if p < len(keys) and proom[keys[p] % K] < q:
-                if index is None:  # scan on in key order
-                    end = min(p + trees.SCAN_LIMIT, len(keys))
+        if p < len(keys) and proom[keys[p] % K] < q:
+            if index is None:  # scan on in key order
+                end = min(p + trees.SCAN_LIMIT, len(keys))
+                p += 1
+                while p < end and proom[keys[p] % K] < q:
                     p += 1
-                    while p < end and proom[keys[p] % K] < q:
-                        p += 1
-                    if p == end < len(keys):  # too far: from now on the tree answers
-                        index = RoomPatches(capacity, keys, K, proom)
-                if index is not None:
-                    p = index.tightest(s, q)
+                if p == end < len(keys):  # too far: from now on the tree answers
+                    index = RoomPatches(capacity, keys, K, proom)
+            if index is not None:
+                p = index.tightest(keys[p] // K, q)  # no bin has s..that many free tokens
         if p == len(keys):
             r = capacity - s
-            insort(keys, r * K + len(bins))
+            j = len(bins)
             bins.append([i])
-            if pats is not None:
-                proom.append(max_p - q)
+            proom.append(max_p - q)
+            if r >= least:
+                insort(keys, r * K + j)
                 if index is not None:
                     index.opened(r, max_p - q)
         else:
             r, j = divmod(keys.pop(p), K)
             bins[j].append(i)
-            insort(keys, (r - s) * K + j)
-            if pats is not None:
-                proom[j] -= q
+            proom[j] -= q
+            if index is not None:
+                index.left(r, proom[j] + q, p)
+            r -= s
+            if r >= least:
+                insort(keys, r * K + j, 0, p)
                 if index is not None:
-                    index.moved(r, proom[j] + q, r - s, proom[j])
+                    index.opened(r, proom[j])
     return bins
 
 

@@ -1,22 +1,23 @@
-"""Patch-budget indexes of the planners (algorithms.py): segment trees built on first need.
+"""Indexes of the planners (algorithms.py): segment trees built on first need.
 
 With a patch budget, a planner first checks the bin (or item) its token rule picks. When that
-one lacks the patches, one of these trees answers "the first candidate, in the rule's own
-order, whose patches fit too" in O(log) steps: greedy and first fit ask their tree on every
-such miss; best fit first scans on over at most `SCAN_LIMIT` bins and builds its tree only
-when a scan runs past that. A tree is built on the first miss that needs it, from the
-planner's state at that moment; inputs whose patch budget never binds build none.
+one lacks the patches, it scans on in its rule's order over at most `SCAN_LIMIT` items (greedy)
+or bins and, when a scan would run past that, builds its tree from its state at that moment and
+asks it on every miss from then on. A tree answers "the first candidate, in the rule's own
+order, whose patches fit too" in O(log) steps. Inputs whose patch budget never binds build
+none. First fit's max-tree over free tokens (`max_tree`, `first_above`) is built the same way,
+when repairing its records or a patch miss would scan past `SCAN_LIMIT` bins.
 
 Node k's children are 2k and 2k+1; the root is node 1; leaves start at `size`.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 
 SCAN_LIMIT = 64
-"""Bins best fit scans on a patch miss before it builds its tree (and asks it from then on)."""
+"""Items or bins a planner scans before it builds a tree (and asks it from then on)."""
 
 _INF = float("inf")
 
@@ -33,54 +34,53 @@ def _raise_max(tree: list, node: int) -> None:
         node >>= 1
 
 
-class LengthPatches:
-    """Greedy's index: leaf g holds the fewest patches among the items left of the g-th
-    distinct length (∞: none left). The planner adds every length it takes from to `dirty`;
-    a search first brings those leaves up to date."""
+class ItemPatches:
+    """Greedy's index: leaf p holds the patches of the p-th item in a stable ascending sort by
+    length (∞: taken), so the item greedy takes among those of ≤ room tokens is the rightmost
+    leaf before `bisect_right(lengths, room)` with ≤ budget patches. Built from the items left
+    (`left`: greedy's stacks); the planner reports every item it takes with `take`."""
 
-    __slots__ = ("dirty", "lengths", "pats", "size", "stacks", "tree")
+    __slots__ = ("lengths", "order", "pos", "size", "tree")
 
-    def __init__(self, vals: list[int], stacks: dict[int, list[int]], pats: Sequence[int]) -> None:
-        self.lengths = lengths = sorted(stacks)
-        self.stacks, self.pats = stacks, pats
-        self.size = size = 1 << max(len(lengths) - 1, 0).bit_length()
-        self.tree: list[float] = [_INF] * (2 * size)
-        self.dirty: set[int] = set(vals)
-        """Lengths whose stacks changed since the last search."""
+    def __init__(self, lens: Sequence[int], pats: Sequence[int], left: Iterable[list[int]]) -> None:
+        n = len(lens)
+        self.order = order = sorted(range(n), key=lens.__getitem__)
+        self.lengths = list(map(lens.__getitem__, order))
+        self.pos = pos = [0] * n
+        """pos[i]: item i's leaf."""
+        for p, i in enumerate(order):
+            pos[i] = p
+        self.size = size = 1 << max(n - 1, 0).bit_length()
+        self.tree = tree = [_INF] * (2 * size)
+        for st in left:
+            for i in st:
+                tree[size + pos[i]] = pats[i]
+        for node in range(size - 1, 0, -1):
+            a, c = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a < c else c
 
-    def rightmost(self, vals: list[int], k: int, budget: int) -> tuple[int, int]:
-        """The item the greedy rule takes: the largest length vals[≤ k] with an item of
-        ≤ budget patches, and in its stack the last such item. Returns (its index in vals,
-        its position in the stack), or (-1, -1)."""
-        g = self._rightmost_length(bisect_left(self.lengths, vals[k]), budget)
-        if g < 0:
-            return -1, -1
-        v = self.lengths[g]
-        st, pats = self.stacks[v], self.pats
-        at = len(st) - 1
-        while pats[st[at]] > budget:
-            at -= 1
-        return bisect_left(vals, v), at
-
-    def _rightmost_length(self, g: int, budget: int) -> int:
-        """Largest g' ≤ g whose stack holds an item of ≤ budget patches, else -1."""
-        tree, size, stacks, pats, lengths = (
-            self.tree, self.size, self.stacks, self.pats, self.lengths
-        )
-        for v in self.dirty:
-            node = size + bisect_left(lengths, v)
-            st = stacks[v]
-            tree[node] = min(map(pats.__getitem__, st)) if st else _INF
+    def take(self, i: int) -> None:
+        """Item i leaves: its leaf becomes ∞, and the minima above it follow."""
+        tree = self.tree
+        node = self.size + self.pos[i]
+        tree[node] = _INF
+        node >>= 1
+        while node:
+            a, c = tree[2 * node], tree[2 * node + 1]
+            m = a if a < c else c
+            if tree[node] == m:
+                break
+            tree[node] = m
             node >>= 1
-            while node:
-                a, c = tree[2 * node], tree[2 * node + 1]
-                m = a if a < c else c
-                if tree[node] == m:
-                    break
-                tree[node] = m
-                node >>= 1
-        self.dirty.clear()
-        node = g + size
+
+    def rightmost(self, room: int, budget: int) -> int:
+        """The item greedy takes: the last one, in the sort, of ≤ room tokens and ≤ budget
+        patches, else -1."""
+        end = bisect_right(self.lengths, room)
+        if not end:
+            return -1
+        tree, size = self.tree, self.size
+        node = end - 1 + size
         while tree[node] > budget:  # on to the next subtree to the left
             while not node & 1:
                 node >>= 1
@@ -89,7 +89,7 @@ class LengthPatches:
             node -= 1
         while node < size:
             node = 2 * node + 1 if tree[2 * node + 1] <= budget else 2 * node
-        return node - size
+        return self.order[node - size]
 
 
 class BinPatches:
@@ -135,14 +135,17 @@ class BinPatches:
 class RoomPatches:
     """Best fit's index: leaf r holds the most free patches among bins with exactly r free
     tokens (-1: no such bin), read from the planner's sorted keys (free tokens·K + bin). The
-    planner reports every bin it changes with `moved` or `opened`."""
+    planner reports every bin that leaves the keys with `left` and every one that joins them
+    with `opened`."""
 
     __slots__ = ("K", "keys", "proom", "size", "tree")
 
     def __init__(self, capacity: int, keys: list[int], K: int, proom: list[int]) -> None:
-        self.size = size = 1 << (capacity + 1).bit_length()
+        # leaves 0..capacity-1: a bin holds ≥ 1 token, and a search starts at a bin's leaf
+        self.size = size = 1 << max(capacity - 1, 0).bit_length()
         self.keys, self.K, self.proom = keys, K, proom
         self.tree = tree = [-1] * (2 * size)
+        tree[0] = _INF  # above the root: stops every raise in `opened`
         for key in keys:
             r, j = divmod(key, K)
             if proom[j] > tree[size + r]:
@@ -151,20 +154,31 @@ class RoomPatches:
 
     def opened(self, r: int, free_patches: int) -> None:
         """A bin with r free tokens and `free_patches` free patches joined the keys."""
+        tree = self.tree
         node = self.size + r
-        if free_patches > self.tree[node]:
-            self.tree[node] = free_patches
-            _raise_max(self.tree, node)
+        if free_patches > tree[node]:
+            tree[node] = free_patches
+            node >>= 1
+            while tree[node] < free_patches:  # parents hold the max of their children
+                tree[node] = free_patches
+                node >>= 1
 
-    def moved(self, r: int, old_patches: int, r_new: int, new_patches: int) -> None:
-        """A bin went from (r, old_patches) free to (r_new, new_patches); keys are updated."""
+    def left(self, r: int, old_patches: int, p: int) -> None:
+        """The bin that had r free tokens and `old_patches` free patches left the keys from
+        position p (a bin that changes leaves with its old figures and joins with its new ones)."""
         tree, node = self.tree, self.size + r
-        if tree[node] == old_patches:  # it may have held the leaf's maximum
-            keys, K, proom = self.keys, self.K, self.proom
-            lo, hi = bisect_left(keys, r * K), bisect_left(keys, (r + 1) * K)
-            tree[node] = max((proom[k % K] for k in keys[lo:hi]), default=-1)
-            _raise_max(tree, node)
-        self.opened(r_new, new_patches)
+        if tree[node] != old_patches:  # it did not hold the leaf's maximum
+            return
+        keys, K = self.keys, self.K
+        lo, hi = r * K, (r + 1) * K
+        if (p and keys[p - 1] >= lo) or (p < len(keys) and keys[p] < hi):
+            proom = self.proom
+            lo, hi = bisect_left(keys, lo, 0, p), bisect_left(keys, hi, p)
+            m = max([proom[k % K] for k in keys[lo:hi]])
+        else:  # it was the leaf's only bin
+            m = -1
+        tree[node] = m
+        _raise_max(tree, node)
 
     def tightest(self, s: int, q: int) -> int:
         """Position in keys of the bin with the fewest free tokens ≥ s whose free patches are
@@ -185,11 +199,26 @@ class RoomPatches:
         return p
 
 
-def grown_max_tree(tree: list[int], size: int, fill: int) -> tuple[int, list[int]]:
-    """A max-tree over twice as many leaves, the new ones holding `fill`."""
-    new = [fill] * (4 * size)
-    new[2 * size : 3 * size] = tree[size:]
-    for node in range(2 * size - 1, 0, -1):
-        a, c = new[2 * node], new[2 * node + 1]
-        new[node] = a if a > c else c
-    return 2 * size, new
+def max_tree(leaves: list[int], size: int, fill: int) -> list[int]:
+    """A max-tree over `size` leaves: `leaves` first, then `fill`."""
+    tree = [fill] * (2 * size)
+    tree[size : size + len(leaves)] = leaves
+    for node in range(size - 1, 0, -1):
+        a, c = tree[2 * node], tree[2 * node + 1]
+        tree[node] = a if a > c else c
+    return tree
+
+
+def first_above(tree: list[int], size: int, start: int, m: int) -> int:
+    """The lowest leaf ≥ start of max-tree `tree` that holds more than m. One must exist (first
+    fit keeps an unopened, full bin to the right of every search)."""
+    node = start + size
+    while tree[node] <= m:  # on to the next subtree to the right
+        while node & 1:
+            node >>= 1
+        node += 1
+    while node < size:
+        node <<= 1
+        if tree[node] <= m:
+            node += 1
+    return node - size
