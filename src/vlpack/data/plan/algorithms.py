@@ -265,6 +265,26 @@ def _walk_left(
     return -1, -1
 
 
+def _new_records(room: list[int], tree: list[int] | None, size: int, start: int, end: int,
+                 m: int, vals: list[int], nums: list[int]) -> None:
+    """Append to `vals`/`nums` the free tokens and numbers of the bins in [start, end) with
+    more free tokens than `m` and every bin before them: a scan, or descents of the max-tree."""
+    if tree is None:
+        for k in range(start, end):
+            x = room[k]
+            if x > m:
+                vals.append(x)
+                nums.append(k)
+                m = x
+        return
+    k = first_above(tree, size, start, m)
+    while k < end:
+        m = room[k]
+        vals.append(m)
+        nums.append(k)
+        k = first_above(tree, size, k + 1, m)
+
+
 def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """The records are the bins with more free tokens than every bin before them (prefix
     maxima): free tokens `rv` (increasing) and bin numbers `rb`, then a sentinel (capacity + 1
@@ -338,20 +358,7 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
             if tree is None and end - j > limit:
                 size = 1 << nb.bit_length()
                 tree = max_tree(room, size, capacity)
-            if tree is None:
-                for k in range(j + 1, end):
-                    x = room[k]
-                    if x > m:
-                        new_v.append(x)
-                        new_b.append(k)
-                        m = x
-            else:
-                k = first_above(tree, size, j + 1, m)
-                while k < end:
-                    m = room[k]
-                    new_v.append(m)
-                    new_b.append(k)
-                    k = first_above(tree, size, k + 1, m)
+            _new_records(room, tree, size, j + 1, end, m, new_v, new_b)
             rv[p : p + 1] = new_v
             rb[p : p + 1] = new_b
         return bins
@@ -434,20 +441,7 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
         if tree is None and end - j > limit:
             size = 1 << nb.bit_length()
             tree = max_tree(room, size, capacity)
-        if tree is None:
-            for k in range(j + 1, end):
-                x = room[k]
-                if x > m:
-                    new_v.append(x)
-                    new_b.append(k)
-                    m = x
-        else:
-            k = first_above(tree, size, j + 1, m)
-            while k < end:
-                m = room[k]
-                new_v.append(m)
-                new_b.append(k)
-                k = first_above(tree, size, k + 1, m)
+        _new_records(room, tree, size, j + 1, end, m, new_v, new_b)
         rv[p : p + 1] = new_v
         rb[p : p + 1] = new_b
     return bins
