@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import textwrap
 from pathlib import Path
@@ -16,11 +15,13 @@ class _Formatter(argparse.HelpFormatter):
     `qwen3.5-35b-a3b` stays whole (textwrap breaks at hyphens by default)."""
 
     def _split_lines(self, text: str, width: int) -> list[str]:
-        return textwrap.wrap(re.sub(r"\s+", " ", text).strip(), width, break_on_hyphens=False)
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(re.sub(r"\s+", " ", text).strip(), width, initial_indent=indent,
-                             subsequent_indent=indent, break_on_hyphens=False)
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import PAD, SMALL, losses, make_sample, split_data
+from tests.helpers import CPU, PAD, SMALL, losses, make_sample, split_data
 from vlpack.cli import main
 from vlpack.config import DataConfig, load_config
 from vlpack.data.batch import ThdBatch
@@ -27,7 +27,6 @@ from vlpack.data.energon.task_encoder import EncodedEnergonSample, QwenVLTaskEnc
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.synth import default_dataset
 from vlpack.train.loop import Trainer
-from vlpack.train.parallel import Topology
 
 N = 12
 PIXELS = dict(min_pixels=16384, max_pixels=50176)
@@ -375,7 +374,6 @@ def test_without_energon_installed_the_install_is_named(monkeypatch, tmp_path) -
 # --- training on an Energon dataset ------------------------------------------------------------------
 # `vlpack train data.source=energon`: the same first bins and first-step loss as the JSONL path on the
 # same samples, planner and seed; resume continues the Energon stream exactly.
-CPU = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
