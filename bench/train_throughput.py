@@ -299,19 +299,18 @@ def run_mode(mode: str, args, samples, device) -> dict:
         module.register_forward_hook(lambda m, args, out: paths.update(out.paths))
 
     def step(b, measuring: bool):
-        if mode.startswith("vlpack"):  # the trainer's own step (train/step.py), phases timed
-            timer.start("data") if measuring else None
-            b = b.to(device, non_blocking=True)
-            timer.stop("data") if measuring else None
-            out = optimizer_step(module, opt, sched, [b], info=topo,
-                                 aux_coef=cfg.train.aux_loss_coef, grad_clip=cfg.optim.grad_clip,
-                                 autocast=stack.autocast, phase=timer.region if measuring else None)
-            return out
-        n = int((b.labels != IGNORE_INDEX).sum())  # read on the host before the batch moves
-        kinds = visual_kinds(b, spec.merge_size**2) if mode == "hf_padding_free" else ()
+        vlpack = mode.startswith("vlpack")
+        if not vlpack:  # read on the host before the batch moves: no waits
+            n = int((b.labels != IGNORE_INDEX).sum())
+            kinds = visual_kinds(b, spec.merge_size**2) if mode == "hf_padding_free" else ()
         timer.start("data") if measuring else None
         b = b.to(device, non_blocking=True)
         timer.stop("data") if measuring else None
+        if vlpack:  # the trainer's own step (train/step.py), its phases timed
+            return optimizer_step(module, opt, sched, [b], info=topo,
+                                  aux_coef=cfg.train.aux_loss_coef, grad_clip=cfg.optim.grad_clip,
+                                  autocast=stack.autocast,
+                                  phase=timer.region if measuring else None)
         timer.start("forward") if measuring else None
         with autocast:
             loss = (hf_padded_loss(model, b, spec) if mode == "hf_padded" else
