@@ -18,8 +18,8 @@ a bin runs five ways:
 Reported per text layer and sample: the relative difference ‖a − b‖ / ‖b‖ of the layer's output
 on the sample's tokens for the pairs below, the share of the sample's tokens whose routed
 experts (the top-k set) agree, and each sample's loss; then the step's gradient of the trainable
-parameters for each way, with the trainer's normalisation (global token mean; the MoE aux loss
-as convergence.py adds it, and without it): relative difference and norm. In bf16 a row's
+parameters for each way, from the trainer's own step (`optimizer_step`, with the MoE aux loss
+and without it): relative difference and norm. In bf16 a row's
 kernels round differently with its length, so packed/alone differs even where nothing leaks;
 a leak shows cleanly only in float32 (`--truth`). Everything is written to OUT/divergence.json;
 a summary is printed.
@@ -59,6 +59,7 @@ from vlpack.train.kernel_cache import use_tuned_kernels
 from vlpack.train.module import TrainModule
 from vlpack.train.parallel import Topology
 from vlpack.train.stack import build_base, build_stack
+from vlpack.train.step import optimizer_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from convergence import plan  # the convergence bench's bins (same seed)
@@ -135,22 +136,21 @@ def sample_losses(model, finals, labels, autocast) -> list[float]:
     return out
 
 
-def step_gradient(module, mbs, aux_coef: float, autocast) -> dict[str, torch.Tensor]:
-    """The trainable parameters' gradient of one step over `mbs` on one process: optimizer_step's
-    objective with `train.loss_norm=token` (Σ CE / all label tokens + aux_coef · aux loss per
-    micro-batch / micro-batches)."""
-    module.zero_grad(set_to_none=True)
-    denom = sum(b.num_label_tokens for b in mbs)
-    for b in mbs:
-        with autocast():
-            out = module(b)
-        obj = out.loss_sum / denom
-        if out.aux_loss is not None and aux_coef:
-            obj = obj + aux_coef * out.aux_loss / len(mbs)
-        obj.backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in module.named_parameters()
-             if p.grad is not None}
-    module.zero_grad(set_to_none=True)
+def step_gradient(module, mbs, *, info: Topology, loss_norm: str, aux_coef: float,
+                  autocast: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The trainable parameters' gradient of the trainer's step over `mbs` (`optimizer_step`
+    itself, its optimizer a stand-in that records the gradient and leaves the weights)."""
+    names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+    grads: dict[str, torch.Tensor] = {}
+
+    class Record(torch.optim.SGD):
+        def step(self, closure=None):
+            grads.update({names[p]: p.grad.detach().float().clone() for p in names
+                          if p.grad is not None})
+
+    opt = Record(list(names), lr=0.0)
+    optimizer_step(module, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), mbs,
+                   info=info, loss_norm=loss_norm, aux_coef=aux_coef, autocast=autocast)
     return grads
 
 
@@ -208,9 +208,6 @@ def main(argv=None) -> int:
                                     f"train.output_dir={out}"])
     if args.bins > args.steps:
         raise ValueError(f"--bins {args.bins} > --steps {args.steps}: the plan has --steps bins")
-    if cfg.train.loss_norm != "token":
-        raise ValueError("bench/divergence.py computes the step's gradient with "
-                         "train.loss_norm=token; drop the train.loss_norm override")
     if args.truth and not load_config(args.recipe, list(args.overrides)).model.lora.rank:
         raise ValueError("--truth casts the frozen base to bf16 as a LoRA run holds it: pass a "
                          "LoRA recipe (e.g. qwen3.5-35b-a3b-lora)")
@@ -220,6 +217,7 @@ def main(argv=None) -> int:
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)[: args.bins]
     low = torch.bfloat16 if device.type == "cuda" else None
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
     if args.truth and low is None:
         print("no GPU: no bf16 autocast, so the ways compared with the truth run in float32")
     if args.truth:  # float32 weights first; cast below, after the float32 forwards
@@ -228,7 +226,7 @@ def main(argv=None) -> int:
         model, spec = build_base(cfg, device, torch.float32)
         module = TrainModule(model, spec)
     else:
-        stack = build_stack(cfg, Topology(rank=0, world_size=1, local_rank=0, device=device))
+        stack = build_stack(cfg, topo)
         model, module, spec, low = stack.model, stack.module, stack.spec, stack.autocast
     module.train()
     packed_attn = model.config._attn_implementation
@@ -287,7 +285,9 @@ def main(argv=None) -> int:
             losses[k][w] = sample_losses(model, [h[-1] for h in hidden[k][w]], labels, autocast)
             if not args.truth:
                 for coef in (0.0, cfg.train.aux_loss_coef):
-                    grads[k][w, coef] = step_gradient(module, ways[w], coef, autocast)
+                    grads[k][w, coef] = step_gradient(module, ways[w], info=topo,
+                                                      loss_norm=cfg.train.loss_norm,
+                                                      aux_coef=coef, autocast=low)
             print(f"bin {k + 1}: {w} done", flush=True)
         stock(False)
     pairs = ([(w, "truth") for w in ("packed_fp32", "ours_fp32", "packed", "alone", "padded",
