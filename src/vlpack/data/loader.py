@@ -22,7 +22,7 @@ from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.mixture import Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
-from vlpack.data.types import BadSampleError, Conversation, EncodedSample
+from vlpack.data.types import BadSampleError, Conversation, EncodedSample, located
 
 Item = Conversation | BadSampleError
 
@@ -61,13 +61,6 @@ def open_mix(d: DataConfig, seed: int) -> Mixture:
     sources = [open_dataset(m.source, m.path, synthetic_samples=d.synthetic_samples,
                             media_root=d.media_root) for m in d.mix]
     return Mixture(sources, [m.name for m in d.mix], [m.weight for m in d.mix], seed)
-
-
-def located(e: BadSampleError, conv: Conversation) -> BadSampleError:
-    """`e` with the `file:line` of `conv` added when its key is an id (so it can be found)."""
-    if conv.where is not None and conv.where not in str(e):
-        e.args = (f"{e} [{conv.where}]",)
-    return e
 
 
 def describe(item, i: int) -> str:

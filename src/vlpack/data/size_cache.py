@@ -47,7 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vlpack.data.file_scan import cache_root, scan
-from vlpack.data.types import BadSampleError, Conversation, ImageRef, SampleSize, VideoRef
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, SampleSize, VideoRef, located
 
 FORMAT = 2
 """Version of the cache files; a new layout gets a new number (and new files)."""
@@ -213,7 +213,6 @@ class _Part:
 
 def measure_one(item, encoder) -> SizeOrError:
     """One sample's size, or its error located at its `file:line`."""
-    from vlpack.data.loader import located
 
     if isinstance(item, BadSampleError):
         return item

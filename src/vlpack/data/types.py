@@ -234,3 +234,10 @@ class BadSampleError(ValueError):
 
     def __reduce__(self):  # picklable (worker processes send it back)
         return type(self), (self.reason, str(self))
+
+
+def located(e: BadSampleError, conv: Conversation) -> BadSampleError:
+    """`e` with the `file:line` of `conv` added when its key is an id (so it can be found)."""
+    if conv.where is not None and conv.where not in str(e):
+        e.args = (f"{e} [{conv.where}]",)
+    return e

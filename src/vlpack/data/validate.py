@@ -18,8 +18,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlpack.config import DataConfig
-from vlpack.data.loader import located, open_dataset
-from vlpack.data.types import BadSampleError, Conversation
+from vlpack.data.loader import open_dataset
+from vlpack.data.types import BadSampleError, Conversation, located
 
 _ENCODER = None  # the worker process's encoder (set by _init_worker)
 _ITEMS = None  # the worker process's dataset (records read when indexed)

@@ -1,4 +1,4 @@
-"""Checkpoints: sharded torch.distributed.checkpoint saves, written atomically, and HF export.
+"""Checkpoints: sharded torch.distributed.checkpoint saves, written atomically.
 
 Layout: `output_dir/checkpoints/step_00000020/` holds the DCP shards of model + optimizer, one
 `trainer_rank{r}.pt` per rank (scheduler, RNG, data-loader position, counters) and a COMPLETE
@@ -255,42 +255,3 @@ def load_checkpoint(
     trainer = torch.load(path / f"trainer_rank{info.rank}.pt", weights_only=False)
     set_rng_state(trainer.pop("rng"))
     return trainer
-
-
-def save_adapter(model: torch.nn.Module, out_dir: str | Path, info: Topology, *,
-                 base: str | None = None) -> Path:
-    """Write the LoRA adapter of `model` in peft's format (`PeftModel.from_pretrained` loads
-    it on the base model `base`). Collective: FSDP2 shards are gathered first."""
-    from vlpack.model.lora import save_adapter as write
-
-    # only the adapters' tensors are gathered (a DTensor's full_tensor is a collective: every
-    # rank walks the same names), never the frozen base
-    full = {}
-    for name, t in model.state_dict().items():
-        if "lora_" in name:
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            full[_clean(name)] = t.detach().cpu()
-    out = Path(out_dir)
-    if info.is_main:
-        write(model, out, state_dict=full, base=base)
-    barrier(info)
-    return out
-
-
-def export_hf(model: torch.nn.Module, out_dir: str | Path, info: Topology, cfg,
-              *, dtype: str = "bfloat16") -> Path:
-    """Write the live `model` of run `cfg` as a transformers folder in `dtype` (sharded
-    safetensors with their index, the LoRA adapter folded in, and the files a serving engine
-    reads; vlpack.train.export), gathering one shard at a time. Collective."""
-    from vlpack.train.export import DTYPES, live_fetch, write_config, write_weights
-    from vlpack.train.serving import write_serving_files
-
-    out = Path(out_dir)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=info.is_main)
-    if info.is_main:
-        write_config(model, out, DTYPES[dtype])
-        write_serving_files(out, cfg, model.config.model_type)
-    barrier(info)
-    return out

@@ -30,6 +30,7 @@ from torch import nn
 
 from vlpack.config import Config, load_config
 from vlpack.train import checkpoint as ckpt
+from vlpack.train.parallel import Topology, barrier
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,40 @@ def live_fetch(model: nn.Module) -> Fetch:
         return out
 
     return fetch
+
+
+def export_live(model: nn.Module, out_dir: str | Path, info: Topology, cfg: Config,
+                *, dtype: str = "bfloat16") -> Path:
+    """Write the live `model` of run `cfg` as a transformers folder in `dtype` (sharded
+    safetensors with their index, the LoRA adapter folded in, and the files a serving engine
+    reads), gathering one shard at a time. Collective."""
+    from vlpack.train.serving import write_serving_files
+
+    out = Path(out_dir)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=info.is_main)
+    if info.is_main:
+        write_config(model, out, DTYPES[dtype])
+        write_serving_files(out, cfg, model.config.model_type)
+    barrier(info)
+    return out
+
+
+def export_live_adapter(model: nn.Module, out_dir: str | Path, info: Topology, *,
+                        base: str | None = None) -> Path:
+    """Write the LoRA adapter of the live `model` in peft's format (`PeftModel.from_pretrained`
+    loads it on the base model `base`). Collective: only the adapters' tensors are gathered
+    (every rank walks the same names), never the frozen base."""
+    from vlpack.model.lora import save_adapter
+
+    keys = [k for k in (_clean(k) for k in model.state_dict()) if "lora_" in k]
+    state = live_fetch(model)(keys)
+    out = Path(out_dir)
+    if info.is_main:
+        save_adapter(model, out, state_dict=state, base=base)
+    barrier(info)
+    return out
 
 
 def checkpoint_fetch(model: nn.Module, path: Path) -> Fetch:

@@ -31,6 +31,7 @@ from vlpack.data.loader import build_loaders
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
 from vlpack.train.epochs import steps_for_epochs
+from vlpack.train.export import export_live, export_live_adapter
 from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.module import module_groups
@@ -446,12 +447,12 @@ class Trainer:
         }
         if self.cfg.model.lora.rank:
             self._say("writing the LoRA adapter")
-            summary["adapter"] = str(ckpt.save_adapter(self.model, out_dir / "adapter", self.info,
-                                                       base=self.cfg.model.name))
+            summary["adapter"] = str(export_live_adapter(self.model, out_dir / "adapter", self.info,
+                                                         base=self.cfg.model.name))
         if self.cfg.train.export_hf:
             self._say("exporting the HF folder")
-            hf = ckpt.export_hf(self.model, out_dir / "hf", self.info, self.cfg,
-                                dtype=self.cfg.train.export_dtype)
+            hf = export_live(self.model, out_dir / "hf", self.info, self.cfg,
+                             dtype=self.cfg.train.export_dtype)
             summary["hf_export"] = str(hf)
         if self.info.is_main:
             self._say(f"plotting {out_dir / 'loss.png'}")
