@@ -8,9 +8,9 @@ import tempfile
 
 import pytest
 
+from vlpack.config import VideoSettings
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import open_dataset
-from vlpack.data.video import VideoSettings
 
 
 def pytest_configure(config) -> None:

@@ -19,13 +19,12 @@ from typing import Any, Literal
 
 import yaml
 
-from vlpack.data.plan.algorithms import Algo
-from vlpack.data.video import VideoSettings
-
 Source = Literal["jsonl", "synthetic", "energon", "hf"]
 """Where `data.*` samples come from (each choice is listed only here and read with get_args)."""
+Algo = Literal["greedy", "ffd", "bfd"]
+"""The bin planners (`vlpack.data.plan.plan_bins`); the default one is `DataConfig.packing`."""
 Packing = Literal[Algo, "none"]
-"""`data.packing`: a planner (`vlpack.data.plan.algorithms.Algo`) or padded batches."""
+"""`data.packing`: a planner or padded batches."""
 Overlong = Literal["error", "truncate", "skip"]
 """`data.overlong`: what happens to a sample longer than data.seq_len (data/admission.py)."""
 AfterVideo = Literal["qwen", "transformers"]
@@ -68,6 +67,45 @@ def _positive(key: str, value: float | None, *, allow_zero: bool = False) -> Non
         return
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSettings:
+    """How videos are sampled and sized. None: the checkpoint folder's
+    `video_preprocessor_config.json` when it sets the value, else the family processor's
+    default (`vlpack.data.video.DEFAULTS`, and the pixel bounds of its `rules`)."""
+
+    fps: float | None = None
+    """Frames sampled per second of a video file (default 2)."""
+    min_frames: int | None = None
+    """Fewest frames sampled from a file (default 4)."""
+    max_frames: int | None = None
+    """Most frames sampled from a file (default 768)."""
+    min_pixels: int | None = None
+    """Lower bound on one frame's area (qwen2 families) or the clip's (qwen3 families)."""
+    max_pixels: int | None = None
+    """Upper bound, same meaning."""
+    cap_pixels_per_frame: bool | None = None
+    """Share the pixel budget over the frames (default on)."""
+    max_video_tokens: int | None = None
+    """The budget `cap_pixels_per_frame` shares out (qwen2: tokens of the whole clip, 128,000;
+    qwen3: tokens of one frame, 768)."""
+
+    def __post_init__(self) -> None:
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"data.video.fps must be positive, got {self.fps}")
+        for name in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_video_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"data.video.{name} must be positive, got {v}")
+        if self.min_frames and self.max_frames and self.min_frames > self.max_frames:
+            raise ValueError(f"need data.video.min_frames <= max_frames, got {self.min_frames} "
+                             f"and {self.max_frames}")
+
+    def over(self, base: VideoSettings) -> VideoSettings:
+        """These settings, `base`'s where these are None."""
+        return VideoSettings(**{f: getattr(base, f) if getattr(self, f) is None else
+                                getattr(self, f) for f in self.__slots__})
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlpack.config import DataConfig
+from vlpack.config import DataConfig, VideoSettings
 from vlpack.data import size_cache
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, build_loaders, measure_all, open_dataset
 from vlpack.data.size_cache import sample_sizes
 from vlpack.data.types import BadSampleError
-from vlpack.data.video import VideoSettings
 
 
 def _row(i: int) -> str:

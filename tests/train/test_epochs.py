@@ -7,10 +7,9 @@ import math
 
 import pytest
 
-from vlpack.config import DataConfig, load_config
+from vlpack.config import DataConfig, VideoSettings, load_config
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
-from vlpack.data.video import VideoSettings
 from vlpack.train.epochs import steps_for_epochs
 
 

@@ -87,10 +87,10 @@ def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
 def _encoder(spec: ModelSpec, folder: Path):
     """The check's encoder: the folder's tokenizer and chat template when it has them, small
     images and clips (a CPU check)."""
+    from vlpack.config import VideoSettings
     from vlpack.data.encode import Encoder
     from vlpack.data.template import load_template
     from vlpack.data.tokenizer import has_tokenizer
-    from vlpack.data.video import VideoSettings
     from vlpack.families import family as family_of
 
     fam = family_of(spec.family)

@@ -43,8 +43,9 @@ from __future__ import annotations
 import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
+from typing import get_args
 
+from vlpack.config import Algo
 from vlpack.data.plan import trees
 from vlpack.data.plan.trees import (
     BinPatches,
@@ -56,8 +57,6 @@ from vlpack.data.plan.trees import (
 
 __all__ = ["ALGOS", "Algo", "check_algo", "plan_bins"]
 
-Algo = Literal["greedy", "ffd", "bfd"]
-"""Planner names; the default one is `DataConfig.packing` (config.py)."""
 ALGOS: tuple[Algo, ...] = get_args(Algo)
 Bins = list[list[int]]
 
