@@ -150,6 +150,48 @@ def test_lora_targets():
     assert not set(lora.target_names(model, LoraConfig(rank=4))) & vision
 
 
+def test_adapters_take_the_activation_dtype_and_change_no_bit():
+    """Under bf16 autocast with the frozen base in bf16 and float32 adapters (a LoRA run on a
+    GPU), each adapter takes its input in the dtype its layer gets (bf16 after attention and
+    the experts, float32 after a norm), not a float32 copy (peft's default cast), and the output
+    and the adapters' gradients equal peft's casting path bit for bit."""
+    from vlpack.train.precision import hold_parameters
+
+    model, _ = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cpu", seed=0)
+    torch.manual_seed(1)
+    lora.apply_lora(model, LoraConfig(rank=4, alpha=8))
+    hold_parameters(model, torch.bfloat16)
+    text = model.model.language_model
+    adapted = [m for m in text.modules() if hasattr(m, "lora_A")]
+    for m in adapted:
+        torch.nn.init.normal_(m.lora_B["default"].weight)  # B = 0 would hide the adapters
+    given: list[torch.dtype] = []  # the layer's input, then its adapter's, per adapted layer
+    hooks = [h for m in adapted for h in (
+        m.register_forward_pre_hook(lambda _, a: given.append(a[0].dtype)),
+        m.lora_A["default"].register_forward_pre_hook(lambda _, a: given.append(a[0].dtype)))]
+    ids = torch.randint(0, 1000, (1, 24))
+    runs = {}
+    for cast in (False, True):  # as apply_lora leaves them, then peft's default cast
+        given.clear()
+        for m in adapted:
+            if cast:
+                m.cast_input_dtype_enabled = True
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = text(input_ids=ids).last_hidden_state
+        out.float().square().mean().backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if "lora_" in n]
+        runs[cast] = out.detach(), grads, list(zip(given[::2], given[1::2], strict=True))
+    for h in hooks:
+        h.remove()
+    ours, pefts = runs[False][2], runs[True][2]
+    assert len(ours) == len(adapted) and all(layer == a for layer, a in ours)
+    assert {layer for layer, _ in ours} == {torch.bfloat16, torch.float32}
+    assert {a for _, a in pefts} == {torch.float32}
+    assert torch.equal(runs[False][0], runs[True][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1], strict=True))
+
+
 def test_lora_on_routed_experts(tmp_path: Path):
     """`model.lora.experts=true` on an MoE family: a rank-r update per expert of the routed
     experts' weights (peft `target_parameters`). Packed equals unpacked in logits and in the

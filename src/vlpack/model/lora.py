@@ -107,15 +107,21 @@ def peft_config(model: nn.Module, cfg: VlpackLora):
 
 def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     """Inject LoRA layers into `model` in place and freeze everything else; returns the number
-    of adapted linears. The LoRA weights are initialised by peft (B = 0: the model's function
+    of adapted modules. The LoRA weights are initialised by peft (B = 0: the model's function
     is unchanged until it trains)."""
     peft = _peft()
     pc = peft_config(model, cfg)
     peft.inject_adapter_in_model(pc, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    for m in adapted:
+        # The adapter takes its input in the activation dtype: peft would copy a bf16 input to
+        # the adapters' float32 (a launch forward and backward per adapter), which autocast then
+        # casts back for the matmul, so the copy changes no bit.
+        m.cast_input_dtype_enabled = False
     model._vlpack_lora = pc
-    return sum(1 for m in model.modules() if hasattr(m, "lora_A"))
+    return len(adapted)
 
 
 def _clean(name: str) -> str:
