@@ -195,13 +195,15 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
         while vals:
             room = capacity
             b: list[int] = []
-            while k := bisect_right(vals, room):
+            k = len(vals)  # the longest item left opens the bin
+            while k:
                 v = vals[k - 1]
                 st = stacks[v]
                 b.append(st.pop())
                 room -= v
                 if not st:
                     del vals[k - 1]
+                k = bisect_right(vals, room)
             bins.append(b)
         return bins
     index: ItemPatches | None = None
@@ -209,7 +211,8 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
     while vals:
         room, proom = capacity, max_p
         b = []
-        while k := bisect_right(vals, room):
+        k = len(vals)
+        while k:
             v = vals[k - 1]
             st = stacks[v]
             if pats[st[-1]] <= proom:
@@ -243,6 +246,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
             b.append(i)
             room -= v
             proom -= pats[i]
+            k = bisect_right(vals, room)
         bins.append(b)
     return bins
 
