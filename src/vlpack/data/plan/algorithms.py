@@ -181,7 +181,8 @@ def _validate(
 def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Items of one length form a stack (highest index on top, as a stable ascending sort
     plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
-    largest fitting item is one bisect away. A patch miss walks on in the rule's order over at
+    largest fitting item is one bisect away. An emptied stack is dropped at once (fewer live
+    lists, fewer garbage-collector passes). A patch miss walks on in the rule's order over at
     most `trees.SCAN_LIMIT` items; after the first walk that would pass that, every miss asks
     `ItemPatches`. (The loop without a patch budget is the same loop with the patch steps left
     out.)"""
@@ -202,7 +203,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                 b.append(st.pop())
                 room -= v
                 if not st:
-                    del vals[k - 1]
+                    del vals[k - 1], stacks[v]
                 k = bisect_right(vals, room)
             bins.append(b)
         return bins
@@ -218,7 +219,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
             if pats[st[-1]] <= proom:
                 i = st.pop()
                 if not st:
-                    del vals[k - 1]
+                    del vals[k - 1], stacks[v]
             else:
                 pick = None if index is not None else _walk_left(vals, stacks, pats, k - 1, proom, limit)
                 if pick is not None:
@@ -229,7 +230,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     st = stacks[v]
                     i = st.pop(at)
                     if not st:
-                        del vals[g]
+                        del vals[g], stacks[v]
                 else:  # too far: from now on the tree answers
                     if index is None:
                         index = ItemPatches(lens, pats, stacks.values())
@@ -240,7 +241,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     st = stacks[v]
                     del st[bisect_left(st, i)]
                     if not st:
-                        del vals[bisect_left(vals, v)]
+                        del vals[bisect_left(vals, v)], stacks[v]
             if index is not None:
                 index.take(i)
             b.append(i)
