@@ -20,7 +20,8 @@ fixed, index-based order):
 - `bfd` (best fit decreasing) — items longest first (ties: lower index first), each into the
   bin it fits with the fewest free tokens (ties: lowest bin number), else a new bin. Bins live
   in one sorted list of keys free tokens·K + bin, so a search is one bisect; a bin with fewer
-  free tokens than the shortest item leaves the list.
+  free tokens than the shortest item leaves the list. Once a patch scan would run too far
+  (below), the patch tree holds the bins instead, each leaf's bins in one short list.
 
 With a patch budget "fits" means both budgets, and the tie rules above are unchanged. The
 candidate the token rule picks is checked first; when it lacks the patches, the planner scans on
@@ -43,6 +44,7 @@ from __future__ import annotations
 import random
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import get_args
 
 from vlpack.config import Algo
@@ -179,7 +181,8 @@ def _validate(
 def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: int) -> Bins:
     """Items of one length form a stack (highest index on top, as a stable ascending sort
     plus a rightmost pick would take them); `vals` holds the lengths with items left, so the
-    largest fitting item is one bisect away. A patch miss walks on in the rule's order over at
+    largest fitting item is one bisect away. An emptied stack is dropped at once (fewer live
+    lists, fewer garbage-collector passes). A patch miss walks on in the rule's order over at
     most `trees.SCAN_LIMIT` items; after the first walk that would pass that, every miss asks
     `ItemPatches`. (The loop without a patch budget is the same loop with the patch steps left
     out.)"""
@@ -193,13 +196,15 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
         while vals:
             room = capacity
             b: list[int] = []
-            while k := bisect_right(vals, room):
+            k = len(vals)  # the longest item left opens the bin
+            while k:
                 v = vals[k - 1]
                 st = stacks[v]
                 b.append(st.pop())
                 room -= v
                 if not st:
-                    del vals[k - 1]
+                    del vals[k - 1], stacks[v]
+                k = bisect_right(vals, room)
             bins.append(b)
         return bins
     index: ItemPatches | None = None
@@ -207,13 +212,14 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
     while vals:
         room, proom = capacity, max_p
         b = []
-        while k := bisect_right(vals, room):
+        k = len(vals)
+        while k:
             v = vals[k - 1]
             st = stacks[v]
             if pats[st[-1]] <= proom:
                 i = st.pop()
                 if not st:
-                    del vals[k - 1]
+                    del vals[k - 1], stacks[v]
             else:
                 pick = None if index is not None else _walk_left(vals, stacks, pats, k - 1, proom, limit)
                 if pick is not None:
@@ -224,7 +230,7 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     st = stacks[v]
                     i = st.pop(at)
                     if not st:
-                        del vals[g]
+                        del vals[g], stacks[v]
                 else:  # too far: from now on the tree answers
                     if index is None:
                         index = ItemPatches(lens, pats, stacks.values())
@@ -235,12 +241,13 @@ def _greedy(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_
                     st = stacks[v]
                     del st[bisect_left(st, i)]
                     if not st:
-                        del vals[bisect_left(vals, v)]
+                        del vals[bisect_left(vals, v)], stacks[v]
             if index is not None:
                 index.take(i)
             b.append(i)
             room -= v
             proom -= pats[i]
+            k = bisect_right(vals, room)
         bins.append(b)
     return bins
 
@@ -450,9 +457,10 @@ def _bfd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
     """Bins live in one sorted list of keys free tokens·K + bin (K > bins), so
     `bisect_left(keys, s·K)` is the tightest bin, ties to the lowest bin. A bin left with fewer
     free tokens than the shortest item leaves the keys (no item fits it again). A patch miss
-    scans on in key order; after the first scan that passes `trees.SCAN_LIMIT` bins, every miss
-    asks `RoomPatches`. (The loop without a patch budget is the same loop with the patch steps
-    left out.)"""
+    scans on in key order; once a scan would pass `trees.SCAN_LIMIT` bins, `RoomPatches` takes
+    the keys' bins over and places that item and every later one (the keys, whose moves shift
+    every looser bin, are no longer kept). (The loop without a patch budget is the keys' loop
+    with the patch steps left out.)"""
     n = len(lens)
     K = n + 1
     order = sorted(range(n), key=lens.__getitem__, reverse=True)
@@ -476,40 +484,48 @@ def _bfd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
                     insort(keys, r * K + j, 0, p)
         return bins
     proom: list[int] = []
-    index: RoomPatches | None = None
-    for i in order:
+    items = iter(order)
+    for i in items:
         s, q = lens[i], pats[i]
         p = bisect_left(keys, s * K)
-        if p < len(keys) and proom[keys[p] % K] < q:
-            if index is None:  # scan on in key order
-                end = min(p + trees.SCAN_LIMIT, len(keys))
+        if p < len(keys) and proom[keys[p] % K] < q:  # scan on in key order
+            end = min(p + trees.SCAN_LIMIT, len(keys))
+            p += 1
+            while p < end and proom[keys[p] % K] < q:
                 p += 1
-                while p < end and proom[keys[p] % K] < q:
-                    p += 1
-                if p == end < len(keys):  # too far: from now on the tree answers
-                    index = RoomPatches(capacity, keys, K, proom)
-            if index is not None:
-                p = index.tightest(keys[p] // K, q)  # no bin has s..that many free tokens
+            if p == end < len(keys):  # too far: from this item on the tree answers
+                break
         if p == len(keys):
             r = capacity - s
-            j = len(bins)
+            if r >= least:
+                insort(keys, r * K + len(bins))
             bins.append([i])
             proom.append(max_p - q)
-            if r >= least:
-                insort(keys, r * K + j)
-                if index is not None:
-                    index.opened(r, max_p - q)
         else:
             r, j = divmod(keys.pop(p), K)
             bins[j].append(i)
             proom[j] -= q
-            if index is not None:
-                index.left(r, proom[j] + q, p)
             r -= s
             if r >= least:
                 insort(keys, r * K + j, 0, p)
-                if index is not None:
-                    index.opened(r, proom[j])
+    else:
+        return bins
+    index = RoomPatches(capacity, keys, K, proom)
+    items = chain((i,), items)  # the item whose scan ran too far, then the rest
+    for i in items:
+        s, q = lens[i], pats[i]
+        hit = index.take(s, q)
+        if hit is None:
+            r, j = capacity, len(bins)
+            bins.append([i])
+            proom.append(max_p - q)
+        else:
+            r, j = hit
+            bins[j].append(i)
+            proom[j] -= q
+        r -= s
+        if r >= least:
+            index.put(j, r)
     return bins
 
 

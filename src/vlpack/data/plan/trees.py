@@ -3,17 +3,18 @@
 With a patch budget, a planner first checks the bin (or item) its token rule picks. When that
 one lacks the patches, it scans on in its rule's order over at most `SCAN_LIMIT` items (greedy)
 or bins and, when a scan would run past that, builds its tree from its state at that moment and
-asks it on every miss from then on. A tree answers "the first candidate, in the rule's own
-order, whose patches fit too" in O(log) steps. Inputs whose patch budget never binds build
-none. First fit's max-tree over free tokens (`max_tree`, `first_above`) is built the same way,
-when repairing its records or a patch miss would scan past `SCAN_LIMIT` bins.
+asks it on every miss from then on (best fit: on every item, its tree then holding the bins). A
+tree answers "the first candidate, in the rule's own order, whose patches fit too" in O(log)
+steps. Inputs whose patch budget never binds build none. First fit's max-tree over free tokens
+(`max_tree`, `first_above`) is built the same way, when repairing its records or a patch miss
+would scan past `SCAN_LIMIT` bins.
 
 Node k's children are 2k and 2k+1; the root is node 1; leaves start at `size`.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right, insort
 from collections.abc import Iterable, Sequence
 
 SCAN_LIMIT = 64
@@ -133,70 +134,72 @@ class BinPatches:
 
 
 class RoomPatches:
-    """Best fit's index: leaf r holds the most free patches among bins with exactly r free
-    tokens (-1: no such bin), read from the planner's sorted keys (free tokens·K + bin). The
-    planner reports every bin that leaves the keys with `left` and every one that joins them
-    with `opened`."""
+    """Best fit's index: leaf r holds the most free patches among the bins with exactly r free
+    tokens (-1: no such bin) and `at[r]` those bins in ascending order. Built from the planner's
+    sorted keys (free tokens·K + bin); from then on it alone holds the bins an item may still
+    fit: `take` removes the one an item goes to, `put` adds a bin back (or a new one) with its
+    new free tokens."""
 
-    __slots__ = ("K", "keys", "proom", "size", "tree")
+    __slots__ = ("at", "proom", "size", "tree")
 
     def __init__(self, capacity: int, keys: list[int], K: int, proom: list[int]) -> None:
         # leaves 0..capacity-1: a bin holds ≥ 1 token, and a search starts at a bin's leaf
         self.size = size = 1 << max(capacity - 1, 0).bit_length()
-        self.keys, self.K, self.proom = keys, K, proom
-        self.tree = tree = [-1] * (2 * size)
-        tree[0] = _INF  # above the root: stops every raise in `opened`
-        for key in keys:
+        self.proom = proom
+        self.at: dict[int, list[int]] = {}
+        tree = [-1] * (2 * size)
+        for key in keys:  # ascending, so each at[r] is too
             r, j = divmod(key, K)
+            self.at.setdefault(r, []).append(j)
             if proom[j] > tree[size + r]:
                 tree[size + r] = proom[j]
-                _raise_max(tree, size + r)
+        for node in range(size - 1, 0, -1):
+            a, c = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a > c else c
+        tree[0] = _INF  # above the root: stops every raise in `put`
+        self.tree = tree
 
-    def opened(self, r: int, free_patches: int) -> None:
-        """A bin with r free tokens and `free_patches` free patches joined the keys."""
-        tree = self.tree
+    def put(self, j: int, r: int) -> None:
+        """Bin j now has r free tokens and proom[j] free patches."""
+        at = self.at.get(r)
+        if at is None:
+            self.at[r] = [j]
+        else:
+            insort(at, j)
+        tree, p = self.tree, self.proom[j]
         node = self.size + r
-        if free_patches > tree[node]:
-            tree[node] = free_patches
+        if p > tree[node]:
+            tree[node] = p
             node >>= 1
-            while tree[node] < free_patches:  # parents hold the max of their children
-                tree[node] = free_patches
+            while tree[node] < p:  # parents hold the max of their children
+                tree[node] = p
                 node >>= 1
 
-    def left(self, r: int, old_patches: int, p: int) -> None:
-        """The bin that had r free tokens and `old_patches` free patches left the keys from
-        position p (a bin that changes leaves with its old figures and joins with its new ones)."""
-        tree, node = self.tree, self.size + r
-        if tree[node] != old_patches:  # it did not hold the leaf's maximum
-            return
-        keys, K = self.keys, self.K
-        lo, hi = r * K, (r + 1) * K
-        if (p and keys[p - 1] >= lo) or (p < len(keys) and keys[p] < hi):
-            proom = self.proom
-            lo, hi = bisect_left(keys, lo, 0, p), bisect_left(keys, hi, p)
-            m = max([proom[k % K] for k in keys[lo:hi]])
-        else:  # it was the leaf's only bin
-            m = -1
-        tree[node] = m
-        _raise_max(tree, node)
-
-    def tightest(self, s: int, q: int) -> int:
-        """Position in keys of the bin with the fewest free tokens ≥ s whose free patches are
-        ≥ q (ties: lowest bin), else len(keys)."""
-        tree, size, keys, K, proom = self.tree, self.size, self.keys, self.K, self.proom
+    def take(self, s: int, q: int) -> tuple[int, int] | None:
+        """Removes the bin with the fewest free tokens ≥ s whose free patches are ≥ q (ties:
+        lowest bin) and returns (its free tokens, its number); None when no bin has both."""
+        tree, size, proom = self.tree, self.size, self.proom
         node = s + size
         while tree[node] < q:  # on to the next subtree to the right
             while node & 1:
                 node >>= 1
             if not node:
-                return len(keys)
+                return None
             node += 1
         while node < size:
             node = 2 * node if tree[2 * node] >= q else 2 * node + 1
-        p = bisect_left(keys, (node - size) * K)
-        while proom[keys[p] % K] < q:
-            p += 1
-        return p
+        r = node - size
+        at = self.at[r]
+        k = 0
+        while proom[at[k]] < q:
+            k += 1
+        j = at.pop(k)
+        if proom[j] == tree[node]:  # it may have held the leaf's maximum
+            m = max(map(proom.__getitem__, at)) if at else -1
+            if m != tree[node]:
+                tree[node] = m
+                _raise_max(tree, node)
+        return r, j
 
 
 def max_tree(leaves: list[int], size: int, fill: int) -> list[int]:
