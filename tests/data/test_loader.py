@@ -168,6 +168,23 @@ def test_encode_time_failure_is_counted_and_bin_still_built() -> None:
     assert acc["packed"] + acc["truncated"] + sum(acc["skipped"].values()) == 20
 
 
+def test_a_sample_that_turns_bad_after_measuring_is_counted() -> None:
+    """A record re-read by a worker can parse as an error where it measured fine (its image
+    swapped for a link out of the media root in between): the bin skips and counts it."""
+
+    class Swapped(list):  # measuring iterates; a worker indexes
+        def __getitem__(self, i):
+            if i == 3:
+                return BadSampleError("media_outside_root", "s3: image now outside the root")
+            return super().__getitem__(i)
+
+    items = Swapped(dataset(20))
+    ld = loader(items, epochs=1, shuffle=False)
+    keys = [k for b in ld for k in b.sample_keys]
+    assert "s3" not in keys and len(keys) == 19
+    assert ld.accounting["skipped"] == {"media_outside_root": 1}
+
+
 def test_padded_mode_yields_padded_batches() -> None:
     items = dataset(12)
     batches = list(loader(items, packing="none", batch_size=4, epochs=1, shuffle=False))

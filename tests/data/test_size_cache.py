@@ -283,3 +283,15 @@ def test_vlpack_pack_reads_the_cache(data, calls, capsys) -> None:
         reports[-1].pop("seconds")
     assert reports[0] == reports[1] and reports[0]["skipped"]["missing_image"] == 3
     assert sum(calls.values()) == 3  # the second run judged only the bad samples again
+
+
+def test_a_relative_media_root_is_keyed_by_the_folder_it_names(data, enc, monkeypatch) -> None:
+    """`data.media_root=media` names another folder from another working directory: sizes
+    measured under one are not given to the other (where the paths may lie outside it)."""
+    keys = []
+    monkeypatch.setattr(size_cache, "settings_key", lambda s: keys.append(s) or "k")
+    for cwd in (data.parent, data.parent / "copy"):
+        cwd.mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        sample_sizes(open_dataset("jsonl", str(data)), enc, data, media_root=".")
+    assert [k["data.media_root"] for k in keys] == [str(data.parent), str(data.parent / "copy")]

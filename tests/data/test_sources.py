@@ -248,3 +248,37 @@ def test_a_record_from_a_shard_is_refused_too(tmp_path: Path) -> None:
         parse_record(record, base_dir=tmp_path, key="s\udc00k")
     assert info.value.reason == "bad_json"
     str(info.value).encode("utf-8")  # the message itself can be printed
+
+
+# One hostile line: a record nested beyond any conversation, or larger than any record needs, is a
+# bad sample named by its line; the lines after it still train, and a huge line is never held.
+def test_deep_nesting_is_a_bad_sample_and_the_next_line_still_reads(tmp_path: Path) -> None:
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past json's recursion limit
+    nested = json.loads(_turns("q"))
+    nested["tools"] = [{"a": None}]
+    inner = nested["tools"][0]
+    for _ in range(70):  # parses, but deeper than MAX_DEPTH
+        inner["a"] = {"a": None}
+        inner = inner["a"]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([deep, json.dumps(nested), _turns("fine")]) + "\n")
+    items = list(iter_jsonl(path))
+    assert [getattr(i, "reason", None) for i in items] == ["bad_json", "bad_json", None]
+    assert str(items[0]).startswith(f"{path}:1: not valid UTF-8 JSON (values nested too deeply")
+    assert str(items[1]).startswith(f"{path}:2: values nested more than 64 deep")
+    assert [getattr(i, "reason", None) for i in open_dataset("jsonl", str(path))] == [
+        "bad_json", "bad_json", None]
+
+
+def test_a_record_over_the_size_cap_is_skipped_unread(tmp_path: Path) -> None:
+    from vlpack.data.sources import MAX_RECORD_BYTES
+
+    big = _turns("x" * (MAX_RECORD_BYTES + 10))
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([_turns("first"), big, _turns("last")]) + "\n")
+    for items in (list(iter_jsonl(path)), list(open_dataset("jsonl", str(path)))):
+        assert [getattr(i, "reason", None) for i in items] == [None, "record_too_large", None]
+        assert str(items[1]) == (f"{path}:2: the record is {len(big) + 1:,} bytes, over 8 MiB: "
+                                 "split the conversation into several records, or drop the line")
+    rows = open_dataset("jsonl", str(path))
+    assert isinstance(rows[1], BadSampleError) and rows[2].messages[0].content == ("last",)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import overload
 
 from vlpack.data.file_scan import scan
-from vlpack.data.sources import check_jsonl_path, iter_jsonl, parse_line
+from vlpack.data.sources import MAX_RECORD_BYTES, check_jsonl_path, iter_jsonl, parse_line, too_large
 from vlpack.data.types import BadSampleError, Conversation
 
 Item = Conversation | BadSampleError
@@ -57,9 +57,12 @@ class JsonlRows(Sequence[Item]):
         i = int(i) % n
         lo = int(self.starts[i])
         hi = int(self.starts[i + 1]) if i + 1 < n else self.size
-        raw = os.pread(self._file(), hi - lo, lo)  # the line, then any blank lines after it
+        # the line, then any blank lines after it; never more than one record too many bytes
+        raw = os.pread(self._file(), min(hi - lo, MAX_RECORD_BYTES + 1), lo)
         if (nl := raw.find(b"\n")) >= 0:
             raw = raw[:nl + 1]
+        elif len(raw) > MAX_RECORD_BYTES:  # parse_line refuses it by its length alone
+            return too_large(self.path, int(self.lines[i]), hi - lo)
         return parse_line(raw, self.path, int(self.lines[i]), self.base_dir, self.media_root)
 
     def __iter__(self) -> Iterator[Item]:

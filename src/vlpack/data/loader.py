@@ -138,7 +138,10 @@ class _BinBuilder(torch.utils.data.Dataset):
         failed: list[Skip] = []
         for i, epoch in zip(work.plan.items, work.plan.epochs, strict=True):
             try:
-                sample = self.encoder.encode(self.items[i])
+                item = self.items[i]
+                if isinstance(item, BadSampleError):  # good when measured, bad when read again
+                    raise item
+                sample = self.encoder.encode(item)
                 if i in caps:
                     sample = self.encoder.truncate(sample, caps[i])
             except BadSampleError as e:

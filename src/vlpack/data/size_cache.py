@@ -398,7 +398,7 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
                  rank: int = 0, progress: bool = False, media_root: str | None = None
                  ) -> SizeIndex:
     """Every sample's size or error (as `loader.measure_all`), from the cache when it holds
-    them for this source content, `media_root` and these encoder settings, else measured with
+    them for this source content, media root and these encoder settings, else measured with
     `workers` processes and stored. Off the node's first process, waits for that process's
     file."""
     folder = cache_dir()
@@ -406,7 +406,10 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
         return SizeIndex.of([p for part in measure_parallel(items, encoder, workers=workers,
                                                             progress=progress)
                              for p in _part_sizes(part)])
-    settings = {**encoder.length_settings(), "data.media_root": media_root}
+    # a given root as the folder it names (a relative one names another folder from another
+    # working directory); the default root, the data file's folder, moves with a copy
+    root = None if media_root is None else str(Path(media_root).resolve())
+    settings = {**encoder.length_settings(), "data.media_root": root}
     source = source_fingerprint(path)
     file = folder / f"{source[-32:]}-{settings_key(settings)}.npz"
     measurer = local_rank(rank) == 0

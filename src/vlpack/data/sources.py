@@ -75,6 +75,12 @@ VIDEO_PLACEHOLDER = "<video>"
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
          "gpt": "assistant", "tool": "tool", "observation": "tool",
          "function_call": "assistant"}  # fmt: skip
+MAX_RECORD_BYTES = 8 * 2**20
+"""The largest JSONL record (line) read: 8 MiB of text is about two million tokens, far beyond
+any `data.seq_len`; a longer line is skipped unread as `record_too_large`."""
+MAX_DEPTH = 64
+"""The deepest nesting of a record's JSON values (a conversation with tool calls needs under
+ten levels)."""
 RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Strings that would turn into vision tokens if they appeared in text."""
 
@@ -89,9 +95,25 @@ def iter_jsonl(
     check_jsonl_path(path)
     base_dir = path.parent.absolute()
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
+        lineno = 0
+        while raw := f.readline(MAX_RECORD_BYTES + 1):
+            lineno += 1
+            if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+                size = len(raw)
+                while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
+                    size += len(rest)  # the rest of the line, a MiB at a time, never held
+                yield too_large(path, lineno, size + len(rest))
+            elif raw.strip():
                 yield parse_line(raw, path, lineno, base_dir, media_root)
+
+
+def too_large(path: Path, lineno: int, size: int) -> BadSampleError:
+    """The error of line `lineno`, `size` bytes long: over `MAX_RECORD_BYTES`."""
+    return BadSampleError(
+        "record_too_large",
+        f"{path}:{lineno}: the record is {size:,} bytes, over {MAX_RECORD_BYTES // 2**20} MiB: "
+        "split the conversation into several records, or drop the line",
+    )
 
 
 def source_kind(path: str | Path) -> str:
@@ -122,16 +144,20 @@ def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
     """The record on line `lineno` (1-based) of the JSONL file `path`: its `Conversation`, or
     the `BadSampleError` (returned, not raised) that names the line and the fix."""
     where = f"{path.name}:{lineno}"
+    if len(raw) > MAX_RECORD_BYTES:
+        return too_large(path, lineno, len(raw))
     try:
         obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        detail = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
+                  else "values nested too deeply to parse" if isinstance(e, RecursionError)
+                  else e)
         return BadSampleError(
             "bad_json",
             f"{path}:{lineno}: not valid UTF-8 JSON ({detail}); each line must hold one JSON "
             "object",
         )
-    if (bad := _surrogate(obj)) is not None:
+    if (bad := _unusable(obj)) is not None:
         return BadSampleError("bad_json", f"{path}:{lineno}: {bad}")
     has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
     key = str(obj["id"]) if has_id else where
@@ -177,7 +203,7 @@ def parse_record(
     resolve inside `media_root` (None: `base_dir`). `images`, when given, are the record's
     top-level images already read (a Hugging Face dataset's `Image` column, `hf_source.py`)
     in place of its `image`/`images` paths."""
-    if (bad := _surrogate(obj)) is not None:  # records that did not come through iter_jsonl
+    if (bad := _unusable(obj)) is not None:  # records that did not come through iter_jsonl
         _bad(key.encode("utf-8", "backslashreplace").decode(), "bad_json", bad)
     if not isinstance(obj, dict):
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
@@ -224,17 +250,21 @@ def parse_record(
     return conv
 
 
-def _surrogate(obj: Any) -> str | None:
-    """Why `obj` (decoded JSON) is not Unicode text, or None: a string (or key) holding a lone
-    surrogate, which JSON's `\\ud800` escapes allow but no tokenizer or file system takes."""
-    stack = [obj]
+def _unusable(obj: Any) -> str | None:
+    """Why `obj` (decoded JSON) is not usable text, or None: a string (or key) holding a lone
+    surrogate, which JSON's `\\ud800` escapes allow but no tokenizer or file system takes, or
+    values nested deeper than `MAX_DEPTH`."""
+    stack = [(obj, 0)]
     while stack:
-        x = stack.pop()
+        x, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return (f"values nested more than {MAX_DEPTH} deep (a conversation needs a few "
+                    "levels): flatten the record or drop the line")
         if isinstance(x, dict):
-            stack.extend(x.keys())
-            stack.extend(x.values())
+            stack.extend((k, depth + 1) for k in x.keys())
+            stack.extend((v, depth + 1) for v in x.values())
         elif isinstance(x, list):
-            stack.extend(x)
+            stack.extend((v, depth + 1) for v in x)
         elif isinstance(x, str):
             try:
                 x.encode("utf-8")
