@@ -109,3 +109,16 @@ def test_tally_resumes_from_the_checkpoint_state() -> None:
     for _ in itertools.islice(iter(resumed), 12):
         pass
     assert resumed.accounting == full.accounting
+
+
+def test_a_skip_cannot_forge_log_lines(caplog) -> None:
+    """A sample's id is the dataset's text: its newlines, terminal escapes and bidi overrides
+    are printed as escapes, so one skip is one log line that says what it is."""
+    items = dataset(8)
+    items[2] = make_sample("corrupt\nvlpack: step 9 loss 0.01\x1b[2K\u202e", np.random.default_rng(2),
+                           text=(5, 6), grids=((1, 2, 2),))
+    caplog.set_level(logging.WARNING, logger="vlpack.data")
+    list(loader(items, epochs=1))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line and "\u202e" not in line
+    assert "corrupt\\nvlpack: step 9 loss 0.01\\x1b[2K\\u202e" in line

@@ -14,6 +14,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from vlpack.data.types import printable
+
 log = logging.getLogger("vlpack.data")
 
 PACKED, TRUNCATED = "packed", "truncated"
@@ -102,4 +104,5 @@ class SkipReporter:
             log.warning("%sfurther skipped samples are counted, not printed (`vlpack data "
                         "validate FILE` lists every bad sample)", self.prefix)
             return
-        log.warning("%sskipping a sample (%s): %s", self.prefix, skip.reason, skip.message)
+        log.warning("%sskipping a sample (%s): %s", self.prefix, skip.reason,
+                    printable(skip.message))

@@ -18,6 +18,7 @@ import numpy as np
 from vlpack.config import DataConfig, TrainConfig
 from vlpack.data.loader import describe, measure_all, open_dataset, source_path
 from vlpack.data.stream import BinStream
+from vlpack.data.types import printable
 
 MAX_LISTED = 20
 """Skipped samples the table lists (the JSON report lists all)."""
@@ -103,7 +104,7 @@ def format_report(r: dict) -> str:
     w = max(len(k) for k, _ in rows)
     lines = [f"{k:<{w}}  {val}" for k, val in rows]
     problems = r.get("problems", [])
-    lines += [f"skipped: {p['reason']}: {p['message']}" for p in problems[:MAX_LISTED]]
+    lines += [f"skipped: {p['reason']}: {printable(p['message'])}" for p in problems[:MAX_LISTED]]
     if len(problems) > MAX_LISTED:
         lines.append(f"... and {len(problems) - MAX_LISTED} more (--json lists them all)")
     lines.append("images were judged from their headers only: `vlpack data validate DATA.jsonl` "

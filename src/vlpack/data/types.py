@@ -10,6 +10,7 @@ dimension).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,3 +242,13 @@ def located(e: BadSampleError, conv: Conversation) -> BadSampleError:
     if conv.where is not None and conv.where not in str(e):
         e.args = (f"{e} [{conv.where}]",)
     return e
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal or a log line: control characters, line separators and bidi
+    overrides (which a dataset's ids and paths may hold, to forge or hide log lines) written
+    as their escapes."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from vlpack.config import DataConfig
 from vlpack.data.loader import open_dataset
-from vlpack.data.types import BadSampleError, Conversation, located
+from vlpack.data.types import BadSampleError, Conversation, located, printable
 
 _ENCODER = None  # the worker process's encoder (set by _init_worker)
 _ITEMS = None  # the worker process's dataset (records read when indexed)
@@ -97,7 +97,7 @@ def validate_command(d: DataConfig, *, family: str, seq_len: int | None = None,
         print(json.dumps(r))
     else:
         for p in r["problems"]:
-            print(f"{p['reason']}: {p['message']}")
+            print(f"{p['reason']}: {printable(p['message'])}")
         reasons = ", ".join(f"{k}: {v}" for k, v in r["bad"].items())
         print(f"{r['samples']} samples: {r['good']} good, {len(r['problems'])} bad"
               + (f" ({reasons})" if reasons else ""))
