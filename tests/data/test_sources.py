@@ -282,3 +282,19 @@ def test_a_record_over_the_size_cap_is_skipped_unread(tmp_path: Path) -> None:
                                  "split the conversation into several records, or drop the line")
     rows = open_dataset("jsonl", str(path))
     assert isinstance(rows[1], BadSampleError) and rows[2].messages[0].content == ("last",)
+
+
+def test_a_data_file_in_the_home_folder_warns_that_all_of_it_is_readable(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """The default media root is the data file's folder: in the home folder (or /) that is every
+    file the user has, so vlpack says so and how to narrow it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    caplog.set_level("WARNING", logger="vlpack.data")
+    (tmp_path / "sub").mkdir()
+    for where in (tmp_path / "sub", tmp_path):
+        open_dataset("jsonl", str(_write(where / "d.jsonl", [_turns("hi")])))
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"media paths may name any file under {tmp_path} ")
+    assert "data.media_root" in record.getMessage()
+    open_dataset("jsonl", str(tmp_path / "d.jsonl"), media_root=str(tmp_path / "sub"))
+    assert len(caplog.records) == 1  # a narrower root given: no warning

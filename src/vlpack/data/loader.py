@@ -10,8 +10,10 @@ still takes the same number of steps. Each rank tallies the bins it consumes (ac
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -50,10 +52,22 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
         raise ValueError(f"data.source={source!r} is not readable here; use jsonl, hf or "
                          "synthetic")
     items = JsonlRows(path, media_root)
+    warn_if_broad(Path(media_root) if media_root else items.base_dir, "data.media_root")
     if not len(items):
         raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
                          "conversation (see docs/data.md)")
     return items
+
+
+def warn_if_broad(root: Path, setting: str) -> None:
+    """Warn when the media root is the file system's root or the home folder: every file under
+    it that decodes as an image can then enter training and `energon-prepare` shards."""
+    real = root.resolve()
+    if real == Path(real.anchor) or real == Path.home().resolve():
+        logging.getLogger("vlpack.data").warning(
+            "media paths may name any file under %s (%s: by default the data file's folder): "
+            "put the data file beside its media, or set data.media_root (--media-root) to the "
+            "folder that holds them", real, setting)
 
 
 def open_mix(d: DataConfig, seed: int) -> Mixture:
@@ -288,8 +302,6 @@ def build_loaders(
     held-out `data.eval_samples` at the end of the dataset, or None), from `data.*`.
     `report_skips=False` counts skipped samples without printing them (a context-parallel
     rank other than its group's first reads the same data)."""
-    import logging
-
     if d.source == "energon":  # Energon reads and packs (batch-level); one stream per rank
         from vlpack.data.energon import require_energon
 
