@@ -301,6 +301,108 @@ def test_loader_refuses_an_unprepared_folder(tmp_path: Path, encoder) -> None:
         energon_loader(tmp_path, encoder, **COMMON)
 
 
+# --------------------------------------------------------------------------- untrusted metadata
+
+HOOK_PY = """from pathlib import Path
+Path({marker!r}).write_text("code from the dataset folder ran")
+def sample_loader(raw):
+    return raw
+def part_filter(part):
+    return True
+"""
+SHARD0 = "shard-000000.tar"
+
+
+def planted(clean, tmp_path: Path) -> tuple[Path, Path]:
+    """(a copy of the clean dataset with `.nv-meta/sample_loader.py` planted, the marker file
+    that code writes when it runs)."""
+    ds, marker = tmp_path / "ds", tmp_path / "PWNED"
+    shutil.copytree(clean[1], ds)
+    (ds / ".nv-meta" / "sample_loader.py").write_text(HOOK_PY.format(marker=str(marker)))
+    return ds, marker
+
+
+def load_refused(ds: Path, encoder: Encoder, match: str) -> None:
+    """Building the loader and Energon's dataset from `ds` raises ValueError matching `match`."""
+    with pytest.raises(ValueError, match=match):
+        energon_loader(ds, encoder, shuffle=False, **COMMON)._loader()
+
+
+@pytest.mark.parametrize("dataset_yaml", [
+    # the review's repro: a standard factory with both code hooks
+    "__module__: megatron.energon\n__class__: StandardWebdatasetFactory\n"
+    "sample_type: {__module__: megatron.energon, __class__: TextSample}\n"
+    "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n",
+    # the accepted class with a part_filter hook
+    "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+    "part_filter: sample_loader.py:part_filter\n",
+    # a class vlpack does not write
+    "__module__: megatron.energon\n__class__: StandardWebdatasetFactory\n"
+    "sample_type: {__module__: megatron.energon, __class__: TextSample}\n",
+    # an object hidden in subflavors
+    "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+    "subflavors: {x: {__module__: os, __function__: getcwd}}\n",
+    # a key vlpack does not write
+    "__module__: megatron.energon\n__class__: CrudeWebdataset\nauxiliary: {}\n",
+])  # fmt: skip
+def test_dataset_yaml_with_code_hooks_or_other_classes_is_refused(clean, encoder, tmp_path,
+                                                                  dataset_yaml) -> None:
+    ds, marker = planted(clean, tmp_path)
+    (ds / ".nv-meta" / "dataset.yaml").write_text(dataset_yaml)
+    load_refused(ds, encoder, r"dataset\.yaml.*(energon-prepare|remove)")
+    assert not marker.exists()  # the planted code never ran
+
+
+def test_prepared_dataset_with_plain_subflavors_loads(clean, encoder, tmp_path) -> None:
+    ds, marker = planted(clean, tmp_path)
+    with (ds / ".nv-meta" / "dataset.yaml").open("a") as f:
+        f.write("subflavors: {source: synth, weight: 1}\n")
+    loader = energon_loader(ds, encoder, shuffle=False, **COMMON)
+    assert rows(loader, 1)
+    loader.close()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("entry", ["../outside/" + SHARD0, "{OUT}/" + SHARD0,
+                                   "{shard-000001.tar,../outside/" + SHARD0 + "}"])
+def test_split_naming_a_shard_outside_the_folder_is_refused(clean, encoder, tmp_path,
+                                                            entry) -> None:
+    ds, _ = planted(clean, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for suffix in ("", ".idx"):
+        shutil.copy(ds / (SHARD0 + suffix), outside / (SHARD0 + suffix))
+    entry = entry.replace("{OUT}", str(outside))
+    meta = ds / ".nv-meta"
+    (meta / "split.yaml").write_text(f"split_parts:\n  train:\n  - '{entry}'\nexclude: []\n")
+    info = json.loads((meta / ".info.json").read_text())
+    name = entry.replace("{shard-000001.tar,", "").rstrip("}")
+    info["shard_counts"][name] = info["shard_counts"][SHARD0]  # as Energon would need it
+    (meta / ".info.json").write_text(json.dumps(info))
+    load_refused(ds, encoder, r"split\.yaml.*outside the dataset folder")
+
+
+def test_shard_symlinked_outside_or_info_naming_one_is_refused(clean, encoder, tmp_path) -> None:
+    ds, _ = planted(clean, tmp_path)
+    outside = tmp_path / "elsewhere.tar"
+    shutil.move(ds / SHARD0, outside)
+    (ds / SHARD0).symlink_to(outside)
+    load_refused(ds, encoder, r"shard 'shard-000000.tar' \(entry 'shard-\{000000..000003\}.tar'\) "
+                              r"of .*split\.yaml.*outside")
+    (ds / SHARD0).unlink()
+    shutil.move(outside, ds / SHARD0)
+    info = json.loads((ds / ".nv-meta" / ".info.json").read_text())
+    info["shard_counts"]["/etc/passwd"] = 1
+    (ds / ".nv-meta" / ".info.json").write_text(json.dumps(info))
+    load_refused(ds, encoder, r"\.info\.json.*outside the dataset folder")
+
+
+def test_data_path_to_a_metadataset_yaml_is_refused(encoder, tmp_path) -> None:
+    mds = tmp_path / "metadataset.yaml"
+    mds.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits: {}\n")
+    load_refused(mds, encoder, "not a prepared Energon dataset")
+
+
 def test_warns_when_a_buffer_exceeds_a_workers_share(clean, encoder, caplog) -> None:
     _, out = clean
     with caplog.at_level("WARNING", logger="vlpack.data.energon.loader"):

@@ -5,6 +5,8 @@
 - `task_encoder.py`: the Qwen-VL `TaskEncoder`: cooker → `encode_sample` (vlpack's Encoder) →
   `select_samples_to_pack` (vlpack's planner) → `pack_selected_samples` (`build_thd_batch`) →
   `batch` (one packed row).
+- `validate.py`: `validate_dataset_folder`, the check of a dataset folder's `.nv-meta` (no code
+  hooks, no other class, no shard outside the folder) before Energon reads it.
 - `loader.py`: `EnergonLoader`, the trainer-facing iterable of `ThdBatch` with exact resume and
   the same accounting as the JSONL `PackedLoader`.
 """

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from vlpack.data.accounting import PACKED, TRUNCATED, Tally
 from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
+from vlpack.data.energon.validate import validate_dataset_folder
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ class EnergonLoader:
     """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
 
     Every setting comes from the data section `d` (data.source=energon, its checks done
-    there): `d.path` (the prepared folder), the packing options `PackedLoader` reads, and the
+    there): `d.path` (the prepared folder, checked by `validate_dataset_folder` before Energon
+    reads it), the packing options `PackedLoader` reads, and the
     Energon-specific `packing_buffer_size` (samples planned together; None: buffer_size),
     `shuffle_buffer_size` (Energon's sample shuffle buffer; None: none) and `shuffle` (False
     also keeps shard order: no shuffling at all). The arguments after it are the run's.
@@ -80,12 +81,7 @@ class EnergonLoader:
     ):
         if d.source != "energon":
             raise ValueError(f"EnergonLoader reads data.source=energon, got {d.source}")
-        self.path = Path(d.path)
-        if not (self.path / ".nv-meta" / "dataset.yaml").is_file():
-            raise ValueError(
-                f"{self.path} is not a prepared Energon dataset (no .nv-meta/dataset.yaml): "
-                "run `vlpack data energon-prepare DATA.jsonl DIR` and pass DIR"
-            )
+        self.path = validate_dataset_folder(d.path)
         self.task_encoder = QwenVLTaskEncoder(encoder, d, seed=seed, pad_token_id=pad_token_id,
                                               spatial_merge_size=spatial_merge_size)
         self.worker_config = energon_worker_config(
@@ -119,6 +115,8 @@ class EnergonLoader:
     def _loader(self):
         """Energon's savable loader, built on first use (restoring needs a fresh, unstarted one)."""
         if self._energon is None:
+            # Energon re-reads the metadata here: check it again just before.
+            validate_dataset_folder(self.path)
             dataset = get_train_dataset(
                 str(self.path), worker_config=self.worker_config, batch_size=1,
                 packing_buffer_size=self.packing_buffer_size,
