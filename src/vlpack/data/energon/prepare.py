@@ -9,10 +9,10 @@ JSONL path's `file:line` when the record had none), so both paths name samples a
 Nothing is packaged that the dataset merely names: media paths must resolve inside the media
 root (`media_root`, by default the JSONL file's folder; `vlpack.data.media`), and every file's
 bytes must decode as what it claims before they are written: an image or frame must decode in
-full with Pillow (its member is named by the decoded format, `.jpg` for JPEG, `.png` for PNG,
-...), a video file must open with PyAV and decode its first frame. Records that cannot be
-parsed, whose paths escape the root, or whose files are missing or do not decode are left out
-and counted by reason.
+full with Pillow as one of vlpack's image formats (its member is named by the decoded format,
+`.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV and decode its first
+frame. Records that cannot be parsed, whose paths escape the root, or whose files are missing
+or do not decode are left out and counted by reason.
 
 Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
 `dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vlpack.data.energon import require_energon
+from vlpack.data.media import BAD_PATH
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
@@ -150,7 +151,14 @@ def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, byte
         if ref.path is not None:
             add(ref.path, f"vid{n_video}", "video", "video")
         n_video += 1
-    record = _rewrite_paths(obj, lambda p: names[base / p])
+
+    def rename(p: str) -> str:  # the refs hold resolved paths (`media.media_path`)
+        if (name := names.get((base / p).resolve())) is None:
+            raise BadSampleError(BAD_PATH, f"{conv.key}: media path {p!r} changed while "
+                                 "the sample was packaged: run again")
+        return name
+
+    record = _rewrite_paths(obj, rename)
     record["id"] = conv.key
     return {"json": json.dumps(record, ensure_ascii=False).encode(), **files}
 
@@ -160,11 +168,11 @@ _SUFFIX = {"JPEG": ".jpg", "MPO": ".jpg", "TIFF": ".tif"}
 
 
 def _decoded_image_suffix(payload: bytes) -> str:
-    """Decode `payload` in full as an image (Pillow's decompression-bomb limit applies);
-    the member suffix of its format."""
-    from PIL import Image
+    """Decode `payload` in full as an image of `media.IMAGE_FORMATS` (Pillow's
+    decompression-bomb limit applies); the member suffix of its format."""
+    from vlpack.data.media import open_raster
 
-    with Image.open(io.BytesIO(payload)) as image:
+    with open_raster(io.BytesIO(payload)) as image:
         image.load()
         return _SUFFIX.get(image.format, f".{image.format.lower()}")
 
