@@ -228,8 +228,8 @@ class Encoder:
         images_left = iter(parts)
         mean, std = self._video_norm()
         stream = [next(images_left) if it.plan is None else vid.patches(
-            vid.decode(conv.key, it.ref, it.plan.indices), it.plan, self.family, mean, std)
-            for it in items]
+            vid.decode(conv.key, it.ref, it.plan.indices, (it.plan.height, it.plan.width)),
+            it.plan, self.family, mean, std) for it in items]
         sample = self._assemble(conv, items)
         sample.pixel_values = np.concatenate(stream) if stream else None
         return sample
@@ -253,7 +253,7 @@ class Encoder:
             if isinstance(ref, ImageRef):
                 items.append(_Item(ref, self._grid(conv.key, ref, *next(sizes))))
             else:
-                plan = vid.plan(self.family, conv.key, ref, self.video)
+                plan = vid.plan(self.family, conv.key, ref, self.video, self.max_image_pixels)
                 items.append(_Item(ref, plan.grid, plan))
         return items
 

@@ -99,12 +99,15 @@ def pixel_limit(max_image_pixels: int | None) -> int:
 
 def image_limit(max_image_pixels: int | None) -> None:
     """Make Pillow refuse exactly the images above `max_image_pixels` (it errors above twice its
-    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning)."""
+    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning). None
+    restores Pillow's default, which an earlier encoder's limit may have replaced (Pillow holds
+    it process-wide)."""
+    from PIL import Image
+
     if max_image_pixels is None:
+        Image.MAX_IMAGE_PIXELS = PILLOW_LIMIT // 2
         return
     import warnings
-
-    from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = max_image_pixels // 2
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)

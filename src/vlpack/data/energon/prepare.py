@@ -10,9 +10,10 @@ Nothing is packaged that the dataset merely names: media paths must resolve insi
 root (`media_root`, by default the JSONL file's folder; `vlpack.data.media`), and every file's
 bytes must decode as what it claims before they are written: an image or frame must decode in
 full with Pillow as one of vlpack's image formats (its member is named by the decoded format,
-`.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV and decode its first
-frame. Records that cannot be parsed, whose paths escape the root, or whose files are missing
-or do not decode are left out and counted by reason.
+`.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV as one of vlpack's
+containers (`video.VIDEO_CONTAINERS`) and decode its first frame. Records that cannot be
+parsed, whose paths escape the root, or whose files are missing or do not decode are left out
+and counted by reason.
 
 Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
 `dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
@@ -178,11 +179,11 @@ def _decoded_image_suffix(payload: bytes) -> str:
 
 
 def _decoded_video_suffix(payload: bytes, path: Path) -> str:
-    """Open `payload` with PyAV and decode its first video frame; the file's own suffix
-    (ImportError without PyAV)."""
-    import av
+    """Open `payload` with PyAV as one of `video.VIDEO_CONTAINERS` and decode its first video
+    frame; the file's own suffix (ImportError without PyAV)."""
+    from vlpack.data.video import open_container
 
-    with av.open(io.BytesIO(payload)) as container:
+    with open_container(io.BytesIO(payload)) as container:
         next(container.decode(video=0))
     return path.suffix.lower() or ".video"
 
