@@ -155,8 +155,8 @@ class Encoder:
         `vision_config.tokens_per_second`; the released checkpoints' by default)."""
         self.chat_template = chat_template
         self.max_image_pixels = max_image_pixels
-        """Largest source image (width × height) opened; None: Pillow's decompression-bomb
-        limit (about 179 M pixels)."""
+        """Largest source image or video frame (width × height) opened; None: Pillow's
+        decompression-bomb limit (about 179 M pixels)."""
         self.spec: Family = family_of(family)
         folder = folder_processor(processor_path, family) if processor_path else None
         self.processor_file = folder.file if folder else None
