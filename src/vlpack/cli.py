@@ -107,8 +107,8 @@ def _add_encoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-pixels", type=int, default=None, help="image area bounds (default: family's)")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--max-image-pixels", type=int, default=None,
-                   help="largest source image opened, width × height (default: Pillow's "
-                        "decompression-bomb limit); as data.max_image_pixels")
+                   help="largest source image or video frame opened, width × height (default: "
+                        "Pillow's decompression-bomb limit); as data.max_image_pixels")
     _add_media_root(p)
 
 

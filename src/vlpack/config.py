@@ -183,8 +183,8 @@ class DataConfig:
     """Image processor bounds (None: the family's default)."""
     max_pixels: int | None = None
     max_image_pixels: int | None = None
-    """Largest source image (width × height) opened (None: Pillow's decompression-bomb limit,
-    about 179 M pixels); raise it only for files you trust."""
+    """Largest source image or video frame (width × height) opened (None: Pillow's
+    decompression-bomb limit, about 179 M pixels); raise it only for files you trust."""
     media_root: str | None = None
     """Folder every image and video path must resolve inside (`..` and symlinks followed);
     None: the JSONL file's folder. A path that escapes is a skipped sample (docs/data.md)."""

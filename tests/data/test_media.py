@@ -17,7 +17,7 @@ from vlpack.config import load_config
 from vlpack.data.encode import Encoder
 from vlpack.data.energon.prepare import prepare_energon
 from vlpack.data.loader import build_loaders, open_dataset
-from vlpack.data.media import ORIENTATION, OUTSIDE_ROOT
+from vlpack.data.media import BAD_PATH, ORIENTATION, OUTSIDE_ROOT, image_size, media_path, open_image
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
 
@@ -136,6 +136,76 @@ def test_an_unusable_path_is_a_named_skip(tmp_path: Path) -> None:
     got = list(iter_jsonl(tmp_path / "set.jsonl"))
     assert len(got) == 2 and all(isinstance(x, BadSampleError) for x in got), got
     assert "nul" in str(got[0]) and "loop" in str(got[1])
+
+
+def test_media_path_returns_what_it_checked(tmp_path: Path) -> None:
+    """The resolved path, not the joined one: a later open reads the file that was checked,
+    even if a symlink on the way is swapped in between."""
+    (tmp_path / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "link.png").symlink_to(tmp_path / "a.png")
+    real = (tmp_path / "a.png").resolve()
+    assert media_path("link.png", tmp_path, tmp_path.resolve(), "k", "image") == real
+    assert media_path("sub/../a.png", tmp_path, tmp_path.resolve(), "k", "image") == real
+    conv = next(iter_jsonl(_write(tmp_path, _rec("l", "link.png"))))
+    assert conv.images[0].path == real
+    # a missing file passes here, resolved; its reader names it missing
+    gone = media_path("gone.png", tmp_path, tmp_path.resolve(), "k", "image")
+    assert gone == tmp_path.resolve() / "gone.png"
+
+
+def _write(folder: Path, *lines: str) -> Path:
+    (folder / "set.jsonl").write_text("".join(line + "\n" for line in lines))
+    return folder / "set.jsonl"
+
+
+def test_a_name_too_long_a_fifo_or_a_folder_is_a_named_skip(tmp_path: Path) -> None:
+    """A name the OS cannot stat (ENAMETOOLONG) and an entry that is no regular file are bad
+    samples, checked before anything is opened: a FIFO would block its reader for ever."""
+    import threading
+
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "dir.png").mkdir()
+    long = "x" * 300 + ".png"
+    path = _write(tmp_path, _rec("long", long), _rec("fifo", "pipe.png"), _rec("dir", "dir.png"))
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(iter_jsonl(path)), daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert not reader.is_alive(), "reading the records blocked (opened the FIFO?)"
+    assert [(type(e).__name__, getattr(e, "reason", None)) for e in got] == [
+        ("BadSampleError", BAD_PATH)] * 3, got
+    assert "File name too long" in str(got[0]) and "(304 chars)" in str(got[0])
+    assert "not a regular file" in str(got[1]) and "'pipe.png'" in str(got[1])
+    assert str(got[2]).startswith("dir: image 'dir.png' is not a regular file")
+
+
+def _eps(path: Path) -> Path:
+    """A tiny EPS file (Pillow would rasterise it with Ghostscript)."""
+    path.write_text("%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n"
+                    "newpath 0 0 moveto 64 64 lineto stroke\nshowpage\n")
+    return path
+
+
+def test_only_raster_formats_are_opened(tmp_path: Path) -> None:
+    """EPS named .jpg is a bad image, never handed to Ghostscript, in training and in
+    energon-prepare; a phone's MPO JPEG still opens."""
+    pic = _eps(tmp_path / "pic.jpg")
+    with Image.open(pic) as im:  # what Pillow makes of it unasked
+        assert im.format == "EPS"
+    ref = ImageRef(pic)
+    for call in (image_size, open_image):
+        with pytest.raises(BadSampleError, match="cannot identify image") as e:
+            call("k", ref)
+        assert e.value.reason == "corrupt_image"
+    mpo = tmp_path / "phone.jpg"
+    Image.new("RGB", (40, 30), (9, 9, 9)).save(mpo, format="MPO", save_all=True,
+                                               append_images=[Image.new("RGB", (40, 30))])
+    assert image_size("k", ImageRef(mpo)) == (40, 30)
+    assert open_image("k", ImageRef(mpo)).size == (40, 30)
+    report = prepare_energon(_write(tmp_path, _rec("eps", "pic.jpg"), _rec("mpo", "phone.jpg")),
+                             tmp_path / "ds")
+    assert report["samples"] == 1 and report["skipped"] == {"corrupt_image": 1}, report
 
 
 def test_a_record_naming_media_twice_is_skipped_not_a_crash(tmp_path: Path) -> None:

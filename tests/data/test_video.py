@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import re
+import time
 import types
 from pathlib import Path
 
@@ -241,6 +243,125 @@ def test_bad_videos_are_counted_skips_naming_the_file(tmp_path: Path) -> None:
         assert e.value.reason == reason, (reason, e.value)
         assert f"s-{reason}" in str(e.value)
         assert "gone.png" in str(e.value) or "broken.mp4" in str(e.value) or "f0.png" in str(e.value)
+
+
+# ---------------------------------------------------------------- untrusted files
+
+
+def _unread(*paths: Path) -> None:
+    """Set the access time of `paths` to 0, so that a later read shows (relatime updates an
+    access time older than the modification time)."""
+    for path in paths:
+        os.utime(path, (0, time.time()))
+
+
+def test_only_single_file_containers_are_opened(tmp_path: Path) -> None:
+    """An HLS playlist, an ffconcat list named .mp4 and an image2 pattern would make FFmpeg read
+    files outside the media root: each is refused as unsupported_video, in training and in
+    energon-prepare, before anything outside is read; real mp4, mpeg-ts and mkv files open."""
+    pytest.importorskip("av")
+    from vlpack.data.energon.prepare import prepare_energon
+
+    out, root = tmp_path / "outside", tmp_path / "root"
+    out.mkdir(), root.mkdir()
+    _mp4(out / "secret.ts", 4)
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(out / "private.png")
+    (root / "clip.m3u8").write_text("#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:2.0,\n"
+                                    f"{out / 'secret.ts'}\n#EXT-X-ENDLIST\n")
+    (root / "link").symlink_to(out)
+    (root / "concat.mp4").write_text("ffconcat version 1.0\nfile link/secret.ts\n")
+    Image.new("RGB", (64, 64)).save(root / "seq%d.png")
+    for i in range(2):
+        (root / f"seq{i}.png").symlink_to(out / "private.png")
+    _unread(out / "private.png")
+    (out / "private.png").read_bytes()
+    if os.stat(out / "private.png").st_atime == 0:
+        pytest.skip("this file system keeps no access times")
+    _unread(out / "secret.ts", out / "private.png")
+    enc = Encoder("qwen2_vl")
+    for name in ("clip.m3u8", "concat.mp4", "seq%d.png"):
+        conv = _conv(root, [{"type": "video", "video": name}], key=name)
+        for call in (enc.measure, enc.encode):
+            with pytest.raises(BadSampleError, match="not in a container vlpack reads") as e:
+                call(conv)
+            assert e.value.reason == vid.UNSUPPORTED and str(e.value).startswith(name)
+    for name, n in (("ok.mp4", 7), ("ok.ts", 6), ("ok.mkv", 5)):
+        _mp4(root / name, n)
+        conv = _conv(root, [{"type": "video", "video": name}])
+        assert enc.measure(conv) == enc.encode(conv).size
+    lines = [json.dumps({"id": n, **_record(root, [{"type": "video", "video": n}])})
+             for n in ("clip.m3u8", "concat.mp4", "seq%d.png", "ok.mp4")]
+    (root / "d.jsonl").write_text("\n".join(lines) + "\n")
+    report = prepare_energon(root / "d.jsonl", tmp_path / "ds")
+    assert report["samples"] == 1 and report["skipped"] == {"corrupt_video": 3}, report
+    assert os.stat(out / "secret.ts").st_atime == os.stat(out / "private.png").st_atime == 0
+
+
+def test_frames_above_the_image_pixel_limit_are_refused_when_measured(tmp_path: Path) -> None:
+    """A video whose frames exceed data.max_image_pixels is refused from its header, as
+    video_too_large, without decoding; at the limit it is measured."""
+    names = _frames(tmp_path, 4, size=(90, 120))
+    content = [(names, 90 * 120)]
+    if importlib.util.find_spec("av"):
+        _mp4(tmp_path / "clip.mp4", 8, size=(64, 96))
+        content.append(("clip.mp4", 64 * 96))
+    for video, pixels in content:
+        conv = _conv(tmp_path, [{"type": "video", "video": video}], key="big")
+        with pytest.raises(BadSampleError, match=r"data\.max_image_pixels") as e:
+            Encoder("qwen2_vl", max_image_pixels=pixels - 1).measure(conv)
+        assert e.value.reason == vid.TOO_LARGE and str(e.value).startswith("big: video")
+        assert f"{pixels:,} pixels" in str(e.value) or "exceeds limit of" in str(e.value)
+        Encoder("qwen2_vl", max_image_pixels=pixels).measure(conv)
+    big = vid.VideoMeta(total_frames=4, fps=2.0, width=20000, height=10000)  # 200 M pixels
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(vid, "read_meta", lambda key, ref: big)
+        with pytest.raises(BadSampleError) as e:  # the default: Pillow's limit, as for images
+            vid.plan("qwen2_vl", "k", VideoRef(path=tmp_path / "x.mp4"), vid.VideoSettings())
+    assert e.value.reason == vid.TOO_LARGE and "178,956,970" in str(e.value)
+
+
+def test_a_frame_list_longer_than_max_frames_is_refused(tmp_path: Path) -> None:
+    names = _frames(tmp_path, 5)
+    ref = VideoRef(frames=tuple(tmp_path / n for n in names))
+    with pytest.raises(BadSampleError, match="5 frames, more than max_frames=4") as e:
+        vid.plan("qwen2_vl", "k", ref, vid.VideoSettings(max_frames=4))
+    assert e.value.reason == vid.TOO_LARGE
+    assert vid.plan("qwen2_vl", "k", ref, vid.VideoSettings(max_frames=5)).indices == (0, 1, 2, 3, 4)
+
+
+def test_frames_are_resized_as_they_are_decoded(tmp_path: Path, monkeypatch) -> None:
+    """Decoding holds one full-size frame at a time (each is resized right after it is
+    decoded), with the bits of resizing them all at once; encode decodes so."""
+    import tracemalloc
+
+    names = _frames(tmp_path, 6, size=(300, 400))
+    refs = [VideoRef(frames=tuple(tmp_path / n for n in names))]
+    if importlib.util.find_spec("av"):
+        _mp4(tmp_path / "clip.mp4", 9, size=(240, 320))
+        refs.append(VideoRef(path=tmp_path / "clip.mp4"))
+    for ref in refs:
+        p = vid.plan("qwen3_vl", "k", ref, vid.VideoSettings())
+        full = vid.decode("k", ref, p.indices)
+        small = vid.decode("k", ref, p.indices, (p.height, p.width))
+        assert small.shape == (len(p.indices), p.height, p.width, 3) != full.shape
+        np.testing.assert_array_equal(vid.patches(small, p, "qwen3_vl", (0.5,) * 3, (0.5,) * 3),
+                                      vid.patches(full, p, "qwen3_vl", (0.5,) * 3, (0.5,) * 3))
+    p = vid.plan("qwen2_vl", "k", refs[0], vid.VideoSettings(min_pixels=56 * 56,
+                                                             max_pixels=112 * 112))
+    tracemalloc.start()
+    small = vid.decode("k", refs[0], p.indices, (p.height, p.width))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert small.nbytes < 300 * 400 * 3  # all six resized frames: less than one full frame
+    # one full frame in flight (Pillow's bytes of it and numpy's copy): 3 frames' bytes, not
+    # the 12 of keeping all six full frames and stacking them
+    assert peak < small.nbytes + 4 * 300 * 400 * 3, peak
+    sizes = []
+    decode = vid.decode
+    monkeypatch.setattr(vid, "decode", lambda *a: sizes.append(a[3:]) or decode(*a))
+    Encoder("qwen3_vl").encode(_conv(tmp_path, [{"type": "video", "video": names}]))
+    p = vid.plan("qwen3_vl", "k", refs[0], vid.VideoSettings())
+    assert sizes == [((p.height, p.width),)]
 
 
 # ---------------------------------------------------------------- positions

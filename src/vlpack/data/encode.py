@@ -155,8 +155,8 @@ class Encoder:
         `vision_config.tokens_per_second`; the released checkpoints' by default)."""
         self.chat_template = chat_template
         self.max_image_pixels = max_image_pixels
-        """Largest source image (width × height) opened; None: Pillow's decompression-bomb
-        limit (about 179 M pixels)."""
+        """Largest source image or video frame (width × height) opened; None: Pillow's
+        decompression-bomb limit (about 179 M pixels)."""
         self.spec: Family = family_of(family)
         folder = folder_processor(processor_path, family) if processor_path else None
         self.processor_file = folder.file if folder else None
@@ -228,8 +228,8 @@ class Encoder:
         images_left = iter(parts)
         mean, std = self._video_norm()
         stream = [next(images_left) if it.plan is None else vid.patches(
-            vid.decode(conv.key, it.ref, it.plan.indices), it.plan, self.family, mean, std)
-            for it in items]
+            vid.decode(conv.key, it.ref, it.plan.indices, (it.plan.height, it.plan.width)),
+            it.plan, self.family, mean, std) for it in items]
         sample = self._assemble(conv, items)
         sample.pixel_values = np.concatenate(stream) if stream else None
         return sample
@@ -253,7 +253,7 @@ class Encoder:
             if isinstance(ref, ImageRef):
                 items.append(_Item(ref, self._grid(conv.key, ref, *next(sizes))))
             else:
-                plan = vid.plan(self.family, conv.key, ref, self.video)
+                plan = vid.plan(self.family, conv.key, ref, self.video, self.max_image_pixels)
                 items.append(_Item(ref, plan.grid, plan))
         return items
 

@@ -5,12 +5,19 @@ unless absolute, then resolved (`..` and symlinks followed). The resolved file m
 the media root: `data.media_root` when set, else the JSONL file's own folder. A path that
 escapes is refused by name as `media_outside_root`, before any byte is read. Shards and
 training read only what the dataset names, so a dataset from elsewhere cannot pull
-`/etc/passwd`, `~/.ssh/...` or another project's files into a model or a shard.
+`/etc/passwd`, `~/.ssh/...` or another project's files into a model or a shard. A path that
+exists must be a regular file (not a folder, FIFO or device), and one the OS cannot check (a
+name too long, a NUL byte, a symlink loop, no permission) is refused as `bad_media_path`. The
+resolved path is what every later open uses, so the file read is the file checked.
+
+Formats: images are opened only as the raster formats of `IMAGE_FORMATS` (no EPS, which Pillow
+hands to Ghostscript, nor any other format it can identify).
 """
 
 from __future__ import annotations
 
 import io
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,16 +33,25 @@ swap)."""
 OUTSIDE_ROOT = "media_outside_root"
 """The skip reason of a media path that resolves outside the media root."""
 
+BAD_PATH = "bad_media_path"
+"""The skip reason of a media path the OS cannot check, or that names no regular file."""
+
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""The Pillow formats vlpack opens images and video frames as; any other file, whatever its
+name, is a bad image. JPEG includes the MPO files many phones write (Pillow's JPEG opener
+returns them; "MPO" itself has no opener and may not be listed)."""
+
 
 def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:
-    """`base / raw`, refused with `BadSampleError(OUTSIDE_ROOT)` when it resolves (through `..`
-    and symlinks) outside `root` (itself already resolved)."""
-    path = base / raw
+    """`base / raw` resolved (through `..` and symlinks), refused with
+    `BadSampleError(OUTSIDE_ROOT)` when that lies outside `root` (itself already resolved), and
+    with `BadSampleError(BAD_PATH)` when the OS cannot check it or it exists but is not a regular
+    file. A path that does not exist is returned; its reader reports it missing."""
     try:
-        real = path.resolve()
+        real = (base / raw).resolve()
     except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, a symlink loop
         raise BadSampleError(
-            OUTSIDE_ROOT, f"{key}: {what} {raw!r} is not a usable path ({e}): fix the record"
+            BAD_PATH, f"{key}: {what} {_shown(raw)} is not a usable path ({e}): fix the record"
         ) from None
     if not real.is_relative_to(root):
         raise BadSampleError(
@@ -45,17 +61,53 @@ def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:
             "the file under it, or set data.media_root to a folder that holds every media file "
             "(--media-root for vlpack pack, check, data validate and data energon-prepare)",
         )
-    return path
+    try:
+        mode = real.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return real
+    except OSError as e:  # a name too long, no permission
+        raise BadSampleError(BAD_PATH, f"{key}: {what} {_shown(raw)} cannot be checked "
+                             f"({e.strerror}): fix the path in the record") from None
+    if not stat.S_ISREG(mode):  # a FIFO would block the reader, a device never end
+        raise BadSampleError(BAD_PATH, f"{key}: {what} {_shown(raw)} is not a regular file (a "
+                             "folder, FIFO or device): name an image or video file")
+    return real
 
 
-def _image_limit(max_image_pixels: int | None) -> None:
+def _shown(raw: str) -> str:
+    """`raw` quoted for a message, its middle elided past 120 characters."""
+    return repr(raw) if len(raw) <= 120 else f"{raw[:60]!r}...{raw[-40:]!r} ({len(raw)} chars)"
+
+
+def open_raster(file: Path | io.BytesIO) -> PILImage.Image:
+    """`file` opened lazily by Pillow as one of `IMAGE_FORMATS` (UnidentifiedImageError for any
+    other format)."""
+    from PIL import Image
+
+    return Image.open(file, formats=IMAGE_FORMATS)
+
+
+PILLOW_LIMIT = 2 * (1024 * 1024 * 1024 // 4 // 3)
+"""Pixels above which Pillow refuses an image by default (twice its default MAX_IMAGE_PIXELS,
+about 179 M): the limit when `data.max_image_pixels` is None."""
+
+
+def pixel_limit(max_image_pixels: int | None) -> int:
+    """The largest width × height an image or a video frame may have."""
+    return PILLOW_LIMIT if max_image_pixels is None else max_image_pixels
+
+
+def image_limit(max_image_pixels: int | None) -> None:
     """Make Pillow refuse exactly the images above `max_image_pixels` (it errors above twice its
-    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning)."""
+    MAX_IMAGE_PIXELS and warns above it; vlpack keeps the error and drops the warning). None
+    restores Pillow's default, which an earlier encoder's limit may have replaced (Pillow holds
+    it process-wide)."""
+    from PIL import Image
+
     if max_image_pixels is None:
+        Image.MAX_IMAGE_PIXELS = PILLOW_LIMIT // 2
         return
     import warnings
-
-    from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = max_image_pixels // 2
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -67,9 +119,9 @@ def open_image(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
     BadSampleError."""
     from PIL import Image, ImageOps
 
-    _image_limit(max_image_pixels)
+    image_limit(max_image_pixels)
     try:
-        image = Image.open(_file(ref))
+        image = open_raster(_file(ref))
         image.load()  # decode now so a truncated or corrupt file fails here
         return ImageOps.exif_transpose(image)
     except FileNotFoundError:
@@ -85,9 +137,9 @@ def image_size(key: str, ref: ImageRef, max_image_pixels: int | None = None) -> 
     decoding pixels: swapped when the EXIF orientation turns it by 90 degrees."""
     from PIL import Image
 
-    _image_limit(max_image_pixels)
+    image_limit(max_image_pixels)
     try:
-        with Image.open(_file(ref)) as image:
+        with open_raster(_file(ref)) as image:
             # Image.getexif reads what the header gave; PNG's override would decode the pixels
             turned = Image.Image.getexif(image).get(ORIENTATION, 1) in (5, 6, 7, 8)
             width, height = image.size
@@ -126,5 +178,5 @@ def _corrupt(key: str, ref: ImageRef, e: Exception) -> BadSampleError:
     return BadSampleError(
         "corrupt_image",
         f"{key}: image {ref.path} cannot be read ({type(e).__name__}: {e}): re-export it as "
-        "PNG/JPEG or drop the sample",
+        "PNG/JPEG (vlpack reads JPEG, PNG, WebP, GIF, BMP and TIFF) or drop the sample",
     )

@@ -25,24 +25,47 @@ follow transformers' video processors, checked against them (tests/data/test_vid
 Everything but the pixels is known from the container's metadata or the first frame's header
 (`plan`), so the planner sees a video's exact length without decoding it.
 
+Untrusted files: a video file is opened only as one of the single-file containers of
+`VIDEO_CONTAINERS` (`open_container`), never as a playlist, concat list or image pattern that
+would make FFmpeg read further files; frames are opened as the image formats of
+`vlpack.data.media.IMAGE_FORMATS`. A video whose frames exceed the pixel limit images have
+(`data.max_image_pixels`) or a frame list longer than `max_frames` is refused from its header
+(`video_too_large`), and each frame is resized as soon as it is decoded, so decoding holds one
+full-size frame at a time.
+
 Legend: F = frames, H/W = pixels, P = patches, C = 3 × temporal patch × patch².
 """
 
 from __future__ import annotations
 
+import io
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from vlpack.config import VideoSettings
+from vlpack.data.media import image_limit, open_raster, pixel_limit
 from vlpack.data.processor import read_processor_config
 from vlpack.data.types import BadSampleError, VideoRef
 from vlpack.families import family as family_of
 
 FRAME_LIST_FPS = 2.0
 """Frame rate of a frame list that names none (what qwen-vl-utils assumes)."""
+
+VIDEO_CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv"
+"""The FFmpeg demuxers a video file is opened with: single-file containers only. Left to guess,
+FFmpeg also opens HLS playlists, concat lists and image patterns (`seq%d.png`), which read other
+files, unchecked by the media-root policy."""
+
+UNSUPPORTED = "unsupported_video"
+"""The skip reason of a video file in no container of `VIDEO_CONTAINERS`."""
+
+TOO_LARGE = "video_too_large"
+"""The skip reason of a video whose frames exceed the image pixel limit, or of a frame list
+longer than `max_frames`."""
 
 
 DEFAULTS = VideoSettings(fps=2.0, min_frames=4, max_frames=768, cap_pixels_per_frame=True)
@@ -187,9 +210,25 @@ def _smart_resize_clip(num_frames: int, height: int, width: int, temporal: int, 
     return h_bar, w_bar
 
 
-def plan(family: str, key: str, ref: VideoRef, settings: VideoSettings) -> VideoPlan:
-    """How `ref` is encoded, from its metadata only; BadSampleError for an unusable video."""
+def plan(family: str, key: str, ref: VideoRef, settings: VideoSettings,
+         max_image_pixels: int | None = None) -> VideoPlan:
+    """How `ref` is encoded, from its metadata only; BadSampleError for an unusable video, and
+    `TOO_LARGE` for frames above `max_image_pixels` (None: Pillow's decompression-bomb limit,
+    as for images) or a frame list longer than `max_frames`."""
+    most = settings.over(DEFAULTS).max_frames
+    if len(ref.frames) > most:
+        raise _bad(key, ref, TOO_LARGE, f"{len(ref.frames)} frames, more than max_frames={most}"
+                   ": a frame list is used whole, so sample it down to at most that many "
+                   "frames, or raise data.video.max_frames")
+    image_limit(max_image_pixels)  # Pillow's own check on the frames agrees
     meta = read_meta(key, ref)
+    limit = pixel_limit(max_image_pixels)
+    if meta.width * meta.height > limit:
+        raise _bad(key, ref, TOO_LARGE, f"its frames are {meta.width}x{meta.height} = "
+                   f"{meta.width * meta.height:,} pixels, above the limit of {limit:,} (images' "
+                   "decompression-bomb limit): downscale it, or if you trust the file raise the "
+                   "limit: data.max_image_pixels=N (`vlpack pack` and `vlpack data validate`: "
+                   "--max-image-pixels N)")
     try:
         indices = (tuple(range(meta.total_frames)) if ref.frames else
                    sample_indices(family, meta, settings))
@@ -211,86 +250,113 @@ def plan(family: str, key: str, ref: VideoRef, settings: VideoSettings) -> Video
 # ------------------------------------------------------------------------- reading
 
 
+def open_container(source: str | io.BytesIO):
+    """`source` opened by PyAV as one of `VIDEO_CONTAINERS`, reading no other file or protocol
+    (ImportError without PyAV; av.error.ArgumentError for another format)."""
+    import av
+
+    return av.open(source, container_options={"format_whitelist": VIDEO_CONTAINERS,
+                                              "protocol_whitelist": "file"})
+
+
 def read_meta(key: str, ref: VideoRef) -> VideoMeta:
     """Frame count, rate and size of `ref` without decoding pixels."""
     if ref.frames:
-        from PIL import Image
-
         for p in ref.frames:
-            if not p.is_file():
+            if not _is_file(p):
                 raise _bad(key, ref, "missing_video",
                            f"frame {p} not found: fix the path (relative paths are resolved "
                            "against the JSONL file's folder) or drop the sample")
+        from PIL import Image
+
         try:
-            with Image.open(ref.frames[0]) as im:
+            with open_raster(ref.frames[0]) as im:
                 width, height = im.size
+        except Image.DecompressionBombError as e:
+            raise _bad(key, ref, TOO_LARGE, f"frame {ref.frames[0]} is larger than the pixel "
+                       f"limit ({e}): downscale the frames, or if you trust them raise the limit: "
+                       "data.max_image_pixels=N (--max-image-pixels N)") from None
         except Exception as e:
             raise _bad(key, ref, "corrupt_video", f"frame {ref.frames[0]} cannot be read "
                        f"({type(e).__name__}: {e})") from None
         return VideoMeta(len(ref.frames), ref.fps or FRAME_LIST_FPS, width, height)
-    av = _pyav(key, ref)
-    if not ref.path.is_file():
-        raise _bad(key, ref, "missing_video", "file not found: fix the path (relative paths are "
-                   "resolved against the JSONL file's folder) or drop the sample")
-    try:
-        with av.open(str(ref.path)) as container:
+    with _opened(key, ref) as container:
+        try:
             stream = container.streams.video[0]
             total = stream.frames or sum(1 for p in container.demux(stream) if p.size)
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             width, height = stream.codec_context.width, stream.codec_context.height
-    except Exception as e:
-        raise _bad(key, ref, "corrupt_video",
-                   f"cannot be read ({type(e).__name__}: {e}): re-encode it (H.264 mp4) or "
-                   "drop the sample") from None
+        except Exception as e:
+            raise _bad(key, ref, "corrupt_video",
+                       f"cannot be read ({type(e).__name__}: {e}): re-encode it (H.264 mp4) or "
+                       "drop the sample") from None
     if total < 1 or rate <= 0 or width < 1 or height < 1:
         raise _bad(key, ref, "corrupt_video", f"holds no usable video stream ({total} frames, "
                    f"{rate} fps, {width}x{height}): re-encode it or drop the sample")
     return VideoMeta(total, ref.fps or rate, width, height)
 
 
-def decode(key: str, ref: VideoRef, indices: tuple[int, ...]) -> np.ndarray:
-    """The frames `indices` of `ref` as RGB uint8 [F, H, W, 3]."""
-    if ref.frames:
-        from PIL import Image
+def decode(key: str, ref: VideoRef, indices: tuple[int, ...],
+           size: tuple[int, int] | None = None) -> np.ndarray:
+    """The frames `indices` of `ref` as RGB uint8 [F, H, W, 3]; with `size` (height, width)
+    each frame is resized to it as soon as it is decoded (as `patches` resizes), so one
+    full-size frame is held at a time. All frames must have the first one's size."""
+    frames: list[np.ndarray] = []
+    first: tuple[int, int] | None = None
 
-        frames = []
+    def keep(frame: np.ndarray) -> None:  # its size is checked against the first's already
+        nonlocal first
+        first = first or frame.shape[:2]
+        frames.append(frame if size is None else _resized(frame, size))
+
+    if ref.frames:
         for i in indices:
             try:
-                with Image.open(ref.frames[i]) as im:
-                    frames.append(np.asarray(im.convert("RGB")))
+                with open_raster(ref.frames[i]) as im:
+                    if first is not None and im.size[::-1] != first:  # before decoding pixels
+                        raise _bad(key, ref, "bad_video",
+                                   "its frames differ in size: resize them to one size")
+                    rgb = np.array(im.convert("RGB"))  # writable: torch takes it as is
+            except BadSampleError:
+                raise
             except Exception as e:
                 raise _bad(key, ref, "corrupt_video", f"frame {ref.frames[i]} cannot be read "
                            f"({type(e).__name__}: {e})") from None
+            keep(rgb)
     else:
-        av, wanted, frames = _pyav(key, ref), set(indices), []
-        try:
-            with av.open(str(ref.path)) as container:
+        wanted, n = set(indices), 0
+        with _opened(key, ref) as container:
+            try:
                 for i, frame in enumerate(container.decode(video=0)):
                     if i in wanted:
-                        frames.append(frame.to_ndarray(format="rgb24"))
+                        n += 1
+                        if first is not None and (frame.height, frame.width) != first:
+                            raise _bad(key, ref, "bad_video",
+                                       "its frames differ in size: re-encode it at one size")
+                        keep(frame.to_ndarray(format="rgb24"))
                     if i >= indices[-1]:
                         break
-        except Exception as e:
-            raise _bad(key, ref, "corrupt_video", f"cannot be decoded ({type(e).__name__}: "
-                       f"{e}): re-encode it (H.264 mp4) or drop the sample") from None
-        if len(frames) < len(indices):
+            except BadSampleError:
+                raise
+            except Exception as e:
+                raise _bad(key, ref, "corrupt_video", f"cannot be decoded ({type(e).__name__}: "
+                           f"{e}): re-encode it (H.264 mp4) or drop the sample") from None
+        if n < len(indices):
             raise _bad(key, ref, "corrupt_video", f"decodes to fewer frames than its header "
                        f"says (needed frame {indices[-1]}): re-encode it or drop the sample")
-    if len({f.shape for f in frames}) > 1:
-        raise _bad(key, ref, "bad_video", "its frames differ in size: resize them to one size")
     return np.stack(frames)
 
 
 def patches(frames_FHW3: np.ndarray, vplan: VideoPlan, family: str,
             mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """Pixel patches [P, C] float32 of decoded frames, in the vision tower's order."""
+    """Pixel patches [P, C] float32 of decoded frames (at any size, or already at the plan's),
+    in the vision tower's order."""
     import torch
-    import torch.nn.functional as F
 
     r = rules(family)
     x = torch.from_numpy(np.ascontiguousarray(frames_FHW3)).permute(0, 3, 1, 2)  # uint8 F3HW
-    x = F.interpolate(x.contiguous(), size=(vplan.height, vplan.width), mode="bicubic",
-                      align_corners=False, antialias=True)
+    if x.shape[2:] != (vplan.height, vplan.width):  # not yet resized by `decode`
+        x = _resize(x, (vplan.height, vplan.width))
     x = x.float() / 255.0
     x = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     if pad := -x.shape[0] % r.temporal:
@@ -299,6 +365,52 @@ def patches(frames_FHW3: np.ndarray, vplan: VideoPlan, family: str,
     m, p = r.merge, r.patch
     x = x.view(t, r.temporal, 3, h // m, m, p, w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(t * h * w, 3 * r.temporal * p * p).numpy()
+
+
+def _resize(x_F3HW, size: tuple[int, int]):
+    """uint8 frames [F, 3, H, W] resized bicubic with antialiasing (torchvision's CPU kernel);
+    each frame's result does not depend on the others'."""
+    import torch.nn.functional as F
+
+    return F.interpolate(x_F3HW.contiguous(), size=size, mode="bicubic", align_corners=False,
+                         antialias=True)
+
+
+def _resized(frame_HW3: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """One RGB uint8 frame [H, W, 3] resized to `size` (height, width) as `patches` does."""
+    import torch
+
+    x = torch.from_numpy(np.ascontiguousarray(frame_HW3)).permute(2, 0, 1)[None]
+    return _resize(x, size)[0].permute(1, 2, 0).numpy()
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:  # a name too long: `media_path` refuses it first for records
+        return False
+
+
+@contextmanager
+def _opened(key: str, ref: VideoRef):
+    """The container of `ref` (`open_container`), its opening errors as BadSampleError."""
+    av = _pyav(key, ref)
+    try:
+        container = open_container(str(ref.path))
+    except FileNotFoundError:
+        raise _bad(key, ref, "missing_video", "file not found: fix the path (relative paths "
+                   "are resolved against the JSONL file's folder) or drop the sample") from None
+    except av.error.ArgumentError as e:  # EINVAL: FFmpeg's answer to a format off the list
+        raise _bad(key, ref, UNSUPPORTED, f"is not in a container vlpack reads (MP4/MOV, "
+                   f"Matroska/WebM, AVI, MPEG-TS, FLV; playlists such as .m3u8, concat lists and "
+                   f"image patterns are refused, as they read other files) ({e}): re-encode it "
+                   "(H.264 mp4) or drop the sample") from None
+    except Exception as e:
+        raise _bad(key, ref, "corrupt_video",
+                   f"cannot be read ({type(e).__name__}: {e}): re-encode it (H.264 mp4) or "
+                   "drop the sample") from None
+    with container:
+        yield container
 
 
 def _pyav(key: str, ref: VideoRef):

@@ -9,8 +9,9 @@ JSONL path's `file:line` when the record had none), so both paths name samples a
 Nothing is packaged that the dataset merely names: media paths must resolve inside the media
 root (`media_root`, by default the JSONL file's folder; `vlpack.data.media`), and every file's
 bytes must decode as what it claims before they are written: an image or frame must decode in
-full with Pillow (its member is named by the decoded format, `.jpg` for JPEG, `.png` for PNG,
-...), a video file must open with PyAV and decode its first frame. Records that cannot be
+full with Pillow as one of vlpack's image formats (its member is named by the decoded format,
+`.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV as one of vlpack's
+containers (`video.VIDEO_CONTAINERS`) and decode its first frame. Records that cannot be
 parsed, whose paths escape the root, or whose files are missing or do not decode are left out
 and counted by reason.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vlpack.data.energon import require_energon
+from vlpack.data.media import BAD_PATH
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
@@ -150,7 +152,14 @@ def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, byte
         if ref.path is not None:
             add(ref.path, f"vid{n_video}", "video", "video")
         n_video += 1
-    record = _rewrite_paths(obj, lambda p: names[base / p])
+
+    def rename(p: str) -> str:  # the refs hold resolved paths (`media.media_path`)
+        if (name := names.get((base / p).resolve())) is None:
+            raise BadSampleError(BAD_PATH, f"{conv.key}: media path {p!r} changed while "
+                                 "the sample was packaged: run again")
+        return name
+
+    record = _rewrite_paths(obj, rename)
     record["id"] = conv.key
     return {"json": json.dumps(record, ensure_ascii=False).encode(), **files}
 
@@ -160,21 +169,21 @@ _SUFFIX = {"JPEG": ".jpg", "MPO": ".jpg", "TIFF": ".tif"}
 
 
 def _decoded_image_suffix(payload: bytes) -> str:
-    """Decode `payload` in full as an image (Pillow's decompression-bomb limit applies);
-    the member suffix of its format."""
-    from PIL import Image
+    """Decode `payload` in full as an image of `media.IMAGE_FORMATS` (Pillow's
+    decompression-bomb limit applies); the member suffix of its format."""
+    from vlpack.data.media import open_raster
 
-    with Image.open(io.BytesIO(payload)) as image:
+    with open_raster(io.BytesIO(payload)) as image:
         image.load()
         return _SUFFIX.get(image.format, f".{image.format.lower()}")
 
 
 def _decoded_video_suffix(payload: bytes, path: Path) -> str:
-    """Open `payload` with PyAV and decode its first video frame; the file's own suffix
-    (ImportError without PyAV)."""
-    import av
+    """Open `payload` with PyAV as one of `video.VIDEO_CONTAINERS` and decode its first video
+    frame; the file's own suffix (ImportError without PyAV)."""
+    from vlpack.data.video import open_container
 
-    with av.open(io.BytesIO(payload)) as container:
+    with open_container(io.BytesIO(payload)) as container:
         next(container.decode(video=0))
     return path.suffix.lower() or ".video"
 
