@@ -54,9 +54,7 @@ def validate_dataset_folder(path: str | Path) -> Path:
     for doc in _parses(root, dataset):
         _check_dataset(dataset, doc)
 
-    split = _first(meta, "split.yaml", "split.json")
-    if split is None:
-        raise ValueError(f"{meta}: no split.yaml or split.json (Energon's split): {FIX}")
+    split = _first(meta, "split.yaml", "split.json", "Energon's split")
     for doc in _parses(root, split):
         _no_hooks(split, doc)
         parts = _check_keys(split, doc, SPLIT_KEYS, required="split_parts")["split_parts"]
@@ -67,9 +65,7 @@ def validate_dataset_folder(path: str | Path) -> Path:
             for name in names:
                 _check_shard(root, split, name, _braceexpand(split, name))
 
-    info = _first(meta, ".info.json", ".info.yaml")
-    if info is None:
-        raise ValueError(f"{meta}: no .info.json or .info.yaml (Energon's shard list): {FIX}")
+    info = _first(meta, ".info.json", ".info.yaml", "Energon's shard list")
     for doc in _parses(root, info):
         _no_hooks(info, doc)
         counts = _check_keys(info, doc, INFO_KEYS, required="shard_counts")["shard_counts"]
@@ -80,12 +76,13 @@ def validate_dataset_folder(path: str | Path) -> Path:
     return root
 
 
-def _first(meta: Path, preferred: str, fallback: str) -> Path | None:
-    """The file Energon reads: `preferred` when present, else `fallback`, else None."""
+def _first(meta: Path, preferred: str, fallback: str, what: str) -> Path:
+    """The file Energon reads: `preferred` when present, else `fallback`; ValueError naming
+    both (`what`: what the file holds) when neither is."""
     for name in (preferred, fallback):
         if (meta / name).exists() or (meta / name).is_symlink():
             return meta / name
-    return None
+    raise ValueError(f"{meta}: no {preferred} or {fallback} ({what}): {FIX}")
 
 
 def _parses(root: Path, file: Path) -> list[Any]:
