@@ -314,32 +314,8 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
             s = lens[i]
             p = bisect_left(rv, s)
             j = rb[p]
-            if j == nb:  # the sentinel: open a bin
-                r = capacity - s
-                room.append(r)
-                bins.append([i])
-                nb += 1
-                if tree is not None:
-                    node = j + size
-                    v = tree[node] = r
-                    while node > 1:
-                        sib = tree[node ^ 1]
-                        node >>= 1
-                        v = v if v > sib else sib
-                        if tree[node] == v:
-                            break
-                        tree[node] = v
-                    if nb == size:  # keep one unopened leaf, so every search ends on a leaf
-                        size <<= 1
-                        tree = max_tree(room, size, capacity)
-                if not p or r > rv[p - 1]:
-                    rv.insert(p, r)
-                    rb.insert(p, j)
-                rb[-1] = nb
-                continue
-            r = room[j] = rv[p] - s
-            bins[j].append(i)
-            if tree is not None:
+            r = capacity - s if j == nb else rv[p] - s
+            if tree is not None:  # bin j's leaf (an unopened one when j == nb)
                 node = j + size
                 v = tree[node] = r
                 while node > 1:  # parents hold the max of their children
@@ -349,6 +325,20 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
                     if tree[node] == v:
                         break
                     tree[node] = v
+            if j == nb:  # the sentinel: open a bin
+                room.append(r)
+                bins.append([i])
+                nb += 1
+                if tree is not None and nb == size:  # keep one unopened leaf: searches end on one
+                    size <<= 1
+                    tree = max_tree(room, size, capacity)
+                if not p or r > rv[p - 1]:
+                    rv.insert(p, r)
+                    rb.insert(p, j)
+                rb[-1] = nb
+                continue
+            room[j] = r
+            bins[j].append(i)
             low = rv[p - 1] if p else -1
             end = rb[p + 1]
             if j + 1 == end:  # nothing between this record and the next
@@ -388,39 +378,8 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
                     index = BinPatches(size, proom, max_p)
                 j = index.first_fit(tree, j, s, q)
             p = bisect_left(rb, j)
-        if j == nb:
-            r = capacity - s
-            room.append(r)
-            proom.append(max_p - q)
-            bins.append([i])
-            nb += 1
-            if index is not None:
-                index.dirty.append(j)
-            if tree is not None:
-                node = j + size
-                v = tree[node] = r
-                while node > 1:
-                    sib = tree[node ^ 1]
-                    node >>= 1
-                    v = v if v > sib else sib
-                    if tree[node] == v:
-                        break
-                    tree[node] = v
-                if nb == size:
-                    size <<= 1
-                    tree = max_tree(room, size, capacity)
-                    index = None
-            if not p or r > rv[p - 1]:
-                rv.insert(p, r)
-                rb.insert(p, j)
-            rb[-1] = nb
-            continue
-        r = room[j] = room[j] - s
-        proom[j] -= q
-        bins[j].append(i)
-        if index is not None:
-            index.dirty.append(j)
-        if tree is not None:
+        r = capacity - s if j == nb else room[j] - s
+        if tree is not None:  # bin j's leaf (an unopened one when j == nb)
             node = j + size
             v = tree[node] = r
             while node > 1:
@@ -430,6 +389,25 @@ def _ffd(lens: Sequence[int], pats: Sequence[int] | None, capacity: int, max_p: 
                 if tree[node] == v:
                     break
                 tree[node] = v
+        if index is not None:
+            index.dirty.append(j)
+        if j == nb:
+            room.append(r)
+            proom.append(max_p - q)
+            bins.append([i])
+            nb += 1
+            if tree is not None and nb == size:
+                size <<= 1
+                tree = max_tree(room, size, capacity)
+                index = None
+            if not p or r > rv[p - 1]:
+                rv.insert(p, r)
+                rb.insert(p, j)
+            rb[-1] = nb
+            continue
+        room[j] = r
+        proom[j] -= q
+        bins[j].append(i)
         if rb[p] != j:  # not a record (a patch miss placed it): the records stand
             continue
         low = rv[p - 1] if p else -1
