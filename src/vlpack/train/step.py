@@ -67,8 +67,10 @@ def optimizer_step(
         raise ValueError("a step has no label tokens: does the data have assistant turns?")
     denom = n_labels if loss_norm == "token" else n_supervised
     module.train()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    aux_sum, has_aux = 0.0, False
+    # loss and aux loss are summed on the device and read with the gradient norm in one host
+    # wait per step, after the backward: a read between forward and backward (or after each
+    # micro-batch) would idle the GPU while the host launches the next pass
+    loss_sum = aux_sum = None
     for i, b in enumerate(mbs):
         if hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(i == len(mbs) - 1)
@@ -81,19 +83,23 @@ def optimizer_step(
         # replicas; a context-parallel rank's aux loss is its share of its group's (× ws / dp).
         obj = out.loss_sum * (ws / denom)
         if out.aux_loss is not None:
-            has_aux = True
             obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)
-            aux_sum += float(out.aux_loss.detach()) / len(mbs)
+            aux = out.aux_loss.detach().double() / len(mbs)
+            aux_sum = aux if aux_sum is None else aux_sum + aux
         with phase("backward"):
             obj.backward()
-        loss_sum += out.loss_sum.detach().double().cpu()
-    loss_total, aux_total = all_reduce([float(loss_sum), aux_sum], info)
+        loss = out.loss_sum.detach().double()
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+    has_aux = aux_sum is not None
     with phase("optimizer"):
         params = [p for p in module.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        read = [loss_sum, aux_sum if has_aux else loss_sum.new_zeros(()),
+                grad_norm.to(loss_sum.device, torch.float64)]
+        loss_local, aux_local, grad_norm = torch.stack(read).tolist()  # the step's host wait
+        loss_total, aux_total = all_reduce([loss_local, aux_local], info)
         loss = loss_total / denom
         lr = scheduler.get_last_lr()[0]
         if math.isfinite(loss) and math.isfinite(grad_norm):
