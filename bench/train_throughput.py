@@ -442,9 +442,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile-stacks", action="store_true",
                    help="add a table of host time by Python call site to the profile")
     p.add_argument("--experts", default=None,
-                   choices=("vlpack_grouped_mm", "grouped_mm", "batched_mm", "eager"),
+                   choices=("vlpack_grouped_mm", "vlpack_grouped_mm_compiled", "grouped_mm",
+                            "batched_mm", "eager"),
                    help="MoE experts implementation of the vlpack modes (default: the build's, "
-                        "vlpack_grouped_mm)")
+                        "vlpack_grouped_mm; vlpack_grouped_mm_compiled with --compile or "
+                        "--compile-layers)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA of this rank (alpha 2·rank) on the LLM's projections, as "
                         "model.lora.rank, the frozen base held in bf16 on a GPU; stock modes get "

@@ -13,6 +13,11 @@ itself (vlpack's varlen function), the vision attention and any routed-expert or
 module stay eager behind `torch.compiler.disable`, so the boundary contract (cu_seqlens, host
 bounds, positions) is handled by the same eager code in both scopes.
 
+Routed experts, in both scopes: the module stays eager, and the dispatch around its two grouped
+GEMMs (gathers, casts, the SiLU gate, the weighted sum over each token's experts) runs as one
+compiled function shared by every layer (`experts.vlpack_grouped_mm_compiled`): every tensor in
+it has a size fixed by the token count, so it compiles like the layers do.
+
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 """
 
@@ -32,7 +37,7 @@ from vlpack.model.seams import classes_of
 # Which modules: the family registry's `compiled` classes (text and vision RMSNorms and MLPs,
 # dense and shared-expert) and torch's LayerNorm (the vision blocks' norms, which autocast runs in
 # fp32 with a cast on each side) are compiled as regions. Inside a compiled layer these stay
-# eager (`StockClasses.eager`): routed-expert blocks (data-dependent token dispatch),
+# eager (`StockClasses.eager`): routed-expert modules (their dispatch is compiled apart),
 # Gated-DeltaNet (fla kernels and per-segment state resets keyed on host boundaries) and the
 # vision attention module, unless `trace_vision_attention`: then only its kernel call
 # (`vision.attend_row`) breaks the graph, and the projections, rotary and casts are traced.
@@ -50,7 +55,7 @@ def compile_regions(model: nn.Module) -> list[str]:
             f"model.compile found no norm or MLP module in {type(model).__name__}: "
             "set model.compile=false for this model"
         )
-    return sorted(names) + _compile_rotary(model)
+    return sorted(names) + _compile_rotary(model) + _compile_experts(model)
 
 
 def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> list[str]:
@@ -77,7 +82,7 @@ def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> li
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
     names |= _compile_norms_and_mlps(model, skip=inside)
-    return sorted(names) + _compile_rotary(model)
+    return sorted(names) + _compile_rotary(model) + _compile_experts(model)
 
 
 def _compile_norms_and_mlps(model: nn.Module, skip: set[int] | None = None) -> set[str]:
@@ -111,6 +116,19 @@ def _keep_eager(module: nn.Module) -> None:
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
+
+
+def _compile_experts(model: nn.Module) -> list[str]:
+    """Routed experts (MoE families built with vlpack's experts): the module stays eager in both
+    scopes, its token dispatch around the grouped GEMMs runs compiled (experts.py's
+    `vlpack_grouped_mm_compiled`, set through transformers' experts interface)."""
+    from vlpack.model import experts
+
+    text = model.config.get_text_config()
+    if getattr(text, "_experts_implementation", None) != experts.IMPLEMENTATION:
+        return []
+    model.set_experts_implementation(experts.COMPILED)
+    return ["vlpack_experts_dispatch"]
 
 
 def _compile_rotary(model: nn.Module) -> list[str]:

@@ -10,6 +10,11 @@ layer, and computes the group offsets on the device; weights already held in tha
 frozen base, train/precision.py) take the same path, so holding them there changes no result.
 Outside autocast it is transformers' `grouped_mm` unchanged.
 
+`vlpack_grouped_mm_compiled` (set by model/compile.py when a compile scope is on) runs the same
+dispatch as one compiled function: inductor fuses the row gathers, the casts, the SiLU gate and
+the weighted sum over each token's experts around the two grouped GEMMs, which otherwise make
+several memory-bound passes over the P × D routed rows (docs/benchmarks.md, the 35B at 32k bins).
+
 Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
 token, P = routed (token, expert) pairs = T * K.
 """
@@ -17,11 +22,13 @@ token, P = routed (token, expert) pairs = T * K.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 IMPLEMENTATION = "vlpack_grouped_mm"
+COMPILED = "vlpack_grouped_mm_compiled"
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -43,19 +50,13 @@ def _plain_layout(experts) -> bool:
     return all(getattr(experts, k, default) == default for k, default in flags.items())
 
 
-def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts forward of `self` (a transformers experts module with concatenated gate/up
-    weights [E, 2I, D] and down weights [E, D, I])."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
-    dtype = _autocast_dtype(hidden_states)
-    plain = dtype is None or not _plain_layout(self)
-    if plain:
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    x_TD, idx_TK = hidden_states, top_k_index
+def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
+              gate_up_EXD: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Route each token to its K experts, two grouped GEMMs in `dtype`, weight and sum its K
+    outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum)."""
     K = idx_TK.shape[1]
-    E = self.num_experts
+    E = gate_up_EXD.shape[0]
     expert_P = idx_TK.reshape(-1)
     order_P = torch.argsort(expert_P, stable=True)  # pairs grouped by expert
     token_P = order_P // K
@@ -63,16 +64,62 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     per_expert_E = torch.zeros(E, dtype=torch.int32, device=x_TD.device).index_add_(0, expert_P, ones)
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
     rows_PD = x_TD[token_P].to(dtype)
-    gate_up_P2I = _grouped_mm(rows_PD, self.gate_up_proj.to(dtype).transpose(-2, -1), offs_E)
-    h_PI = self._apply_gate(gate_up_P2I)
-    out_PD = _grouped_mm(h_PI, self.down_proj.to(dtype).transpose(-2, -1), offs_E)
-    out_PD = out_PD * top_k_weights.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
-    # back to (token, k) order and summed over each token's K experts, accumulated in float32:
-    # deterministic (no atomics), as transformers' un-permute and sum
+    gate_up_P2I = _grouped_mm(rows_PD, gate_up_EXD.to(dtype).transpose(-2, -1), offs_E)
+    h_PI = gate(gate_up_P2I)
+    out_PD = _grouped_mm(h_PI, down_EDI.to(dtype).transpose(-2, -1), offs_E)
+    out_PD = out_PD * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
     out_TKD = out_PD[inverse_P].view(-1, K, out_PD.shape[-1])
     return out_TKD.sum(1, dtype=torch.float32).to(x_TD.dtype)
+
+
+def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
+    gate_PI, up_PI = gate_up_P2I.chunk(2, dim=-1)
+    return F.silu(gate_PI) * up_PI
+
+
+@functools.cache
+def _compiled_silu_dispatch() -> Callable:
+    """`_dispatch` with the SiLU gate, compiled once for every layer (tensors are its only
+    inputs, so the 40 experts modules of a model share one graph)."""
+    def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_EXD, down_EDI, dtype):
+        return _dispatch(x_TD, idx_TK, w_TK, gate_up_EXD, down_EDI, _silu_gate, dtype)
+    return torch.compile(silu_dispatch, dynamic=True)
+
+
+def _silu_gated(experts) -> bool:
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
+            and getattr(type(experts), "_apply_gate", None) is _default_apply_gate)
+
+
+def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts forward of `self` (a transformers experts module with concatenated gate/up
+    weights [E, 2I, D] and down weights [E, D, I])."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    dtype = _autocast_dtype(hidden_states)
+    if dtype is None or not _plain_layout(self):
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return _dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                     self.down_proj, self._apply_gate, dtype)
+
+
+def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`vlpack_experts_forward` with its dispatch compiled (inductor fuses the gathers, the
+    casts, the gate and the weighted sum around the two grouped GEMMs): the SiLU-gated experts
+    of the Qwen MoE families; any other gate runs `vlpack_experts_forward`."""
+    dtype = _autocast_dtype(hidden_states)
+    if dtype is None or not _plain_layout(self) or not _silu_gated(self):
+        return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
+        return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
+                                         self.gate_up_proj, self.down_proj, dtype)
 
 
 @functools.cache
@@ -82,4 +129,5 @@ def register() -> str:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, vlpack_experts_forward)
+    ExpertsInterface.register(COMPILED, vlpack_experts_forward_compiled)
     return IMPLEMENTATION
