@@ -126,3 +126,53 @@ def test_phases_wrap_each_micro_batch_and_the_optimizer_in_order() -> None:
     micro = ["forward in", "module", "forward out", "backward in", "backward out"]
     assert events == [*micro, *micro, "optimizer in", "optimizer.step", "optimizer out"]
     assert r.loss == 1.0 and torch.equal(module.w.detach(), 1 - 0.1 * torch.arange(3.0) / 3)
+
+
+def test_the_step_reads_the_device_once() -> None:
+    """optimizer_step brings device values to the host once per step (loss, aux loss and gradient
+    norm together, after clipping), however many micro-batches: on a GPU each read is a wait
+    after which the GPU idles while the host launches the next pass. Counted on CPU as the
+    tensor-to-host calls made from train/step.py."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from torch.overrides import TorchFunctionMode
+
+    import vlpack.train.step as step_module
+
+    reads = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+             torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__}
+    torch_dir = os.path.dirname(torch.__file__)
+    sites: list[int] = []
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in reads:
+                f = sys._getframe(1)
+                while f is not None and f.f_code.co_filename.startswith(torch_dir):
+                    f = f.f_back
+                if f is not None and f.f_code.co_filename == step_module.__file__:
+                    sites.append(f.f_lineno)
+            return func(*args, **(kwargs or {}))
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0]))
+
+        def forward(self, b):
+            return SimpleNamespace(loss_sum=(self.w * b.x).sum(), aux_loss=self.w.sum() / 10)
+
+    module = Module()
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    mbs = [SimpleNamespace(x=torch.ones(3) * k, num_label_tokens=3, num_samples=1)
+           for k in (1.0, 2.0, 3.0)]
+    with CountReads():
+        r = optimizer_step(module, opt, sched, mbs, info=CPU, aux_coef=1.0)
+    assert len(sites) == 1, f"host reads at train/step.py lines {sites}"
+    # loss: Σ_k 5k / 9 labels; aux: the mean over micro-batches of 0.5; the gradient of
+    # Σ_k (w·x_k) / 9 + Σ_k (Σw / 10) / 3 is 6/9 + 1/10 per weight, its norm × √3
+    assert abs(r.loss - 30 / 9) < 1e-12 and abs(r.aux_loss - 0.5) < 1e-12
+    assert abs(r.grad_norm - (6 / 9 + 0.1) * 3**0.5) < 1e-6
