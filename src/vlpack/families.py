@@ -210,14 +210,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "Qwen3_5VisionAttention", "Qwen3_5VisionModel", gated_deltanet="Qwen3_5GatedDeltaNet",
            think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
            tool_format="xml", vocab=_QWEN3_5_VOCAB,
-           compiled=("Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
+           compiled=("Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP", "Qwen3_5VisionMLP")),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_IDS, 16, "qwen3",
            "Qwen3_5MoeVisionAttention", "Qwen3_5MoeVisionModel",
            gated_deltanet="Qwen3_5MoeGatedDeltaNet",
            moe=("Qwen3_5MoeSparseMoeBlock", "Qwen3_5MoeExperts", "Qwen3_5MoeTopKRouter"),
            think_prefix=True, trim_content=True, image_norm=0.5, video_style="qwen3",
            tool_format="xml", vocab=_QWEN3_5_VOCAB,
-           compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeMLP", "Qwen3_5MoeVisionMLP")),
+           compiled=("Qwen3_5MoeRMSNorm", "Qwen3_5MoeRMSNormGated", "Qwen3_5MoeMLP",
+                     "Qwen3_5MoeVisionMLP")),
 )}  # fmt: skip
 
 

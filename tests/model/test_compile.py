@@ -113,3 +113,28 @@ def test_compiled_model_gives_the_same_losses(tmp_path: Path, name: str, fsdp: s
     assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
     with pytest.raises(ValueError, match=r"config\.model_type"):
         compile_regions(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_layers_scope_compiles_the_norms_and_mlps_inside_eager_modules() -> None:
+    """`compile_layers` keeps the MoE block and Gated-DeltaNet eager, and compiles as regions the
+    norms and MLPs they hold (the shared expert, the gated norm), which no compiled layer traces;
+    modules a compiled layer traces are not compiled a second time."""
+    from vlpack.model.recompute import layer_stacks
+    from vlpack.model.seams import classes_of
+
+    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
+    compile_layers(model)
+    cls = classes_of(model)
+    islands = [m for m in model.modules() if isinstance(m, cls.eager)]
+    kinds = {type(m).__name__ for m in islands}
+    assert any(k.endswith("SparseMoeBlock") for k in kinds), kinds
+    assert any(k.endswith("GatedDeltaNet") for k in kinds), kinds
+    assert all(getattr(m.forward, "_vlpack_eager", False) for m in islands)
+    held = [sub for m in islands for sub in m.modules() if isinstance(sub, cls.compiled)]
+    assert {type(m).__name__ for m in held} == {"Qwen3_5MoeMLP", "Qwen3_5MoeRMSNormGated"}
+    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in held)
+    in_island = {id(sub) for m in islands for sub in m.modules()}
+    traced = [m for stack in layer_stacks(model).values() for layer in stack
+              for m in layer.modules()
+              if id(m) not in in_island and m is not layer and isinstance(m, cls.compiled)]
+    assert traced and all(getattr(m, "_compiled_call_impl", None) is None for m in traced)

@@ -9,9 +9,11 @@ and the Gated-DeltaNet kernels stay eager.
 `layers` (`compile_layers`): the compiled step still left the GPU idle a quarter of the time,
 waiting for a host that launches each projection, cast and residual add from Python. Compiling
 each decoder layer and vision block whole cuts the host's work per layer. The attention call
-itself (vlpack's varlen function), the vision attention and any routed-expert or Gated-DeltaNet
+itself (vlpack's varlen function), the vision attention and any MoE block or Gated-DeltaNet
 module stay eager behind `torch.compiler.disable`, so the boundary contract (cu_seqlens, host
-bounds, positions) is handled by the same eager code in both scopes.
+bounds, positions) is handled by the same eager code in both scopes. The norms and MLPs inside
+those eager modules (an MoE block's shared expert, Gated-DeltaNet's gated norm) compile as
+regions, as in `regions`.
 
 Routed experts, in both scopes: the module stays eager, and the dispatch around its two grouped
 GEMMs (gathers, casts, the SiLU gate, the weighted sum over each token's experts) runs as one
@@ -37,10 +39,11 @@ from vlpack.model.seams import classes_of
 # Which modules: the family registry's `compiled` classes (text and vision RMSNorms and MLPs,
 # dense and shared-expert) and torch's LayerNorm (the vision blocks' norms, which autocast runs in
 # fp32 with a cast on each side) are compiled as regions. Inside a compiled layer these stay
-# eager (`StockClasses.eager`): routed-expert modules (their dispatch is compiled apart),
-# Gated-DeltaNet (fla kernels and per-segment state resets keyed on host boundaries) and the
-# vision attention module, unless `trace_vision_attention`: then only its kernel call
-# (`vision.attend_row`) breaks the graph, and the projections, rotary and casts are traced.
+# eager (`StockClasses.eager`; their own norms and MLPs compile as regions): MoE blocks (the
+# routed experts' dispatch is compiled apart), Gated-DeltaNet (fla kernels and per-segment
+# state resets keyed on host boundaries) and the vision attention module, unless
+# `trace_vision_attention`: then only its kernel call (`vision.attend_row`) breaks the graph,
+# and the projections, rotary and casts are traced.
 # That variant is off by default: it is slower on the 35B cut (docs/benchmarks/levers.md).
 
 _log = logging.getLogger(__name__)
@@ -72,16 +75,19 @@ def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> li
     cls = classes_of(model)
     eager = tuple(c for c in cls.eager
                   if not (trace_vision_attention and c is cls.vision_attention))
-    inside: set[int] = set()
+    traced: set[int] = set()  # modules a compiled layer traces (not those inside eager ones)
     names: set[str] = set()
     for layer in layers:
-        for m in layer.modules():
-            inside.add(id(m))
-            if isinstance(m, eager):
-                _keep_eager(m)
+        islands = [m for m in layer.modules() if isinstance(m, eager)]
+        in_island = {id(sub) for m in islands for sub in m.modules() if sub is not m}
+        traced |= {id(m) for m in layer.modules() if id(m) not in in_island}
+        for m in islands:
+            _keep_eager(m)
         layer.compile(dynamic=True)
         names.add(type(layer).__name__)
-    names |= _compile_norms_and_mlps(model, skip=inside)
+    # norms and MLPs outside the layers, and inside their eager modules (the shared expert of
+    # an MoE block, Gated-DeltaNet's gated norm), compile as regions
+    names |= _compile_norms_and_mlps(model, skip=traced)
     return sorted(names) + _compile_rotary(model) + _compile_experts(model)
 
 
