@@ -51,12 +51,12 @@ def _plain_layout(experts) -> bool:
 
 
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
-              gate_up_EXD: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
+              gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
               dtype: torch.dtype) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype`, weight and sum its K
     outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum)."""
     K = idx_TK.shape[1]
-    E = gate_up_EXD.shape[0]
+    E = gate_up_E2ID.shape[0]
     expert_P = idx_TK.reshape(-1)
     order_P = torch.argsort(expert_P, stable=True)  # pairs grouped by expert
     token_P = order_P // K
@@ -64,7 +64,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     per_expert_E = torch.zeros(E, dtype=torch.int32, device=x_TD.device).index_add_(0, expert_P, ones)
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
     rows_PD = x_TD[token_P].to(dtype)
-    gate_up_P2I = _grouped_mm(rows_PD, gate_up_EXD.to(dtype).transpose(-2, -1), offs_E)
+    gate_up_P2I = _grouped_mm(rows_PD, gate_up_E2ID.to(dtype).transpose(-2, -1), offs_E)
     h_PI = gate(gate_up_P2I)
     out_PD = _grouped_mm(h_PI, down_EDI.to(dtype).transpose(-2, -1), offs_E)
     out_PD = out_PD * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
@@ -83,17 +83,20 @@ def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
 def _compiled_silu_dispatch() -> Callable:
     """`_dispatch` with the SiLU gate, compiled once for every layer (tensors are its only
     inputs, so the 40 experts modules of a model share one graph)."""
-    def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_EXD, down_EDI, dtype):
-        return _dispatch(x_TD, idx_TK, w_TK, gate_up_EXD, down_EDI, _silu_gate, dtype)
+    def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, dtype):
+        return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype)
     return torch.compile(silu_dispatch, dynamic=True)
 
 
 def _silu_gated(experts) -> bool:
+    """Whether `experts` gates with transformers' default SiLU(gate) * up (a version without
+    that default, or another activation, runs the eager dispatch)."""
     from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
+    from transformers.integrations import moe
 
-    return (isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
-            and getattr(type(experts), "_apply_gate", None) is _default_apply_gate)
+    default = getattr(moe, "_default_apply_gate", None)
+    return (default is not None and isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
+            and getattr(type(experts), "_apply_gate", None) is default)
 
 
 def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
