@@ -91,12 +91,18 @@ def _compiled_silu_dispatch() -> Callable:
 def _silu_gated(experts) -> bool:
     """Whether `experts` gates with transformers' default SiLU(gate) * up (a version without
     that default, or another activation, runs the eager dispatch)."""
-    from transformers.activations import SiLUActivation
+    return _silu_gated_classes(type(experts), type(experts.act_fn))
+
+
+@functools.cache
+def _silu_gated_classes(experts_cls: type, act_cls: type) -> bool:
+    from transformers import activations
     from transformers.integrations import moe
 
     default = getattr(moe, "_default_apply_gate", None)
-    return (default is not None and isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
-            and getattr(type(experts), "_apply_gate", None) is default)
+    silu = tuple(c for c in (getattr(activations, "SiLUActivation", None), torch.nn.SiLU) if c)
+    return (default is not None and issubclass(act_cls, silu)
+            and getattr(experts_cls, "_apply_gate", None) is default)
 
 
 def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -96,7 +96,7 @@ def optimizer_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        read = [loss_sum, aux_sum if has_aux else loss_sum.new_zeros(()),
+        read = [loss_sum, aux_sum.to(loss_sum.device) if has_aux else loss_sum.new_zeros(()),
                 grad_norm.to(loss_sum.device, torch.float64)]
         loss_local, aux_local, grad_norm = torch.stack(read).tolist()  # the step's host wait
         loss_total, aux_total = all_reduce([loss_local, aux_local], info)
