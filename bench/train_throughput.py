@@ -154,6 +154,7 @@ def variant(mode: str, args) -> str:
             + "+bf16_params" * args.bf16_params + ac
             + (f"+experts_{args.experts}" if args.experts else "")
             + (f"+lora{args.lora_rank}" if args.lora_rank else "")
+            + (f"+frozen_{args.frozen_dtype}" if args.frozen_dtype != "auto" else "")
             + "+expandable" * expandable)
 
 
@@ -238,6 +239,7 @@ def vlpack_config(mode: str, args):
             f"model.checkpoint_share={args.checkpoint_share}",
             f"model.compile={str(compile_scope is not None).lower()}",
             f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
+            f"model.frozen_dtype={args.frozen_dtype}",
             f"train.fsdp={'always' if args.bf16_params else 'auto'}",
             "train.memory_check=skip", "train.kernel_cache=default",
             "optim.lr=1e-5", "optim.weight_decay=0.0"]
@@ -452,6 +454,9 @@ def main(argv=None) -> int:
                         "model.lora.rank, the frozen base held in bf16 on a GPU; stock modes get "
                         "the same adapters through peft; the optimizer steps the adapters only "
                         "and MFU counts a frozen weight at 4 FLOPs")
+    p.add_argument("--frozen-dtype", choices=("auto", "float32", "int8"), default="auto",
+                   help="model.frozen_dtype of the vlpack modes: int8 holds the frozen routed "
+                        "experts in int8 (model/quant.py)")
     p.add_argument("--max-pixels", type=int, default=None)
     p.add_argument("--out", default=None, help="merge results into this JSON file")
     p.add_argument("--stacks-every", type=float, default=0, metavar="S",

@@ -321,10 +321,13 @@ class ModelConfig:
     """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter/compute dtype policy; `auto`: bf16 autocast on GPU, float32 on CPU."""
-    frozen_dtype: Literal["auto", "float32"] = "auto"
+    frozen_dtype: Literal["auto", "float32", "int8"] = "auto"
     """The dtype of parameters that get no gradient (the LoRA base, `freeze_*` parts): `auto`
     holds their linear and expert weights in the autocast dtype (bf16 on a GPU: half the
-    memory, the same arithmetic, train/precision.py); `float32` keeps them float32."""
+    memory, the same arithmetic, train/precision.py); `float32` keeps them float32; `int8`
+    holds the routed experts' weights in int8 with a scale per row (weight-only, dequantized to
+    the compute dtype as each layer runs: a quarter of float32's memory, with rounding error;
+    model/quant.py) and the rest as `auto`. MoE models on one process only."""
     freeze_vision: bool = False
     freeze_merger: bool = False
     freeze_llm: bool = False
@@ -354,6 +357,10 @@ class ModelConfig:
                              "(0, 1], e.g. 0.5 to recompute half of each layer stack")
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ValueError("model.freeze_* freezes everything: nothing would train")
+        if self.frozen_dtype == "int8" and self.lora.experts:
+            raise ValueError("model.frozen_dtype=int8 holds the routed experts' weights in int8, "
+                             "and model.lora.experts=true adapts those weights: set "
+                             "model.lora.experts=false, or model.frozen_dtype=auto")
 
 
 @dataclass(kw_only=True, slots=True)

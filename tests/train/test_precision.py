@@ -194,3 +194,72 @@ def test_resume_with_other_frozen_parameters_is_refused(tmp_path: Path) -> None:
     again = Trainer(small_cfg(tmp_path, "train.max_steps=2", "model.freeze_vision=true"), CPU)
     with pytest.raises(ValueError, match=r"froze other parameters .*Resume with the run's own"):
         again.fit()
+
+
+INT8 = ("model.name=tiny-qwen3_5_moe", "model.dtype=bfloat16", "model.lora.rank=4",
+        "model.frozen_dtype=int8", "optim.lr=1e-2", "optim.warmup_steps=0")
+
+
+def test_int8_runs_hold_the_experts_in_int8_resume_exactly_and_export_the_stored_base(
+        tmp_path: Path) -> None:
+    """`model.frozen_dtype=int8`: the routed experts' weights are int8 with float32 row scales,
+    every other parameter follows the bf16 rule, and the memory plan counts them at a byte
+    each; 2 + 2 resumed steps equal 4 (a resume quantizes the base again, bit for bit); the
+    merged export writes the experts as the base stores them (bf16, not the int8 rounding)."""
+    from tests.helpers import losses
+    from vlpack.train import checkpoint as ckpt
+    from vlpack.train.export import export_checkpoint
+
+    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=4", *INT8), CPU)
+    got = _dtypes(straight.model)
+    experts = {n for n in got if ".experts." in n}
+    assert experts and all(got[n][0] == torch.int8 for n in experts)
+    for n, (dtype, trains) in got.items():
+        assert trains == ("lora_" in n), n
+        if n not in experts:
+            assert dtype == _expect(n, trains), (n, dtype)
+    scales = {n: b for n, b in straight.model.named_buffers() if n.endswith("_proj_scale")}
+    assert len(scales) == len(experts) and all(b.dtype == torch.float32 for b in scales.values())
+    int8_bytes = sum(p.numel() for n, p in straight.model.named_parameters() if n in experts)
+    assert straight.plan.weights["int8"] == int8_bytes
+    straight.fit()
+    part = Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.stop_after=2", *INT8), CPU)
+    part.fit()
+    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=4", "train.resume=auto", *INT8), CPU)
+    resumed.fit()
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert all(np.isfinite(losses(tmp_path / "a")))
+
+    folder = export_checkpoint(ckpt.latest_checkpoint(tmp_path / "a"), tmp_path / "hf",
+                               dtype="bfloat16")
+    from safetensors.torch import load_file
+
+    exported = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
+    base, _ = build_model("tiny-qwen3_5_moe", device="cpu", dtype=torch.bfloat16,
+                          seed=straight.cfg.train.seed, random_init=True)
+    layers = [n.removesuffix(".gate_up_proj") for n, _ in base.named_parameters()
+              if n.endswith("experts.gate_up_proj")]
+    assert layers
+    for name in layers:  # published per expert: gate and up rows of [gate; up], and down
+        gate_up, down = base.get_parameter(f"{name}.gate_up_proj"), base.get_parameter(f"{name}.down_proj")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            assert torch.equal(exported[f"{name}.{e}.gate_proj.weight"], gate_up[e, :inter])
+            assert torch.equal(exported[f"{name}.{e}.up_proj.weight"], gate_up[e, inter:])
+            assert torch.equal(exported[f"{name}.{e}.down_proj.weight"], down[e])
+
+
+def test_int8_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    """int8 with the experts' own adapters, on a dense model, or with the experts training:
+    each a ValueError naming the fix, before any step."""
+    from vlpack.config import load_config
+
+    with pytest.raises(ValueError, match=r"model\.lora\.experts=false"):
+        load_config("tiny", ["model.frozen_dtype=int8", "model.lora.rank=4",
+                             "model.lora.experts=true"])
+    with pytest.raises(ValueError, match="no routed experts"):
+        Trainer(small_cfg(tmp_path / "d", "model.name=tiny-qwen3_5", "model.lora.rank=4",
+                          "model.frozen_dtype=int8"), CPU)
+    with pytest.raises(ValueError, match="trains them"):
+        Trainer(small_cfg(tmp_path / "f", "model.name=tiny-qwen3_5_moe",
+                          "model.frozen_dtype=int8"), CPU)

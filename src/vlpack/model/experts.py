@@ -8,7 +8,8 @@ registered with transformers' ExpertsInterface and set on vlpack's MoE models at
 casts the weights and the routed rows to the autocast dtype first, as autocast does for a linear
 layer, and computes the group offsets on the device; weights already held in that dtype (a
 frozen base, train/precision.py) take the same path, so holding them there changes no result.
-Outside autocast it is transformers' `grouped_mm` unchanged.
+Outside autocast it is transformers' `grouped_mm` unchanged, except for int8 weights
+(`model.frozen_dtype=int8`, model/quant.py), which it runs in the hidden states' dtype.
 
 `vlpack_grouped_mm_compiled` (set by model/compile.py when a compile scope is on) runs the same
 dispatch as one compiled function: inductor fuses the row gathers, the casts, the SiLU gate and
@@ -16,7 +17,7 @@ the weighted sum over each token's experts around the two grouped GEMMs, which o
 several memory-bound passes over the P × D routed rows (docs/benchmarks.md, the 35B at 32k bins).
 
 Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
-token, P = routed (token, expert) pairs = T * K.
+token, P = routed (token, expert) pairs = T * K; X, O = a projection's input and output widths.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vlpack.model.quant import dequantize, scales
 
 IMPLEMENTATION = "vlpack_grouped_mm"
 COMPILED = "vlpack_grouped_mm_compiled"
@@ -50,11 +53,39 @@ def _plain_layout(experts) -> bool:
     return all(getattr(experts, k, default) == default for k, default in flags.items())
 
 
+class Int8GroupedMM(torch.autograd.Function):
+    """`a_PX @ w[e].T` per expert group, for an int8 weight `q_EOX` with row scales `scale_EO`
+    (model/quant.py): dequantized to `dtype` in forward and again in backward, so autograd keeps
+    the int8 weight, not a dequantized copy. The weight is frozen: no gradient for it."""
+
+    @staticmethod
+    def forward(ctx, a_PX, q_EOX, scale_EO, offs_E, dtype):
+        ctx.save_for_backward(q_EOX, scale_EO, offs_E)
+        ctx.dtype = dtype
+        return _grouped_mm(a_PX, dequantize(q_EOX, scale_EO, dtype).transpose(-2, -1), offs_E)
+
+    @staticmethod
+    def backward(ctx, grad_PO):
+        q_EOX, scale_EO, offs_E = ctx.saved_tensors
+        grad_PX = _grouped_mm(grad_PO.to(ctx.dtype), dequantize(q_EOX, scale_EO, ctx.dtype), offs_E)
+        return grad_PX, None, None, None, None
+
+
+def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | None,
+             offs_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One grouped projection in `dtype` (out = a @ w[e].T): an int8 weight when it has scales."""
+    if scale_EO is None:
+        return _grouped_mm(a_PX, w_EOX.to(dtype).transpose(-2, -1), offs_E)
+    return Int8GroupedMM.apply(a_PX, w_EOX, scale_EO, offs_E, dtype)
+
+
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
-              dtype: torch.dtype) -> torch.Tensor:
-    """Route each token to its K experts, two grouped GEMMs in `dtype`, weight and sum its K
-    outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum)."""
+              dtype: torch.dtype, gate_up_scale_E2I: torch.Tensor | None = None,
+              down_scale_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
+    scales are given), weight and sum its K outputs (in float32, deterministic: no atomics, as
+    transformers' un-permute and sum)."""
     K = idx_TK.shape[1]
     E = gate_up_E2ID.shape[0]
     expert_P = idx_TK.reshape(-1)
@@ -64,9 +95,9 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     per_expert_E = torch.zeros(E, dtype=torch.int32, device=x_TD.device).index_add_(0, expert_P, ones)
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
     rows_PD = x_TD[token_P].to(dtype)
-    gate_up_P2I = _grouped_mm(rows_PD, gate_up_E2ID.to(dtype).transpose(-2, -1), offs_E)
+    gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype)
     h_PI = gate(gate_up_P2I)
-    out_PD = _grouped_mm(h_PI, down_EDI.to(dtype).transpose(-2, -1), offs_E)
+    out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype)
     out_PD = out_PD * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
@@ -83,8 +114,10 @@ def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
 def _compiled_silu_dispatch() -> Callable:
     """`_dispatch` with the SiLU gate, compiled once for every layer (tensors are its only
     inputs, so the 40 experts modules of a model share one graph)."""
-    def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, dtype):
-        return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype)
+    def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, dtype, gate_up_scale_E2I,
+                      down_scale_ED):
+        return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype,
+                         gate_up_scale_E2I, down_scale_ED)
     return torch.compile(silu_dispatch, dynamic=True)
 
 
@@ -105,30 +138,41 @@ def _silu_gated_classes(experts_cls: type, act_cls: type) -> bool:
             and getattr(experts_cls, "_apply_gate", None) is default)
 
 
+def _compute_dtype(experts, hidden_states: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype; for int8 weights outside autocast, the hidden states' dtype."""
+    dtype = _autocast_dtype(hidden_states)
+    if dtype is None and getattr(experts, "gate_up_proj_scale", None) is not None:
+        return hidden_states.dtype
+    return dtype
+
+
 def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of `self` (a transformers experts module with concatenated gate/up
-    weights [E, 2I, D] and down weights [E, D, I])."""
+    weights [E, 2I, D] and down weights [E, D, I], in int8 with row scales under
+    `model.frozen_dtype=int8`, model/quant.py)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    dtype = _autocast_dtype(hidden_states)
+    dtype = _compute_dtype(self, hidden_states)
     if dtype is None or not _plain_layout(self):
+        assert scales(self)[0] is None, "int8 experts need the plain layout"
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     return _dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                     self.down_proj, self._apply_gate, dtype)
+                     self.down_proj, self._apply_gate, dtype, *scales(self))
 
 
 def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """`vlpack_experts_forward` with its dispatch compiled (inductor fuses the gathers, the
     casts, the gate and the weighted sum around the two grouped GEMMs): the SiLU-gated experts
-    of the Qwen MoE families; any other gate runs `vlpack_experts_forward`."""
+    of the Qwen MoE families under autocast; any other gate, or no autocast, runs
+    `vlpack_experts_forward`."""
     dtype = _autocast_dtype(hidden_states)
     if dtype is None or not _plain_layout(self) or not _silu_gated(self):
         return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
         return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
-                                         self.gate_up_proj, self.down_proj, dtype)
+                                         self.gate_up_proj, self.down_proj, dtype, *scales(self))
 
 
 @functools.cache

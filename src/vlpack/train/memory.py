@@ -6,7 +6,8 @@ out-of-memory kill. `vlpack train ... --dry-run` prints the plan.
 Per device, in training:
 
   weights      every parameter at the dtype it is held in (train/precision.py: frozen matmul
-               weights in bf16 on a GPU, the rest float32), 1/world of them under FSDP2
+               weights in bf16 on a GPU, the rest float32; frozen routed experts in int8 with
+               float32 row scales under model.frozen_dtype=int8), 1/world of them under FSDP2
   gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2
   optimizer    AdamW's two float32 moments: 8 bytes per trainable parameter, 1/world
   activations  one micro-batch at a time (accumulation frees each backward's activations):
@@ -20,7 +21,8 @@ Per device, in training:
                same per patch, and nothing when the vision tower has no trainable parameter (no
                gradient flows into it, so autograd keeps nothing). The chunked loss holds one
                [chunk, vocab] float32 block of logits, the label rows' hidden gradients and, when
-               the lm_head trains, a float32 copy of its gradient.
+               the lm_head trains, a float32 copy of its gradient. int8 experts add one
+               expert weight dequantized to the compute dtype at a time.
                The sum is scaled by ACTIVATION_SCALE, calibrated on the H200 against measured
                peaks (docs/training.md gives the error on the 2B, 8B and 35B shapes).
 
@@ -39,6 +41,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from vlpack.model.quant import scale_buffers
 
 GIB = 2**30
 ACTIVATION_SCALE = 0.85
@@ -79,7 +83,8 @@ class MemoryPlan:
     build_bytes: int = 0
     """Peak on one device while building (the whole model; 0 when sharded)."""
     host_bytes: int = 0
-    """Rank 0's whole copy in host memory while a sharded run starts."""
+    """The whole copy in host memory while the run starts: rank 0's of a sharded run, or the
+    build of an int8 run (`plan`'s `host_build`)."""
     shard_bytes: int = 0
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
     build_dtype: torch.dtype = torch.float32
@@ -100,7 +105,7 @@ class MemoryPlan:
         if self.build_bytes:
             rows.append(("while building", self.build_bytes))
         if self.host_bytes:
-            rows.append(("rank 0's host copy", self.host_bytes))
+            rows.append(("whole copy in host memory", self.host_bytes))
         return [f"  {name:<36} {v / GIB:8.2f} GiB" for name, v in rows]
 
 
@@ -169,6 +174,9 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
         hv = getattr(vision, "hidden_size", None) or vision.embed_dim
         vr = math.ceil(run.recompute_share * depth) if run.recompute_share else 0
         parts["vision blocks"] = run.patches * (vb * (depth - vr) + 4 * hv * vr + 2 * vb)
+    int8 = [p for n, p in model.named_parameters() if p.dtype == torch.int8]
+    if int8:  # one projection's weight dequantized at a time (model/quant.py)
+        parts["int8 experts: one weight dequantized"] = b * max(p.numel() for p in int8)
     vocab = text.vocab_size
     rows = run.loss_chunk or T
     loss = rows * vocab * (4 + b) + T * h * b
@@ -179,15 +187,18 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
 
 
 def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
-         sharded: bool = False, build_dtype: torch.dtype = torch.float32) -> MemoryPlan:
+         sharded: bool = False, build_dtype: torch.dtype = torch.float32,
+         host_build: bool = False) -> MemoryPlan:
     """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
     `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
-    FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory."""
+    FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory. `host_build`: one
+    process builds the whole model in host memory and moves it to its device as it quantizes
+    (`model.frozen_dtype=int8`), so the device never holds the model at the build dtype."""
     world = max(world_size, 1) if sharded or world_size > 1 else 1
     weights: dict[str, int] = {}
     params = trainable = whole = 0
     build_size = torch.empty((), dtype=build_dtype).element_size()
-    for p in model.parameters():
+    for p in [*model.parameters(), *scale_buffers(model)]:
         name = str(p.dtype).removeprefix("torch.")
         weights[name] = weights.get(name, 0) + p.numel() * p.element_size()
         params += p.numel()
@@ -199,17 +210,22 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         params=params, trainable=trainable, weights=shard,
         grads=4 * trainable * sharing // world, optimizer=8 * trainable * sharing // world,
         activations={k: v * sharing for k, v in acts.items()},
-        build_bytes=0 if sharded else whole * sharing,
-        host_bytes=sum(weights.values()) if sharded else 0,
+        build_bytes=0 if sharded or host_build else whole * sharing,
+        host_bytes=sum(weights.values()) if sharded else whole if host_build else 0,
         shard_bytes=sum(shard.values()) if sharded else 0,
         build_dtype=build_dtype,
     )
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Free memory of `device` now (None where it cannot be read)."""
+    """Free memory of `device` now (None where it cannot be read); on a GPU at most what this
+    process's cap leaves (`torch.cuda.set_per_process_memory_fraction`, or
+    `PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`) beyond what it has reserved."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+        capped = int(fraction * total) - torch.cuda.memory_reserved(device)
+        return int(min(free, max(capped, 0)))
     meminfo = Path("/proc/meminfo")
     if device.type == "cpu" and meminfo.is_file():
         for line in meminfo.read_text().splitlines():
@@ -266,14 +282,15 @@ def check_fits(p: MemoryPlan, device: torch.device, free: int | None, *, model: 
 
 
 def check_host_copy(p: MemoryPlan, free: int | None, *, model: str) -> None:
-    """ValueError when rank 0's host cannot hold the whole model that a sharded run builds
-    there once (accelerator runs; on CPU `check_fits` counts it)."""
+    """ValueError when the host cannot hold the whole model that a sharded run (on rank 0) or
+    an int8 run builds there once (accelerator runs; on CPU `check_fits` counts it)."""
     if free is None or p.host_bytes <= free:
         return
     raise ValueError(
-        f"model.name={model}: a sharded run builds the whole model once in rank 0's host "
-        f"memory, about {p.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run "
-        "rank 0 on a host with more memory"
+        f"model.name={model}: the run builds the whole model once in host memory (rank 0 of a "
+        f"sharded run, or before model.frozen_dtype=int8 quantizes it), about "
+        f"{p.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run on a host with "
+        "more memory"
     )
 
 

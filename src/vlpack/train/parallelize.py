@@ -1,5 +1,5 @@
 """One order for making a built model trainable: freeze → hold frozen weights in the compute
-dtype → activation checkpointing → compile → FSDP2. The trainer and the benchmarks call
+dtype (or int8) → activation checkpointing → compile → FSDP2. The trainer and the benchmarks call
 `parallelize`, so a benchmark's figures come from the model `vlpack train` runs.
 """
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from vlpack.train.module import freeze
 from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group
-from vlpack.train.precision import hold_parameters
+from vlpack.train.precision import hold_int8_experts, hold_parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,9 @@ class Parallelism:
     frozen_dtype: torch.dtype | None = None
     """Hold frozen linear and expert weights in this dtype, the rest in float32
     (`vlpack.train.precision`; None: every parameter float32)."""
+    int8_experts: bool = False
+    """Then hold the frozen routed experts' weights in int8 on the rank's device, and move the
+    model there (`model.frozen_dtype=int8`: the model was built in host memory)."""
     activation_checkpointing: bool = False
     checkpoint_share: float = 1.0
     compile_scope: str | None = None
@@ -45,6 +48,8 @@ def parallelize(model: nn.Module, root: nn.Module, info: Topology, p: Parallelis
 
     freeze(model, vision=p.freeze_vision, merger=p.freeze_merger, llm=p.freeze_llm)
     hold_parameters(model, p.frozen_dtype)
+    if p.int8_experts:
+        hold_int8_experts(model, info.device)
     if p.activation_checkpointing:
         enable_activation_checkpointing(model, p.checkpoint_share)
     if p.compile_scope == "layers":

@@ -25,8 +25,9 @@ STORED = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def frozen_dtype(setting: str, autocast: torch.dtype | None) -> torch.dtype | None:
-    """The dtype frozen matmul weights are held in: `model.frozen_dtype=auto` follows the
-    autocast dtype (bf16 on a GPU), `float32` keeps them float32 (None: no cast)."""
+    """The dtype frozen matmul weights are held in: `model.frozen_dtype=auto` (and `int8`, for
+    all but the routed experts) follows the autocast dtype (bf16 on a GPU), `float32` keeps them
+    float32 (None: no cast)."""
     if setting == "float32" or autocast is None:
         return None
     return autocast
@@ -62,6 +63,17 @@ def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
                 p.data = p.data.to(want)
             held += p.numel() if want == low else 0
     return held
+
+
+def hold_int8_experts(model: nn.Module, device: torch.device) -> int:
+    """Hold the frozen routed experts' weights of `model` in int8 on `device`, quantized one
+    expert at a time, then move the rest of `model` there (model/quant.py); returns the number
+    of weights quantized. Call it after `hold_parameters`."""
+    from vlpack.model.quant import quantize_experts
+
+    done = quantize_experts(model, device)
+    model.to(device)
+    return done
 
 
 def stored_in(folder: Path, dtype: torch.dtype) -> bool:

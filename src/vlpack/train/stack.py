@@ -1,7 +1,8 @@
-"""The stack builder: memory plan → build → LoRA → freeze → frozen weights' dtype → activation
-checkpointing → compile → FSDP2, in one order, from the config's `model`, `data` and `train`
-sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
-`build_stack`, so a benchmark's figures come from the model the trainer runs.
+"""The stack builder: memory plan → build → LoRA → freeze → frozen weights' dtype (int8 experts:
+built in host memory, quantized onto the device) → activation checkpointing → compile → FSDP2,
+in one order, from the config's `model`, `data` and `train` sections. `vlpack train`,
+`bench/convergence.py` and `bench/train_throughput.py` build through `build_stack`, so a
+benchmark's figures come from the model the trainer runs.
 
 `vlpack check` (train/check.py) builds through the same build stage, `build_base` (build →
 LoRA, the model, backend, seed and weights of its config), by `build_check_model`. Not through
@@ -72,6 +73,13 @@ def is_sharded(cfg: Config, info: Topology) -> bool:
     return info.distributed or cfg.train.fsdp == "always"
 
 
+def builds_on_host(cfg: Config, info: Topology) -> bool:
+    """Whether one process builds its model in host memory and moves it to its accelerator as
+    it quantizes the experts (`model.frozen_dtype=int8`: the device never holds the base in
+    bf16)."""
+    return cfg.model.frozen_dtype == "int8" and info.device.type != "cpu"
+
+
 def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
@@ -88,6 +96,10 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.M
 
         lora.apply_lora(shapes, m.lora)
     precision.hold_parameters(shapes, low)
+    if m.frozen_dtype == "int8":
+        from vlpack.model.quant import quantize_experts
+
+        quantize_experts(shapes, torch.device("meta"), model_name=m.name)
     merge = shapes.config.vision_config.spatial_merge_size
     tokens = d.seq_len // cfg.parallel.cp
     share = m.checkpoint_share if m.activation_checkpointing else 0.0
@@ -96,7 +108,8 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.M
                           loss_chunk=1024 if m.chunked_loss else 0)
     plan = memory.plan(shapes, run, world_size=info.world_size,
                        sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
-                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low))
+                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low),
+                       host_build=builds_on_host(cfg, info))
     ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp,
                            vision_capped=d.max_patches is not None)
     return plan, ways
@@ -113,7 +126,7 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
                           holds_copy=sharded and info.is_main,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
-        if sharded and info.is_main and device.type != "cpu":
+        if ((sharded and info.is_main) or builds_on_host(cfg, info)) and device.type != "cpu":
             memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
                                    model=cfg.model.name)
     except ValueError as e:
@@ -172,6 +185,10 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     whole layers compiled, docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
     sharded = is_sharded(cfg, info)
+    if sharded and m.frozen_dtype == "int8":
+        raise ValueError("model.frozen_dtype=int8 runs on one process without FSDP2 (FSDP2 "
+                         "shards the bf16 base instead): use model.frozen_dtype=auto with "
+                         "several GPUs, or train.fsdp=auto on one")
     autocast = autocast_dtype(cfg, info.device)
     low = frozen_dtype(cfg, autocast)
     # Before anything imports fla (the memory plan's meta model does, through transformers):
@@ -186,8 +203,9 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
-    model, spec = build_base(cfg, torch.device("meta") if sharded else info.device,
-                             plan.build_dtype)
+    on_host = builds_on_host(cfg, info)
+    model, spec = build_base(cfg, torch.device("meta") if sharded else torch.device("cpu")
+                             if on_host else info.device, plan.build_dtype)
     if m.compile and cfg.data.packing == "none":
         log.warning("model.compile with data.packing=none: the compiled padded step ran slower "
                     "than the eager one (docs/benchmarks/levers.md); set model.compile=false for "
@@ -201,7 +219,8 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
                          context=context)
     parallelize(model, module, info, Parallelism(
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
-        frozen_dtype=low, activation_checkpointing=m.activation_checkpointing,
+        frozen_dtype=low, int8_experts=m.frozen_dtype == "int8",
+        activation_checkpointing=m.activation_checkpointing,
         checkpoint_share=m.checkpoint_share, compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention,
         fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
