@@ -84,7 +84,7 @@ class MemoryPlan:
     """Peak on one device while building (the whole model; 0 when sharded)."""
     host_bytes: int = 0
     """The whole copy in host memory while the run starts: rank 0's of a sharded run, or the
-    build of an int8 run (`plan`'s `host_build`)."""
+    folder read by an int8 run (`plan`'s `host_build`)."""
     shard_bytes: int = 0
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
     build_dtype: torch.dtype = torch.float32
@@ -192,8 +192,8 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
     """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
     `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
     FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory. `host_build`: one
-    process builds the whole model in host memory and moves it to its device as it quantizes
-    (`model.frozen_dtype=int8`), so the device never holds the model at the build dtype."""
+    process reads the whole model into host memory and moves it to its device as it quantizes
+    (`model.frozen_dtype=int8` from a folder), so the device never holds it at the build dtype."""
     world = max(world_size, 1) if sharded or world_size > 1 else 1
     weights: dict[str, int] = {}
     params = trainable = whole = 0
@@ -288,7 +288,7 @@ def check_host_copy(p: MemoryPlan, free: int | None, *, model: str) -> None:
         return
     raise ValueError(
         f"model.name={model}: the run builds the whole model once in host memory (rank 0 of a "
-        f"sharded run, or before model.frozen_dtype=int8 quantizes it), about "
+        f"sharded run, or a folder read before model.frozen_dtype=int8 quantizes it), about "
         f"{p.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run on a host with "
         "more memory"
     )

@@ -67,12 +67,15 @@ def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
 
 def hold_int8_experts(model: nn.Module, device: torch.device) -> int:
     """Hold the frozen routed experts' weights of `model` in int8 on `device`, quantized one
-    expert at a time, then move the rest of `model` there (model/quant.py); returns the number
-    of weights quantized. Call it after `hold_parameters`."""
+    expert at a time (from host memory or in place), then move the rest of `model` there
+    (model/quant.py); returns the number of weights quantized. Call it after
+    `hold_parameters`."""
     from vlpack.model.quant import quantize_experts
 
     done = quantize_experts(model, device)
     model.to(device)
+    if device.type == "cuda":  # the bf16 experts' blocks, cached by the allocator
+        torch.cuda.empty_cache()
     return done
 
 

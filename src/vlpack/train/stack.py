@@ -1,5 +1,5 @@
 """The stack builder: memory plan → build → LoRA → freeze → frozen weights' dtype (int8 experts:
-built in host memory, quantized onto the device) → activation checkpointing → compile → FSDP2,
+quantized on the device, from host memory for a folder) → activation checkpointing → compile → FSDP2,
 in one order, from the config's `model`, `data` and `train` sections. `vlpack train`,
 `bench/convergence.py` and `bench/train_throughput.py` build through `build_stack`, so a
 benchmark's figures come from the model the trainer runs.
@@ -74,10 +74,16 @@ def is_sharded(cfg: Config, info: Topology) -> bool:
 
 
 def builds_on_host(cfg: Config, info: Topology) -> bool:
-    """Whether one process builds its model in host memory and moves it to its accelerator as
-    it quantizes the experts (`model.frozen_dtype=int8`: the device never holds the base in
-    bf16)."""
-    return cfg.model.frozen_dtype == "int8" and info.device.type != "cpu"
+    """Whether one process reads its model into host memory and quantizes it onto its
+    accelerator expert by expert (`model.frozen_dtype=int8` with a checkpoint folder's weights:
+    the device never holds the bf16 experts). Random weights are drawn on the device, as every
+    GPU run draws them (a resume and the export draw the same ones again), and quantized there."""
+    from vlpack.model.build import folder_has_weights
+
+    m = cfg.model
+    folder = Path(m.name)
+    return (m.frozen_dtype == "int8" and info.device.type != "cpu" and m.init != "random"
+            and folder.is_dir() and folder_has_weights(folder))
 
 
 def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
