@@ -154,7 +154,8 @@ def variant(mode: str, args) -> str:
             + "+bf16_params" * args.bf16_params + ac
             + (f"+experts_{args.experts}" if args.experts else "")
             + (f"+lora{args.lora_rank}" if args.lora_rank else "")
-            + (f"+frozen_{args.frozen_dtype}" if args.frozen_dtype != "auto" else "")
+            + (f"+frozen_{args.frozen_dtype}"
+               if args.frozen_dtype != "auto" and mode.startswith("vlpack") else "")
             + "+expandable" * expandable)
 
 
@@ -462,6 +463,10 @@ def main(argv=None) -> int:
     p.add_argument("--stacks-every", type=float, default=0, metavar="S",
                    help="print every thread's Python stack to stderr every S seconds")
     args = p.parse_args(argv)
+    if args.frozen_dtype == "int8" and args.experts not in (None, "vlpack_grouped_mm",
+                                                             "vlpack_grouped_mm_compiled"):
+        p.error("--frozen-dtype int8 runs vlpack's experts kernel: leave --experts out or name "
+                "vlpack_grouped_mm(_compiled)")
     if args.stacks_every:  # where a slow setup or first step spends its time, if it is cut off
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

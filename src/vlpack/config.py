@@ -572,6 +572,17 @@ class Config:
                              f"set data.pad_to_multiple_of to a multiple of {2 * cp} (e.g. "
                              f"data.pad_to_multiple_of={unit})")
 
+        if self.model.frozen_dtype == "int8":
+            if self.data.packing == "none":
+                raise ValueError("model.frozen_dtype=int8 runs the routed experts through vlpack's "
+                                 "experts kernel, which padded batches (data.packing=none) do not "
+                                 "use: set data.packing=bfd, or model.frozen_dtype=auto")
+            if self.train.export_hf:
+                raise ValueError("train.export_hf=true writes the live model, whose experts are "
+                                 "int8 under model.frozen_dtype=int8: set train.export_hf=false "
+                                 "and export the final checkpoint with `vlpack export RUN_DIR` "
+                                 "(it merges the adapters into the base as stored)")
+
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
 

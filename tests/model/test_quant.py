@@ -99,10 +99,13 @@ def test_int8_experts_equal_the_loop_over_their_dequantized_weights(impl: str):
         assert e_fast <= 2 * e_plain + 1e-6 * t.abs().max(), (impl, float(e_fast), float(e_plain))
 
 
-def test_the_int8_backward_keeps_no_dequantized_weight():
-    """Autograd keeps the int8 weights and their scales for backward, not a dequantized copy:
-    no saved tensor of the graph has the shape of an expert weight in a float dtype."""
+@pytest.mark.parametrize("impl", ["vlpack_grouped_mm", "vlpack_grouped_mm_compiled"])
+def test_the_int8_backward_keeps_no_dequantized_weight(impl: str):
+    """Under bf16 autocast, eager and compiled, autograd keeps the int8 weights for backward,
+    not a dequantized copy: every saved tensor with an expert weight's shape is int8 (the
+    compiler would otherwise keep the bf16 weight that forward and backward both compute)."""
     ex, _, x, idx, w = _int8_and_reference()
+    ex.config._experts_implementation = impl
     shapes = {tuple(ex.gate_up_proj.shape), tuple(ex.down_proj.shape)}
     saved = []
 
@@ -110,7 +113,8 @@ def test_the_int8_backward_keeps_no_dequantized_weight():
         saved.append((tuple(t.shape), t.dtype))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
         ex(x.clone().requires_grad_(), idx, w)
     kept = [dt for shape, dt in saved if shape in shapes]
     assert kept and all(dt == torch.int8 for dt in kept), saved

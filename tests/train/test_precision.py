@@ -250,16 +250,30 @@ def test_int8_runs_hold_the_experts_in_int8_resume_exactly_and_export_the_stored
 
 
 def test_int8_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
-    """int8 with the experts' own adapters, on a dense model, or with the experts training:
-    each a ValueError naming the fix, before any step."""
+    """int8 with the experts' own adapters, padded batches, the live HF export, on a dense
+    model, or with the experts training: each a ValueError naming the fix, before any step."""
     from vlpack.config import load_config
 
     with pytest.raises(ValueError, match=r"model\.lora\.experts=false"):
         load_config("tiny", ["model.frozen_dtype=int8", "model.lora.rank=4",
                              "model.lora.experts=true"])
+    with pytest.raises(ValueError, match=r"data\.packing=bfd"):
+        load_config("tiny", ["model.frozen_dtype=int8", "data.packing=none"])
+    with pytest.raises(ValueError, match=r"vlpack export RUN_DIR"):
+        load_config("tiny", ["model.frozen_dtype=int8", "train.export_hf=true"])
     with pytest.raises(ValueError, match="no routed experts"):
         Trainer(small_cfg(tmp_path / "d", "model.name=tiny-qwen3_5", "model.lora.rank=4",
                           "model.frozen_dtype=int8"), CPU)
     with pytest.raises(ValueError, match="trains them"):
         Trainer(small_cfg(tmp_path / "f", "model.name=tiny-qwen3_5_moe",
                           "model.frozen_dtype=int8"), CPU)
+
+
+def test_resume_with_another_frozen_dtype_is_refused(tmp_path: Path) -> None:
+    """A checkpoint of an int8 run resumed with model.frozen_dtype=auto would train its adapters
+    against another base: refused, naming the setting."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=2", "train.stop_after=1", *INT8), CPU).fit()
+    auto = [k for k in INT8 if not k.startswith("model.frozen_dtype")]
+    again = Trainer(small_cfg(tmp_path, "train.max_steps=2", "train.resume=auto", *auto), CPU)
+    with pytest.raises(ValueError, match=r"other dtypes \(model\.frozen_dtype"):
+        again.fit()

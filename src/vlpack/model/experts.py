@@ -53,22 +53,34 @@ def _plain_layout(experts) -> bool:
     return all(getattr(experts, k, default) == default for k, default in flags.items())
 
 
-class Int8GroupedMM(torch.autograd.Function):
-    """`a_PX @ w[e].T` per expert group, for an int8 weight `q_EOX` with row scales `scale_EO`
-    (model/quant.py): dequantized to `dtype` in forward and again in backward, so autograd keeps
-    the int8 weight, not a dequantized copy. The weight is frozen: no gradient for it."""
+@torch.library.custom_op("vlpack::int8_grouped_mm", mutates_args=())
+def int8_grouped_mm(a_PX: torch.Tensor, q_EOX: torch.Tensor, scale_EO: torch.Tensor,
+                    offs_E: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """`a_PX @ w[e].T` per expert group (`transpose`; else `a @ w[e]`) for the int8 weight
+    `q_EOX` with row scales `scale_EO` (model/quant.py), dequantized to `a_PX`'s dtype. One
+    opaque op, so neither autograd nor the compiler keeps the dequantized weight: backward
+    saves the int8 weight and dequantizes it again. The weight is frozen (no gradient)."""
+    w_EOX = dequantize(q_EOX, scale_EO, a_PX.dtype)
+    return _grouped_mm(a_PX, w_EOX.transpose(-2, -1) if transpose else w_EOX, offs_E)
 
-    @staticmethod
-    def forward(ctx, a_PX, q_EOX, scale_EO, offs_E, dtype):
-        ctx.save_for_backward(q_EOX, scale_EO, offs_E)
-        ctx.dtype = dtype
-        return _grouped_mm(a_PX, dequantize(q_EOX, scale_EO, dtype).transpose(-2, -1), offs_E)
 
-    @staticmethod
-    def backward(ctx, grad_PO):
-        q_EOX, scale_EO, offs_E = ctx.saved_tensors
-        grad_PX = _grouped_mm(grad_PO.to(ctx.dtype), dequantize(q_EOX, scale_EO, ctx.dtype), offs_E)
-        return grad_PX, None, None, None, None
+@int8_grouped_mm.register_fake
+def _(a_PX, q_EOX, scale_EO, offs_E, transpose):
+    return a_PX.new_empty((a_PX.shape[0], q_EOX.shape[1] if transpose else q_EOX.shape[2]))
+
+
+def _int8_setup(ctx, inputs, output) -> None:
+    _, q_EOX, scale_EO, offs_E, transpose = inputs
+    ctx.save_for_backward(q_EOX, scale_EO, offs_E)
+    ctx.transpose = transpose
+
+
+def _int8_backward(ctx, grad):
+    q_EOX, scale_EO, offs_E = ctx.saved_tensors
+    return int8_grouped_mm(grad, q_EOX, scale_EO, offs_E, not ctx.transpose), None, None, None, None
+
+
+int8_grouped_mm.register_autograd(_int8_backward, setup_context=_int8_setup)
 
 
 def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | None,
@@ -76,7 +88,7 @@ def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | N
     """One grouped projection in `dtype` (out = a @ w[e].T): an int8 weight when it has scales."""
     if scale_EO is None:
         return _grouped_mm(a_PX, w_EOX.to(dtype).transpose(-2, -1), offs_E)
-    return Int8GroupedMM.apply(a_PX, w_EOX, scale_EO, offs_E, dtype)
+    return int8_grouped_mm(a_PX.to(dtype), w_EOX, scale_EO, offs_E, True)
 
 
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,

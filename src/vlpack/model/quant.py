@@ -7,9 +7,9 @@ output row: symmetric, `scale = max|row| / 127.5`, `q = clamp(round(w / scale), 
 That is torchao's `choose_qparams_affine` + `quantize_affine` with `MappingType.SYMMETRIC` and a
 block of one row, bit for bit (tests/model/test_quant.py holds it against torchao). torchao's
 `quantize_` converts `nn.Linear` weights; the experts' weights are 3-D parameters run by a
-grouped GEMM, so vlpack stores them itself and model/experts.py dequantizes one layer's weights
-to the compute dtype as it runs them (`q.to(dtype) * scale.to(dtype)`), again in backward
-instead of keeping the dequantized copy (`Int8GroupedMM`).
+grouped GEMM, so vlpack stores them itself and model/experts.py dequantizes one weight at a
+time to the compute dtype as it runs it (`q · scale`, rounded once), again in backward instead
+of keeping the dequantized copy (`int8_grouped_mm`, one opaque op, eager and compiled).
 
 Only weights that get no gradient are quantized (a LoRA run's base, `model.freeze_llm`); the
 dense projections, the shared expert and the vision tower keep the `auto` rule (bf16 on a GPU).
@@ -42,10 +42,11 @@ def quantize_rows(w_EOX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q_EOX: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight `q_EOX` stands for, in `dtype` (both factors cast to `dtype` first; scaled in
-    place, so one copy of the weight exists in `dtype`). Not differentiable: the weight is
-    frozen."""
-    return q_EOX.to(dtype).mul_(scale_EO.to(dtype).unsqueeze(-1))
+    """The weight `q_EOX` stands for, in `dtype`: the int8 codes cast to `dtype` (exact) and
+    scaled in place by the float32 scales, so the product is rounded to `dtype` once and one
+    copy of the weight exists in `dtype`. Not differentiable: the weight is frozen."""
+    assert q_EOX.dtype == torch.int8, q_EOX.dtype  # `.to` must copy: mul_ works in place
+    return q_EOX.to(dtype).mul_(scale_EO.unsqueeze(-1))
 
 
 def scales(experts: nn.Module) -> tuple[torch.Tensor | None, ...]:

@@ -157,6 +157,16 @@ def frozen_fingerprint(model: torch.nn.Module) -> str:
     return hashlib.sha256("\n".join(sorted(_frozen(model))).encode()).hexdigest()[:16]
 
 
+def frozen_dtypes_fingerprint(model: torch.nn.Module) -> str:
+    """A short digest of the dtypes the frozen parameters are held in (`model.frozen_dtype`):
+    a resume rebuilds the frozen base, so it must hold it as the run did."""
+    import hashlib
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    rows = sorted(f"{_clean(n)}:{p.dtype}" for n, p in named.items() if not p.requires_grad)
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
@@ -215,6 +225,7 @@ def save_checkpoint(
         (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size,
                                                "run_id": run_id,
                                                "frozen": frozen_fingerprint(model),
+                                               "frozen_dtypes": frozen_dtypes_fingerprint(model),
                                                "device": info.device.type,
                                                "sharded": _is_sharded(model)}))
         shutil.rmtree(final, ignore_errors=True)
@@ -246,6 +257,14 @@ def load_checkpoint(
             "or model.name differ): a checkpoint holds only the parameters that train, so this "
             "run would lose trained weights or miss some. Resume with the run's own settings "
             "(its config.yaml), or start anew in another train.output_dir"
+        )
+    saved_dtypes = json.loads(marker_file.read_text()).get("frozen_dtypes")
+    if saved_dtypes is not None and saved_dtypes != frozen_dtypes_fingerprint(model):
+        raise ValueError(
+            f"{path} was saved by a run that held its frozen weights in other dtypes "
+            "(model.frozen_dtype or model.dtype differ): resuming would train the adapters "
+            "against another base than the one they were trained against. Resume with the run's "
+            "own settings (its config.yaml), or start anew in another train.output_dir"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _trainable_state(model, model_sd), "optim": optim_sd}

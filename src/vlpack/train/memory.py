@@ -21,10 +21,10 @@ Per device, in training:
                same per patch, and nothing when the vision tower has no trainable parameter (no
                gradient flows into it, so autograd keeps nothing). The chunked loss holds one
                [chunk, vocab] float32 block of logits, the label rows' hidden gradients and, when
-               the lm_head trains, a float32 copy of its gradient. int8 experts add one
-               expert weight dequantized to the compute dtype at a time.
+               the lm_head trains, a float32 copy of its gradient.
                The sum is scaled by ACTIVATION_SCALE, calibrated on the H200 against measured
-               peaks (docs/training.md gives the error on the 2B, 8B and 35B shapes).
+               peaks (docs/training.md gives the error on the 2B, 8B and 35B shapes). int8
+               experts add one expert weight dequantized to the compute dtype (not scaled).
 
 One process builds the model on its device (at the build dtype: bf16 when frozen weights are held
 in bf16, else float32; `build_bytes`). An FSDP2 run builds shapes only on every device, and rank
@@ -174,16 +174,17 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
         hv = getattr(vision, "hidden_size", None) or vision.embed_dim
         vr = math.ceil(run.recompute_share * depth) if run.recompute_share else 0
         parts["vision blocks"] = run.patches * (vb * (depth - vr) + 4 * hv * vr + 2 * vb)
-    int8 = [p for n, p in model.named_parameters() if p.dtype == torch.int8]
-    if int8:  # one projection's weight dequantized at a time (model/quant.py)
-        parts["int8 experts: one weight dequantized"] = b * max(p.numel() for p in int8)
     vocab = text.vocab_size
     rows = run.loss_chunk or T
     loss = rows * vocab * (4 + b) + T * h * b
     if model.lm_head.weight.requires_grad:
         loss += vocab * h * (4 + b)
     parts["loss"] = loss
-    return {k: int(v * ACTIVATION_SCALE) for k, v in parts.items()}
+    out = {k: int(v * ACTIVATION_SCALE) for k, v in parts.items()}
+    int8 = [p.numel() for p in model.parameters() if p.dtype == torch.int8]
+    if int8:  # one expert weight dequantized at a time (model/quant.py): exact, not scaled
+        out["int8 experts: one weight dequantized"] = b * max(int8)
+    return out
 
 
 def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
@@ -198,10 +199,11 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
     weights: dict[str, int] = {}
     params = trainable = whole = 0
     build_size = torch.empty((), dtype=build_dtype).element_size()
-    for p in [*model.parameters(), *scale_buffers(model)]:
+    scales = scale_buffers(model)  # int8 weights' scales: bytes, not parameters
+    for p in [*model.parameters(), *scales]:
         name = str(p.dtype).removeprefix("torch.")
         weights[name] = weights.get(name, 0) + p.numel() * p.element_size()
-        params += p.numel()
+        params += 0 if any(p is s for s in scales) else p.numel()
         trainable += p.numel() if p.requires_grad else 0
         whole += p.numel() * max(p.element_size(), build_size)
     shard = {k: v * sharing // world for k, v in weights.items()}
