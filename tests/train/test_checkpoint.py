@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,31 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     broken.mkdir()
     (broken / "trainer_rank0.pt").write_bytes(b"partial")
     assert ckpt.latest_checkpoint(tmp_path) == good
+
+
+class _TouchOnLoad:
+    """Unpickling it creates a file: what a hostile checkpoint could make a resume do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """The trainer state is read with weights_only: a pickle that calls a function on load is
+    refused with the file and the name it asks for, and the function never runs. States as
+    vlpack writes them load, numpy's RNG key as an array (older checkpoints) too."""
+    from vlpack.train.checkpoint import load_trainer_state, rng_state
+
+    ran = tmp_path / "ran"
+    torch.save({"step": 3, "evil": _TouchOnLoad(ran)}, tmp_path / "hostile.pt")
+    with pytest.raises(ValueError, match=r"hostile\.pt holds more than a vlpack trainer state .*: it names "):
+        load_trainer_state(tmp_path / "hostile.pt")
+    assert not ran.exists()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    for rng in (rng_state(), {"numpy": (kind, key, pos, has_gauss, cached)}):
+        torch.save({"step": 3, "rng": rng}, tmp_path / "ok.pt")
+        back = load_trainer_state(tmp_path / "ok.pt")
+        assert back["step"] == 3 and list(back["rng"]["numpy"][1]) == key.tolist()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,11 @@ def _tensor_bytes(tree) -> int:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state in types `torch.load(weights_only=True)` reads (numpy's key as a
+    list, not an array)."""
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": (kind, key.tolist(), pos, has_gauss, cached),
+             "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -250,27 +255,52 @@ def load_checkpoint(
             "with the same number of processes, or start anew in another train.output_dir (or in "
             "this one with train.resume=none train.overwrite=true, which deletes its checkpoints)"
         )
-    saved_frozen = json.loads(marker_file.read_text()).get("frozen")
-    if saved_frozen is not None and saved_frozen != frozen_fingerprint(model):
-        raise ValueError(
-            f"{path} was saved by a run that froze other parameters (model.freeze_*, model.lora "
-            "or model.name differ): a checkpoint holds only the parameters that train, so this "
-            "run would lose trained weights or miss some. Resume with the run's own settings "
-            "(its config.yaml), or start anew in another train.output_dir"
-        )
-    saved_dtypes = json.loads(marker_file.read_text()).get("frozen_dtypes")
-    if saved_dtypes is not None and saved_dtypes != frozen_dtypes_fingerprint(model):
-        raise ValueError(
-            f"{path} was saved by a run that held its frozen weights in other dtypes "
-            "(model.frozen_dtype or model.dtype differ): resuming would train the adapters "
-            "against another base than the one they were trained against. Resume with the run's "
-            "own settings (its config.yaml), or start anew in another train.output_dir"
-        )
+    saved = json.loads(marker_file.read_text())
+    for key, now, differs in (
+        ("frozen", frozen_fingerprint(model),
+         "froze other parameters (model.freeze_*, model.lora or model.name differ): a checkpoint "
+         "holds only the parameters that train, so this run would lose trained weights or miss "
+         "some"),
+        ("frozen_dtypes", frozen_dtypes_fingerprint(model),
+         "held its frozen weights in other dtypes (model.frozen_dtype or model.dtype differ): "
+         "resuming would train the adapters against another base than the one they were "
+         "trained against"),
+    ):
+        if saved.get(key) not in (None, now):
+            raise ValueError(f"{path} was saved by a run that {differs}. Resume with the run's "
+                             "own settings (its config.yaml), or start anew in another "
+                             "train.output_dir")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _trainable_state(model, model_sd), "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
-    trainer = torch.load(path / f"trainer_rank{info.rank}.pt", weights_only=False)
+    trainer = load_trainer_state(path / f"trainer_rank{info.rank}.pt")
     set_rng_state(trainer.pop("rng"))
     return trainer
+
+
+def _numpy_array_globals() -> list:
+    """What pickles a plain numpy array (the RNG key of checkpoints written before it was saved
+    as a list)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_trainer_state(file: Path) -> dict[str, Any]:
+    """A rank's trainer state, read with `weights_only=True`: tensors, containers, numbers and
+    plain numpy arrays only, so a checkpoint from elsewhere cannot run code when resumed."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it names {why.group(1)}" if why else "it cannot be read as one"
+        raise ValueError(f"{file} holds more than a vlpack trainer state (tensors, numbers, "
+                         f"containers): {what}, and vlpack does not run what a checkpoint's "
+                         "pickle asks for. Resume from a checkpoint vlpack wrote") from None
