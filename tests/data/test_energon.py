@@ -533,3 +533,19 @@ def test_vlpack_train_command_runs_on_an_energon_dataset(data, tmp_path: Path, c
                  f"train.output_dir={tmp_path}"]) == 0  # fmt: skip
     assert "vlpack: done" in capsys.readouterr().out
     assert len(losses(tmp_path)) == 1
+
+
+def test_a_hostile_energon_state_is_refused_without_running(tmp_path: Path) -> None:
+    """Energon's state in a checkpoint is read with weights_only: bytes that would call a
+    function on load are refused by name, and the function never runs."""
+    import io
+
+    from tests.train.test_checkpoint import _TouchOnLoad
+    from vlpack.data.energon.loader import _load_energon_state
+
+    ran = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save({"workers": [_TouchOnLoad(ran)]}, buf)
+    with pytest.raises(ValueError, match="an Energon loader state in this checkpoint names"):
+        _load_energon_state(buf.getvalue())
+    assert not ran.exists()

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from vlpack.pickles import numpy_array_globals
 from vlpack.train.parallel import Topology, all_reduce, barrier
 
 MARKER = "COMPLETE"
@@ -280,23 +281,14 @@ def load_checkpoint(
     return trainer
 
 
-def _numpy_array_globals() -> list:
-    """What pickles a plain numpy array (the RNG key of checkpoints written before it was saved
-    as a list)."""
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy 1
-        from numpy.core.multiarray import _reconstruct
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
 def load_trainer_state(file: Path) -> dict[str, Any]:
     """A rank's trainer state, read with `weights_only=True`: tensors, containers, numbers and
-    plain numpy arrays only, so a checkpoint from elsewhere cannot run code when resumed."""
+    plain numpy arrays only (an Energon loader's state is bytes its loader reads with its own
+    restricted unpickler), so the trainer state cannot make a resume run code."""
     import pickle
 
     try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
+        with torch.serialization.safe_globals(numpy_array_globals()):
             return torch.load(file, weights_only=True)
     except pickle.UnpicklingError as e:
         why = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))

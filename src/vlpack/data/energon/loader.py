@@ -12,11 +12,16 @@ given), so each rank reads a distinct stream; no planning is shared across ranks
 from __future__ import annotations
 
 import contextlib
+import importlib
+import io
 import json
 import logging
+import pickle
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -26,6 +31,7 @@ from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
 from vlpack.data.energon.validate import validate_dataset_folder
+from vlpack.pickles import numpy_array_globals
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,57 @@ def energon_worker_config(
     return WorkerConfig(rank=rank, world_size=world_size, num_workers=num_workers,
                         data_parallel_group=group, seed_offset=seed)  # fmt: skip
 
+
+
+
+class _FlexStatePickler(pickle.Pickler):
+    """Pickles Energon's `FlexState` (a dict subclass) as a call of its class on a plain dict,
+    which `torch.load(weights_only=True)` can rebuild (it sets items on plain dicts only)."""
+
+    def reducer_override(self, obj):
+        if type(obj).__name__ == "FlexState" and type(obj).__module__ == "megatron.energon.state":
+            return type(obj), (dict(obj),)
+        return NotImplemented
+
+
+class _EnergonPickle:
+    """The pickle module `torch.save` writes Energon's state with (`_FlexStatePickler`)."""
+
+    Pickler = _FlexStatePickler
+    dump = staticmethod(pickle.dump)
+    Unpickler = pickle.Unpickler
+    load = staticmethod(pickle.load)
+
+
+def _energon_state_classes(data: bytes) -> list[type]:
+    """The classes Energon's state in `data` names, when each is a dataclass of
+    `megatron.energon` or its `FlexState`; anything else stays refused."""
+    import dataclasses
+
+    out = []
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)):
+        module, _, attr = name.rpartition(".")
+        if not module.startswith("megatron.energon."):
+            continue
+        cls = getattr(importlib.import_module(module), attr, None)
+        if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or (
+                attr == "FlexState" and cls.__mro__[1:] == (dict, object))):
+            out.append(cls)
+    return out
+
+
+def _load_energon_state(data: bytes):
+    """Energon's state from `state_dict`'s bytes, read with `weights_only=True`: tensors,
+    containers and Energon's state classes only, so a checkpoint cannot make a resume run
+    code (a state naming anything else is refused by name)."""
+    try:
+        with torch.serialization.safe_globals([*numpy_array_globals(), *_energon_state_classes(data)]):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ValueError(f"an Energon loader state in this checkpoint names "
+                         f"{why.group(1) if why else 'what vlpack does not build'}: resume from a "
+                         "checkpoint vlpack wrote") from None
 
 class EnergonLoader:
     """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
@@ -157,13 +214,19 @@ class EnergonLoader:
         return self._tally
 
     def state_dict(self) -> dict[str, Any]:
-        """Energon's state of this rank (all workers) and the accounting; picklable."""
-        return {"energon": self._loader().save_state_rank(), "tally": self._tally.state()}
+        """Energon's state of this rank (all workers) as `torch.save` bytes, and the accounting:
+        `load_state_dict` reads the bytes with `weights_only=True`, allowing Energon's state
+        dataclasses only (`_load_energon_state`)."""
+        buf = io.BytesIO()
+        torch.save(self._loader().save_state_rank(), buf, pickle_module=_EnergonPickle)
+        return {"energon": buf.getvalue(), "tally": self._tally.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` was saved (on a loader built with the same options)."""
         self.close()
-        self._loader().restore_state_rank(state["energon"])
+        saved = state["energon"]
+        self._loader().restore_state_rank(
+            _load_energon_state(saved) if isinstance(saved, bytes) else saved)
         self._tally = Tally.from_state(state["tally"])
 
     def close(self) -> None:
