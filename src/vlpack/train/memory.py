@@ -183,7 +183,7 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     out = {k: int(v * ACTIVATION_SCALE) for k, v in parts.items()}
     int8 = [p.numel() for p in model.parameters() if p.dtype == torch.int8]
     if int8:  # one expert weight dequantized at a time (model/quant.py): exact, not scaled
-        out["int8 experts: one weight dequantized"] = b * max(int8)
+        out["int8 weight dequantized"] = b * max(int8)
     return out
 
 
