@@ -153,7 +153,7 @@ def _silu_gated_classes(experts_cls: type, act_cls: type) -> bool:
 def _compute_dtype(experts, hidden_states: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype; for int8 weights outside autocast, the hidden states' dtype."""
     dtype = _autocast_dtype(hidden_states)
-    if dtype is None and getattr(experts, "gate_up_proj_scale", None) is not None:
+    if dtype is None and scales(experts)[0] is not None:
         return hidden_states.dtype
     return dtype
 

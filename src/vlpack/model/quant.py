@@ -68,8 +68,8 @@ def _experts_modules(model: nn.Module) -> list[nn.Module]:
 def quantize_experts(model: nn.Module, device: torch.device, *, model_name: str = "the model") -> int:
     """Replace each frozen routed-expert weight of `model` by int8 on `device` and its scale,
     quantized expert by expert (the float weight is freed as its int8 copy replaces it); on the
-    meta device, by shape only (the memory plan). Returns the number of weights quantized; a ValueError when
-    `model` has no routed experts, or when they train."""
+    meta device, by shape only (the memory plan). Returns the number of weights quantized; a
+    ValueError when `model` has no routed experts, or when they train."""
     modules = _experts_modules(model)
     if not modules:
         raise ValueError(f"model.frozen_dtype=int8 holds the routed experts' weights in int8, but "

@@ -199,13 +199,15 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
     weights: dict[str, int] = {}
     params = trainable = whole = 0
     build_size = torch.empty((), dtype=build_dtype).element_size()
-    scales = scale_buffers(model)  # int8 weights' scales: bytes, not parameters
-    for p in [*model.parameters(), *scales]:
+    for p in model.parameters():
         name = str(p.dtype).removeprefix("torch.")
         weights[name] = weights.get(name, 0) + p.numel() * p.element_size()
-        params += 0 if any(p is s for s in scales) else p.numel()
+        params += p.numel()
         trainable += p.numel() if p.requires_grad else 0
         whole += p.numel() * max(p.element_size(), build_size)
+    for s in scale_buffers(model):  # int8 weights' scales: bytes, not parameters
+        weights["float32"] = weights.get("float32", 0) + s.numel() * s.element_size()
+        whole += s.numel() * s.element_size()
     shard = {k: v * sharing // world for k, v in weights.items()}
     acts = activation_bytes(model, run) if run is not None else {}
     return MemoryPlan(

@@ -27,7 +27,7 @@ class Parallelism:
     (`vlpack.train.precision`; None: every parameter float32)."""
     int8_experts: bool = False
     """Then hold the frozen routed experts' weights in int8 on the rank's device, and move the
-    model there (`model.frozen_dtype=int8`: the model was built in host memory)."""
+    model there (`model.frozen_dtype=int8`: a folder's model is built in host memory)."""
     activation_checkpointing: bool = False
     checkpoint_share: float = 1.0
     compile_scope: str | None = None
