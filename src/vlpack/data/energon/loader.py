@@ -62,8 +62,6 @@ def energon_worker_config(
                         data_parallel_group=group, seed_offset=seed)  # fmt: skip
 
 
-
-
 class _FlexStatePickler(pickle.Pickler):
     """Pickles Energon's `FlexState` (a dict subclass) as a call of its class on a plain dict,
     which `torch.load(weights_only=True)` can rebuild (it sets items on plain dicts only)."""
@@ -112,6 +110,7 @@ def _load_energon_state(data: bytes):
         raise ValueError(f"an Energon loader state in this checkpoint names "
                          f"{why.group(1) if why else 'what vlpack does not build'}: resume from a "
                          "checkpoint vlpack wrote") from None
+
 
 class EnergonLoader:
     """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
