@@ -155,22 +155,24 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "to_local") for p in model.parameters())
 
 
+def _digest(rows) -> str:
+    """A short digest of a set of text rows (their order does not matter)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()[:16]
+
+
 def frozen_fingerprint(model: torch.nn.Module) -> str:
     """A short digest of which parameters are frozen: a checkpoint holds only the others, so a
     resume must freeze the same ones."""
-    import hashlib
-
-    return hashlib.sha256("\n".join(sorted(_frozen(model))).encode()).hexdigest()[:16]
+    return _digest(_frozen(model))
 
 
 def frozen_dtypes_fingerprint(model: torch.nn.Module) -> str:
     """A short digest of the dtypes the frozen parameters are held in (`model.frozen_dtype`):
     a resume rebuilds the frozen base, so it must hold it as the run did."""
-    import hashlib
-
-    named = dict(model.named_parameters(remove_duplicate=False))
-    rows = sorted(f"{_clean(n)}:{p.dtype}" for n, p in named.items() if not p.requires_grad)
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+    return _digest({f"{_clean(n)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False)
+                    if not p.requires_grad})
 
 
 def save_checkpoint(
