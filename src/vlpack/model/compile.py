@@ -16,7 +16,7 @@ those eager modules (an MoE block's shared expert, Gated-DeltaNet's gated norm) 
 regions, as in `regions`.
 
 Routed experts, in both scopes: the module stays eager, and the dispatch around its two grouped
-GEMMs (gathers, casts, the SiLU gate, the weighted sum over each token's experts) runs as one
+GEMMs (gathers, casts, the SiLU gate and routing weight, the sum over each token's experts) runs as one
 compiled function shared by every layer (`experts.vlpack_grouped_mm_compiled`): every tensor in
 it has a size fixed by the token count, so it compiles like the layers do.
 

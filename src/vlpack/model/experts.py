@@ -12,9 +12,12 @@ Outside autocast it is transformers' `grouped_mm` unchanged, except for int8 wei
 (`model.frozen_dtype=int8`, model/quant.py), which it runs in the hidden states' dtype.
 
 `vlpack_grouped_mm_compiled` (set by model/compile.py when a compile scope is on) runs the same
-dispatch as one compiled function: inductor fuses the row gathers, the casts, the SiLU gate and
-the weighted sum over each token's experts around the two grouped GEMMs, which otherwise make
-several memory-bound passes over the P × D routed rows (docs/benchmarks.md, the 35B at 32k bins).
+dispatch as one compiled function: inductor fuses the row gathers, the casts, the SiLU gate with
+the routing weight and the sum over each token's experts around the two grouped GEMMs, which
+otherwise make several memory-bound passes over the routed rows (docs/benchmarks.md, the 35B at
+32k bins). The routing weight scales the down projection's P × I input rather than its P × D
+output, so the weight's gradient reduces over I (512 in the 35B) instead of D (2,048) and
+fuses with the gate's backward.
 
 Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
 token, P = routed (token, expert) pairs = T * K; X, O = a projection's input and output widths.
@@ -96,8 +99,8 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               dtype: torch.dtype, gate_up_scale_E2I: torch.Tensor | None = None,
               down_scale_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
-    scales are given), weight and sum its K outputs (in float32, deterministic: no atomics, as
-    transformers' un-permute and sum)."""
+    scales are given) with each pair's routing weight applied between them, and sum its K
+    outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum)."""
     K = idx_TK.shape[1]
     E = gate_up_E2ID.shape[0]
     expert_P = idx_TK.reshape(-1)
@@ -109,8 +112,10 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     rows_PD = x_TD[token_P].to(dtype)
     gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype)
     h_PI = gate(gate_up_P2I)
+    # The routing weight scales the down projection's input, not its output (the same product,
+    # the projection being linear without bias): its gradient then sums over I, not D.
+    h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
     out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype)
-    out_PD = out_PD * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(out_PD.dtype)
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
     out_TKD = out_PD[inverse_P].view(-1, K, out_PD.shape[-1])
@@ -176,7 +181,7 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
 def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """`vlpack_experts_forward` with its dispatch compiled (inductor fuses the gathers, the
-    casts, the gate and the weighted sum around the two grouped GEMMs): the SiLU-gated experts
+    casts, the weighted gate and the sum around the two grouped GEMMs): the SiLU-gated experts
     of the Qwen MoE families under autocast; any other gate, or no autocast, runs
     `vlpack_experts_forward`."""
     dtype = _autocast_dtype(hidden_states)

@@ -140,7 +140,9 @@ def layer_bytes(text, kind: str, b: int) -> int:
         k, inter = text.num_experts_per_tok, text.moe_intermediate_size
         shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
         # float32 router logits and probabilities; per routed copy: the row, gate/up output,
-        # the activation, the weighted output; the shared expert as a dense MLP
+        # the activation, and one more row width (2h + 5I: the peaks in docs/training.md were
+        # measured when the dispatch kept the weighted P x h output; it now keeps a weighted
+        # P x I input instead, so this errs large by h - I); the shared expert as a dense MLP
         out += 8 * n_exp + k * b * (2 * h + 5 * inter) + b * (6 * shared + h)
     else:
         out += 6 * b * text.intermediate_size
