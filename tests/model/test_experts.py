@@ -53,6 +53,39 @@ def test_experts_under_autocast_meet_the_bf16_rule(impl: str):
         assert e_fast <= 2 * e_plain + 1e-6 * t.abs().max(), (float(e_fast), float(e_plain))
 
 
+@pytest.mark.parametrize("impl", ["vlpack_grouped_mm", "vlpack_grouped_mm_compiled"])
+def test_frozen_experts_keep_no_hidden_wide_routed_rows_for_backward(impl: str):
+    """With frozen experts (a LoRA run) under bf16 autocast, eager and compiled, autograd keeps
+    no P × D tensor for backward: the routing weight scales the down projection's P × I input,
+    so its gradient needs that input, not the P × D output (I = 16 here, D = 64)."""
+    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
+    tiny = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    cfg = copy.deepcopy(tiny.config)
+    cfg.moe_intermediate_size = 16  # 2I != D, so the shapes tell the tensors apart
+    cfg._experts_implementation = impl
+    ex = type(tiny)(cfg)
+    g = torch.Generator().manual_seed(0)
+    for p in ex.parameters():
+        p.data.normal_(0, 0.1, generator=g)
+        p.requires_grad_(False)
+    T, K = 53, 2
+    x = torch.randn(T, ex.hidden_dim, generator=g, requires_grad=True)
+    idx = torch.randint(0, ex.num_experts, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        ex(x, idx, w).float().sum().backward()
+    assert w.grad is not None and x.grad is not None
+    rows = [shape for shape in saved if len(shape) == 2 and shape[0] == T * K]
+    assert rows and (T * K, ex.hidden_dim) not in rows, saved
+
+
 @pytest.mark.parametrize("scope", ["regions", "layers"])
 def test_compiling_a_moe_model_compiles_its_experts_dispatch(scope: str):
     """Both compile scopes switch vlpack's experts to the compiled dispatch; the stock model's
