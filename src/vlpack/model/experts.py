@@ -94,13 +94,56 @@ def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | N
     return int8_grouped_mm(a_PX.to(dtype), w_EOX, scale_EO, offs_E, True)
 
 
+class _RouteRows(torch.autograd.Function):
+    """`x_TD[token_P]`: each token's row once per routed pair, pairs sorted by expert. Backward
+    sums each token's K row gradients in float32 by gathering them (`inverse_P`: a pair's
+    position in expert order), deterministic and without the scatter-add of indexing."""
+
+    @staticmethod
+    def forward(x_TD, token_P, inverse_P, K):
+        return x_TD[token_P]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.K = inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad_PD):
+        (inverse_P,) = ctx.saved_tensors
+        grad_TKD = grad_PD[inverse_P].view(-1, ctx.K, grad_PD.shape[-1])
+        return grad_TKD.sum(1, dtype=torch.float32).to(grad_PD.dtype), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """Each token's K pair outputs summed in float32 (`out_PD[inverse_P]` viewed [T, K, D]), in
+    the order of its K experts: deterministic, no atomics, as transformers' un-permute and sum.
+    Backward gathers each pair's token gradient (`token_P`) instead of scattering it."""
+
+    @staticmethod
+    def forward(out_PD, inverse_P, token_P, K):
+        return out_PD[inverse_P].view(-1, K, out_PD.shape[-1]).sum(1, dtype=torch.float32)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.dtype = inputs[0].dtype
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (token_P,) = ctx.saved_tensors
+        return grad_TD.to(ctx.dtype)[token_P], None, None, None
+
+
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
               dtype: torch.dtype, gate_up_scale_E2I: torch.Tensor | None = None,
               down_scale_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
     scales are given) with each pair's routing weight applied between them, and sum its K
-    outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum)."""
+    outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum). The
+    row gather and the sum are each other's backward: a gather and a float32 sum over K, and a
+    gather by token, where indexing's backward would scatter-add."""
     K = idx_TK.shape[1]
     E = gate_up_E2ID.shape[0]
     expert_P = idx_TK.reshape(-1)
@@ -109,17 +152,16 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     ones = torch.ones_like(expert_P, dtype=torch.int32)
     per_expert_E = torch.zeros(E, dtype=torch.int32, device=x_TD.device).index_add_(0, expert_P, ones)
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
-    rows_PD = x_TD[token_P].to(dtype)
+    inverse_P = torch.empty_like(order_P)
+    inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+    rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K)
     gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype)
     h_PI = gate(gate_up_P2I)
     # The routing weight scales the down projection's input, not its output (the same product,
     # the projection being linear without bias): its gradient then sums over I, not D.
     h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
     out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype)
-    inverse_P = torch.empty_like(order_P)
-    inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-    out_TKD = out_PD[inverse_P].view(-1, K, out_PD.shape[-1])
-    return out_TKD.sum(1, dtype=torch.float32).to(x_TD.dtype)
+    return _CombineRows.apply(out_PD, inverse_P, token_P, K).to(x_TD.dtype)
 
 
 def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
