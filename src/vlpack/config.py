@@ -208,7 +208,7 @@ class DataConfig:
     """Shuffle sample order each epoch (seeded by train.seed)."""
     eval_samples: int = 0
     """Held-out samples (taken from the end of the dataset) evaluated with the same packing
-    (ignored with a warning for source=energon: no held-out split)."""
+    (ignored with a warning for source=energon and for data.mix: no held-out split)."""
     max_consecutive_bad: int = 32
     """Fail after this many bad samples in a row (a broken dataset, not a bad sample)."""
     max_bad_fraction: float = 0.05
@@ -316,7 +316,8 @@ class ModelConfig:
     init: Literal["pretrained", "random"] = "pretrained"
     """`pretrained`: a folder's weights (a folder without them is an error); `random`: random
     weights from the folder's config.json. Presets always start from random weights, so a preset
-    on your data (`data.source` jsonl or energon) needs `model.init=random` to say so."""
+    on your data (`data.source` jsonl, hf or energon, or a `data.mix` holding one) needs
+    `model.init=random` to say so."""
     backend: Literal["auto", "sdpa", "varlen", "flex"] = "auto"
     """Attention backend; `auto` picks varlen on GPU, the per-segment SDPA reference on CPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -10,19 +10,21 @@ train/check.py builds the model through train/stack.py and is the command's entr
 What is checked, every item a failure with its name when it does not hold:
   contract (always in float32, with the reference kernels of the device):
     - packed vs unpacked: max |Δlogits|, per-sample |Δloss| / max(1, |loss|), the gradient
-      relative error of every parameter group (vision, merger, llm, experts, router) and
-      |Δ MoE aux loss|, within `TOLERANCES["float32"]`;
-    - every parameter group with a gradient on one side has one on the other;
+      relative error of every parameter (against a floor, `GRAD_FLOOR`; reported per group:
+      vision, merger, llm, experts, router) and |Δ MoE aux loss|, within
+      `TOLERANCES["float32"]`;
+    - every parameter with a non-zero gradient on one side has one on the other;
     - the reference's label shift: its per-sample token-mean loss equals transformers' own;
     - a second, different bin (samples reversed, other alignment, extra tail padding) gives
       the same per-sample logits and aux loss: no state kept from the first forward;
     - isolation: the tokens and pixels of one sample changed, every other sample's final
       hidden states (hence logits) stay within `ISOLATION` (bitwise where the kernels run per
       segment).
-  bfloat16 (`--dtype bfloat16`, the default on CUDA) adds, on the same weights cast to bf16:
+  bfloat16 (`--dtype bfloat16`, the default on CUDA) adds, under bf16 autocast over the same
+  float32 weights:
     - the flash-attention rule: the packed bf16 error against the fp32 reference is at most
       2× the plain unpacked bf16 error, plus a floor (`TOLERANCES["bfloat16"]`);
-    - parameter groups and isolation as above, in bf16.
+    - the parameters' gradients and isolation as above, in bf16.
 Exit status: 0 passed, 1 failed, 2 could not run (bad arguments, unsupported backend, too
 little memory, a model that did not build).
 

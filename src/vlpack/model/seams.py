@@ -6,8 +6,9 @@ text model also its merge), made once per stock class and given to the model's i
 exactly that class (`module.__class__ = subclass`): the weights, config and every other method
 stay the stock ones, and the subclass is a class of this module, so a model pickles and deep-
 copies as usual. The text attention needs no subclass: it is registered with transformers'
-AttentionInterface (attention.py). The base model's subclass also overrides `forward`, to hand a
-stock call's 2-D attention mask to that attention (`attention.StockMask`).
+AttentionInterface (attention.py). The base model's subclass overrides three methods: `forward`,
+to hand a stock call's 2-D attention mask to that attention (`attention.StockMask`), and
+`get_image_features` and `get_placeholder_mask` (vision.py `ImageFeatures`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The vision tower on packed rows: its tables from the host, one varlen call per block.
 
-Two subclasses, installed by class at build time (seams.py):
+Three subclasses, installed by class at build time (seams.py):
 
 - `VisionTower` overrides the tower's `forward`. At the start of every forward, transformers'
   vision towers derive tables from `grid_thw` with the helpers of `transformers.vision_utils`
@@ -19,10 +19,11 @@ Two subclasses, installed by class at build time (seams.py):
 - `ImageFeatures` overrides the base model's `get_image_features`: in a context-parallel
   forward (context.py) each rank encodes its share of the row's images, and the features are
   gathered so each rank keeps those of its own image tokens, in their order: the stock merge
-  fills exactly this rank's placeholders.
+  fills exactly this rank's placeholders. It also overrides `get_placeholder_mask`, to run the
+  stock placeholder check on the device.
 
 Without the forward's Boundaries (a stock call, the unpacked reference, a rank's blank image)
-both run the stock forward.
+the three run the stock code.
 
 Legend: P = patches of the row, H = heads, D = head dim.
 """
