@@ -443,6 +443,18 @@ def test_control_tokens_in_text_are_refused(enc: Encoder, user: str, answer: str
         assert str(info.value).startswith("k: the ")
 
 
+def test_control_tokens_in_reasoning_are_refused() -> None:
+    """An answer's `reasoning_content` is text too: a special token there would forge a turn
+    boundary inside the think block (written, and supervised, for the last answer)."""
+    enc = Encoder("qwen3_5")
+    reasoning = Conversation("k", (Message("user", ("q",)),
+                                   Message("assistant", ("a",), reasoning=FAKE_TURN)))
+    for measure in (enc.encode, enc.measure):
+        with pytest.raises(BadSampleError, match=re.escape("holds '<|im_end|>'")) as info:
+            measure(reasoning)
+        assert info.value.reason == "special_token_in_text"
+
+
 def test_every_special_token_but_grounding_is_refused(enc: Encoder) -> None:
     special = [t.content for t in enc.tokenizer.added_tokens_decoder.values() if t.special]
     assert "<|im_end|>" in special and "<|box_start|>" in special

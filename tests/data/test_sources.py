@@ -270,6 +270,50 @@ def test_deep_nesting_is_a_bad_sample_and_the_next_line_still_reads(tmp_path: Pa
         "bad_json", "bad_json", None]
 
 
+def test_json_that_python_refuses_inside_the_record_is_a_bad_sample(tmp_path: Path) -> None:
+    """JSON that parses, or not, only past Python's own limits is a bad sample named by its
+    line, and the next line still reads: an integer of 5,000 digits in the record or in a call's
+    arguments string, JSON nested 100,000 deep or a lone surrogate inside the `tools` string, an
+    arguments string or a ShareGPT function_call value, and reasoning that holds a reserved
+    vision token."""
+    deep = "[" * 100_000 + "]" * 100_000
+
+    def with_call(args) -> str:
+        return json.dumps({"messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": args}}]},
+            {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]})
+
+    tools = json.loads(_turns("q"))
+    sharegpt = {"conversations": [{"from": "human", "value": "q"},
+                                  {"from": "function_call", "value": deep},
+                                  {"from": "observation", "value": "r"},
+                                  {"from": "gpt", "value": "a"}]}
+    reasoning = {"messages": [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "a", "reasoning_content": "see <|image_pad|>"}]}
+    lines = [
+        _turns("q")[:-1] + ', "n": ' + "1" * 5000 + "}",
+        with_call('{"n": ' + "1" * 5000 + "}"),
+        json.dumps({**tools, "tools": deep}),
+        with_call('{"a": "\\ud800"}'),
+        json.dumps({**tools, "tools": '[{"name": "f", "description": "\\ud800"}]'}),
+        json.dumps(sharegpt),
+        json.dumps(reasoning),
+        _turns("fine"),
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    items = list(iter_jsonl(path))
+    assert [getattr(i, "reason", None) for i in items] == [
+        "bad_json", "bad_tool_call", "bad_tools", "bad_tool_call", "bad_tools", "bad_tool_call",
+        "bad_schema", None]
+    assert "Exceeds the limit (4300 digits)" in str(items[0])
+    assert "nested too deeply" in str(items[2]) and "lone surrogate" in str(items[3])
+    assert all(f"[{path}:{n}]" in str(items[n - 1]) or str(items[n - 1]).startswith(f"{path}:{n}")
+               or str(items[n - 1]).startswith(f"{path.name}:{n}") for n in range(1, 8)), items
+
+
 def test_a_record_over_the_size_cap_is_skipped_unread(tmp_path: Path) -> None:
     from vlpack.data.sources import MAX_RECORD_BYTES
 

@@ -274,7 +274,8 @@ _ANSWER = {"role": "assistant", "content": "a"}
 @pytest.mark.parametrize(("record", "reason", "match"), [
     (_record([_USER, _ANSWER], tools={"name": "f"}), "bad_tools",
      r'k: "tools" must be a list of function schemas, got dict'),
-    (_record([_USER, _ANSWER], tools="[{"), "bad_tools", r'k: "tools" is a string but not JSON'),
+    (_record([_USER, _ANSWER], tools="[{"), "bad_tools",
+     r'k: "tools" \(a string\) is not usable JSON \(Expecting'),
     (_record([_USER, _ANSWER], tools=[WEATHER, {"type": "function", "function": {}}]),
      "bad_tools", r"k: tools\[1\] has no function name"),
     (_record([_USER, _ANSWER], tools=[{"name": "f", "parameters": ["city"]}]), "bad_tools",
@@ -283,7 +284,8 @@ _ANSWER = {"role": "assistant", "content": "a"}
      "bad_tools", r"k: tools\[0\] \(f\): .*\"properties\" object"),
     (_record([_USER, {"role": "assistant", "content": None, "tool_calls": [
         _call("get_weather", "{city: Rome}")]}, {"role": "tool", "content": "r"}, _ANSWER]),
-     "bad_tool_call", r"k: turn 1, call 0 \(get_weather\): its arguments string is not JSON"),
+     "bad_tool_call",
+     r"k: turn 1, call 0 \(get_weather\): its arguments string is not usable JSON \(Expecting"),
     (_record([_USER, {"role": "assistant", "content": "", "tool_calls": [
         _call("get_weather", [1])]}, {"role": "tool", "content": "r"}, _ANSWER]),
      "bad_tool_call", r"k: turn 1, call 0 \(get_weather\): arguments must be a JSON object"),

@@ -65,6 +65,9 @@ def test_sources_read_video_items_and_placeholders(tmp_path: Path) -> None:
      "video_count_mismatch"),
     (_record(Path("."), [{"type": "video", "video": []}]), "bad_schema"),
     (_record(Path("."), [{"type": "video", "video": "a.mp4", "fps": 0}]), "bad_schema"),
+    (_record(Path("."), [{"type": "video", "video": "a.mp4", "fps": float("inf")}]), "bad_schema"),
+    (_record(Path("."), [{"type": "video", "video": ["a.png"], "fps": 1e-308}]), "bad_schema"),
+    (_record(Path("."), [{"type": "video", "video": "a.mp4", "fps": float("nan")}]), "bad_schema"),
     (_record(Path("."), [{"type": "video", "video": "http://x/a.mp4"}]), "bad_schema"),
 ])
 def test_bad_video_records_are_named(record: dict, reason: str) -> None:

@@ -431,11 +431,11 @@ class Encoder:
         return n_item
 
     def _refuse_control_tokens(self, key: str, turn: int | None, m: Message) -> None:
-        """BadSampleError when text of `m` (its tool calls included) holds a special token of
-        the tokenizer (grounding markup aside): the tokenizer would read it as that token, so
-        text could forge a turn boundary, an end of text or a media slot."""
+        """BadSampleError when text of `m` (its reasoning and tool calls included) holds a
+        special token of the tokenizer (grounding markup aside): the tokenizer would read it as
+        that token, so text could forge a turn boundary, an end of text or a media slot."""
         calls = [c.name + tools.tojson(c.arguments) for c in m.tool_calls]
-        for c in (*m.content, *calls):
+        for c in (*m.content, m.reasoning or "", *calls):
             if self._control is not None and isinstance(c, str) \
                     and (hit := self._control.search(c)):
                 where = "the tools" if turn is None else f"the {m.role} text of turn {turn}"

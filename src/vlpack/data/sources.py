@@ -79,6 +79,9 @@ MAX_RECORD_BYTES = 8 * 2**20
 """The largest JSONL record (line) read: 8 MiB of text is about two million tokens, far beyond
 any `data.seq_len`; a longer line is skipped unread as `record_too_large`."""
 MAX_DEPTH = 64
+MIN_FPS, MAX_FPS = 1e-3, 1e3
+"""The frame rates a record may give a video: a rate outside them (`Infinity` and `1e-308` are
+JSON numbers to Python) would make its MRoPE time positions overflow or collapse."""
 """The deepest nesting of a record's JSON values (a conversation with tool calls needs under
 ten levels)."""
 RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -148,10 +151,8 @@ def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
         return too_large(path, lineno, len(raw))
     try:
         obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        detail = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
-                  else "values nested too deeply to parse" if isinstance(e, RecursionError)
-                  else e)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        detail = _json_error(e)
         return BadSampleError(
             "bad_json",
             f"{path}:{lineno}: not valid UTF-8 JSON ({detail}); each line must hold one JSON "
@@ -250,6 +251,28 @@ def parse_record(
     return conv
 
 
+def _json_error(e: Exception) -> str:
+    """What `json.loads` refused, in a few words."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    if isinstance(e, RecursionError):
+        return "values nested too deeply to parse"
+    return str(e)  # bad UTF-8; an integer of more digits than Python converts
+
+
+def _nested_json(text: str, key: str, reason: str, what: str, fix: str = "") -> Any:
+    """A JSON value held in a string field of the record (`tools`, a call's arguments),
+    parsed and held to the record's own limits (`_unusable`); else BadSampleError `reason`
+    naming `what`."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        _bad(key, reason, f"{what} is not usable JSON ({_json_error(e)}){fix}")
+    if (bad := _unusable(value)) is not None:
+        _bad(key, reason, f"{what}: {bad}{fix}")
+    return value
+
+
 def _unusable(obj: Any) -> str | None:
     """Why `obj` (decoded JSON) is not usable text, or None: a string (or key) holding a lone
     surrogate, which JSON's `\\ud800` escapes allow but no tokenizer or file system takes, or
@@ -340,8 +363,9 @@ def _record_videos(obj: dict, key: str) -> list:
 def _video_ref(video: Any, fps: Any, join: Callable[[str, str], Path], key: str) -> VideoRef:
     """A VideoRef from a path or a frame list (each joined by `join`) and an optional fps."""
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float)
-                            or not fps > 0):
-        _bad(key, "bad_schema", f"video fps must be a positive number, got {fps!r}")
+                            or not MIN_FPS <= fps <= MAX_FPS):  # also NaN and Infinity
+        _bad(key, "bad_schema", f"video fps must be a number from {MIN_FPS:g} to {MAX_FPS:g} "
+             f"(frames per second), got {fps!r:.40}")
     fps = None if fps is None else float(fps)
     if isinstance(video, str) and video:
         if "://" in video:
@@ -389,11 +413,7 @@ def _tools(tools: Any, key: str) -> tuple[dict, ...]:
     if tools is None:
         return ()
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            _bad(key, "bad_tools", f'"tools" is a string but not JSON ({e.msg} at column '
-                 f"{e.colno}){fix}")
+        tools = _nested_json(tools, key, "bad_tools", '"tools" (a string)', fix)
     if not isinstance(tools, list):
         _bad(key, "bad_tools", f'"tools" must be a list of function schemas, got '
              f"{type(tools).__name__}{fix}")
@@ -431,11 +451,8 @@ def _tool_calls(calls: Any, key: str, i: int) -> tuple[ToolCall, ...]:
                  f"{call!r:.80}{fix}")
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                _bad(key, "bad_tool_call", f"turn {i}, call {j} ({fn['name']}): its arguments "
-                     f"string is not JSON ({e.msg} at column {e.colno}){fix}")
+            args = _nested_json(args, key, "bad_tool_call",
+                                f"turn {i}, call {j} ({fn['name']}): its arguments string", fix)
         if not isinstance(args, dict):
             _bad(key, "bad_tool_call", f"turn {i}, call {j} ({fn['name']}): arguments must be "
                  f"a JSON object, got {args!r:.80}{fix}")
@@ -497,11 +514,9 @@ def _sharegpt_turns(conversations: Any, key: str) -> _Turns:
         if t["from"] != "function_call":
             turns.append(_Turn(role, [t["value"]], loss=_loss(t, role, key, i)))
             continue
-        try:
-            calls = json.loads(t["value"])
-        except json.JSONDecodeError as e:
-            _bad(key, "bad_tool_call", f"turn {i}: a function_call value must be a call (or a "
-                 f"list of calls) as JSON ({e.msg} at column {e.colno})")
+        calls = _nested_json(t["value"], key, "bad_tool_call",
+                             f"turn {i}: a function_call value, a call (or a list of calls) as "
+                             "JSON,")
         turns.append(_Turn(role, [], _tool_calls(calls, key, i), _loss(t, role, key, i)))
     return turns
 
@@ -531,7 +546,7 @@ def _validate(conv: Conversation) -> None:
             _bad(key, "bad_schema",
                  f"images and videos are only supported in user and tool turns, found one in a "
                  f"{m.role} turn")
-        for t in texts:
+        for t in (*texts, m.reasoning or ""):
             if any(r in t for r in RESERVED):
                 _bad(key, "bad_schema",
                      f"text contains a reserved vision token ({', '.join(RESERVED)}): use "
