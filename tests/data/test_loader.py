@@ -168,6 +168,28 @@ def test_encode_time_failure_is_counted_and_bin_still_built() -> None:
     assert acc["packed"] + acc["truncated"] + sum(acc["skipped"].values()) == 20
 
 
+def test_samples_that_fail_to_encode_are_held_to_the_bad_sample_limits() -> None:
+    """Samples that measure fine and fail to encode (an image whose header reads and whose body
+    does not) stop the run like those that fail while planning: after
+    `data.max_consecutive_bad` in a row, or past `data.max_bad_fraction` of those consumed."""
+    rng = np.random.default_rng(1)
+
+    def corrupt(n: int) -> list:
+        return [make_sample(f"corrupt{i}", rng, text=(5, 6), grids=((1, 2, 2),)) for i in range(n)]
+
+    with pytest.raises(ValueError, match=r"6 bad samples in a row \(last: corrupt_image: "
+                                         r"corrupt.*data\.max_consecutive_bad"):
+        list(loader(corrupt(40), epochs=1, shuffle=False, max_consecutive_bad=5))
+    items = dataset(200)
+    for i in range(0, 200, 4):  # every 4th: 25%
+        items[i] = corrupt(1)[0]
+    with pytest.raises(ValueError, match=r"of \d+ samples were skipped.*max_bad_fraction=0\.1"):
+        list(loader(items, epochs=1, shuffle=False, max_bad_fraction=0.1))
+    ld = loader(items, epochs=1, shuffle=False, max_bad_fraction=0.3)  # within the tolerance
+    assert sum(len(b.sample_keys) for b in ld) == 150
+    assert ld.accounting["skipped"] == {"corrupt_image": 50}
+
+
 def test_a_sample_that_turns_bad_after_measuring_is_counted() -> None:
     """A record re-read by a worker can parse as an error where it measured fine (its image
     swapped for a link out of the media root in between): the bin skips and counts it."""

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
+from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.mixture import Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
@@ -229,6 +230,9 @@ class PackedLoader:
                                    merge=spatial_merge_size)
         self.consumed = 0
         self.tally = Tally()
+        self.limits = BadLimits.of(d, len(items))
+        """The bad-sample limits over consumed bins: the stream holds samples that fail while
+        planning to them, this holds those that fail to encode, and the share of both."""
         self.report_skip = SkipReporter(rank if world_size > 1 else None) if report_skips \
             else (lambda skip: None)  # another rank with the same data prints them
         self.stream: BinStream | None = None
@@ -266,18 +270,25 @@ class PackedLoader:
             yield batch
 
     def _count(self, plan: PlannedBin, failed: list[Skip]) -> None:
-        """Tally one consumed bin: its trained samples, and the skips it carries."""
+        """Tally one consumed bin: its trained samples, and the skips it carries; then hold
+        the samples that failed to encode to the bad-sample limits (DataLimitError)."""
         lost = {s.index for s in failed}
         caps = dict(plan.truncate)
         source = self.items.source_name if isinstance(self.items, Mixture) else None
         for i, epoch in zip(plan.items, plan.epochs, strict=True):
             if i not in lost:
                 self.tally.add(epoch, TRUNCATED if i in caps else PACKED)
+                self.limits.good()
                 if source is not None:
                     self.tally.add_source(source(i))
         for s in (*plan.skips, *failed):
             self.tally.add(s.epoch, s.reason)
             self.report_skip(s)
+        if failed:
+            total = self.tally.as_dict()
+            for s in failed:
+                self.limits.bad(s.reason, s.message, total["skipped"])
+            self.limits.check_fraction(total["samples"], total["skipped"])
 
     @property
     def accounting(self) -> dict:
