@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from megatron.energon.errors import FatalSampleError
 from PIL import Image
 
 from tests.helpers import CPU, PAD, SMALL, losses, make_sample, split_data
@@ -23,7 +24,11 @@ from vlpack.data.batch import ThdBatch
 from vlpack.data.encode import Encoder
 from vlpack.data.energon.loader import EnergonLoader, energon_worker_config
 from vlpack.data.energon.prepare import REPORT_NAME, prepare_energon
-from vlpack.data.energon.task_encoder import EncodedEnergonSample, QwenVLTaskEncoder
+from vlpack.data.energon.task_encoder import (
+    ConversationSample,
+    EncodedEnergonSample,
+    QwenVLTaskEncoder,
+)
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.synth import default_dataset
 from vlpack.train.loop import Trainer
@@ -196,6 +201,26 @@ def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
     merged = Counter(acc["skipped"]) + Counter(report["skipped"])
     assert jsonl.accounting["skipped"] == dict(merged)
     assert jsonl.accounting["truncated"] == 1
+
+
+def test_a_sample_that_raises_anything_is_counted(encoder, caplog) -> None:
+    """A sample whose encoding raises another exception than BadSampleError becomes the marker
+    `encode_error`, named and held to the bad-sample limits (Energon would drop it uncounted);
+    its message is printed escaped."""
+    d = DataConfig(seq_len=64, packing="bfd", max_consecutive_bad=1, pad_to_multiple_of=1)
+    te = QwenVLTaskEncoder(encoder, d, seed=0, pad_token_id=PAD)
+
+    def broken(sample):
+        raise TypeError("the tokenizer took no \x1b[31mtext")
+
+    te._encode = broken
+    sample = ConversationSample(__key__="k7", __restore_key__=("x", 7), record={}, media={})
+    with caplog.at_level("WARNING", logger="vlpack.data"):
+        out = te.encode_sample(sample)
+    assert out.encoded is None and out.status == "encode_error"
+    assert "k7: TypeError: the tokenizer took no" in caplog.text and "\x1b" not in caplog.text
+    with pytest.raises(FatalSampleError, match=r"2 bad samples in a row \(last: encode_error"):
+        te.encode_sample(sample)
 
 
 def test_overlong_skip_and_error(dirty, encoder) -> None:

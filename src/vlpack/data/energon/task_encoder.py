@@ -43,7 +43,7 @@ from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitErr
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.plan import OnlinePlanner, check_algo
 from vlpack.data.sources import parse_record
-from vlpack.data.types import BadSampleError, EncodedSample
+from vlpack.data.types import BadSampleError, EncodedSample, printable
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,19 @@ class QwenVLTaskEncoder(TaskEncoder):
 
     @stateless
     def encode_sample(self, sample: ConversationSample) -> EncodedEnergonSample:
-        """vlpack's encoding and overlong policy; a bad sample becomes a marker, not an error."""
+        """vlpack's encoding and overlong policy; a bad sample becomes a marker, not an error.
+        Any other exception a sample raises is the bad sample `encode_error`, named with it:
+        Energon would drop the sample uncounted."""
         try:
             encoded, status = self._admit(self._encode(sample))
-        except BadSampleError as e:
-            log.warning("skipping sample (%s): %s", e.reason, e)
-            self._count_bad(e)
-            return EncodedEnergonSample.derive_from(sample, encoded=None, status=e.reason)
+        except FatalSampleError:
+            raise
+        except Exception as e:
+            bad = e if isinstance(e, BadSampleError) else BadSampleError(
+                "encode_error", f"{sample.__key__}: {type(e).__name__}: {e}")
+            log.warning("skipping sample (%s): %s", bad.reason, printable(str(bad)))
+            self._count_bad(bad)
+            return EncodedEnergonSample.derive_from(sample, encoded=None, status=bad.reason)
         self._limits.good()
         return EncodedEnergonSample.derive_from(sample, encoded=encoded, status=status)
 
