@@ -198,6 +198,34 @@ def test_dataset_dict_and_missing_path_name_the_fix(data, tmp_path) -> None:
         open_dataset("hf", str(tmp_path / "nope"))
 
 
+def test_a_dataset_folder_reads_only_its_own_files(data, tmp_path) -> None:
+    """A save_to_disk folder whose state.json names an Arrow file outside it (by `..` or an
+    absolute path), or a folder of Arrow files holding a link out, is refused by name before
+    anything is read: another dataset on the machine never enters training."""
+    import shutil
+
+    private = tmp_path / "private"
+    datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "SECRET"}]]}
+                               ).save_to_disk(str(private))
+    arrow = next(private.glob("*.arrow"))
+    for name in (f"../private/{arrow.name}", str(arrow)):
+        evil = tmp_path / "evil"
+        shutil.rmtree(evil, ignore_errors=True)
+        shutil.copytree(data[0], evil)
+        state = json.loads((evil / "state.json").read_text())
+        state["_data_files"] = [{"filename": name}]
+        (evil / "state.json").write_text(json.dumps(state))
+        with pytest.raises(ValueError, match=r"names the data file .* outside the folder"):
+            open_dataset("hf", str(evil))
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(next(data[0].glob("*.arrow")), files / "a.arrow")
+    assert len(open_dataset("hf", str(files))) == 5  # a folder of its own files reads
+    (files / "b.arrow").symlink_to(arrow)
+    with pytest.raises(ValueError, match=r"b\.arrow, which lies outside the folder"):
+        open_dataset("hf", str(files))
+
+
 def test_build_loaders_reads_hf_and_a_mix_of_it(data, enc) -> None:
     from vlpack.config import DataConfig, MixSource
     from vlpack.data.loader import build_loaders

@@ -60,14 +60,53 @@ def load_hf(path: str | Path) -> Any:
         raise ValueError(f"{path} holds a DatasetDict (splits: {', '.join(splits)}): pass one "
                          f"split's folder, e.g. data.path={p / (splits[0] if splits else 'train')}")
     if p.is_dir() and (p / "state.json").is_file():
+        _inside(p, [p / _state_file(p, f) for f in _state(p).get("_data_files", [])])
         return datasets.load_from_disk(str(p))
     files = (sorted(p.glob("*.parquet")) or sorted(p.glob("*.arrow"))) if p.is_dir() else [p]
+    if p.is_dir():
+        _inside(p, files)
     if not files or files[0].suffix not in (".parquet", ".arrow"):
         raise ValueError(f"{path} is not a Hugging Face dataset: pass a folder written by "
                          "Dataset.save_to_disk, a .parquet or .arrow file, or a folder of them")
     if files[0].suffix == ".parquet":
         return datasets.Dataset.from_parquet([str(f) for f in files])
     return datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+
+
+def _state(folder: Path) -> dict:
+    """A save_to_disk folder's state.json; ValueError naming it when it is not a JSON object."""
+    import json
+
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{folder / 'state.json'} is not valid JSON ({e}): write the dataset "
+                         "again with Dataset.save_to_disk") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{folder / 'state.json'} is not a JSON object: write the dataset "
+                         "again with Dataset.save_to_disk")
+    return state
+
+
+def _state_file(folder: Path, entry: Any) -> str:
+    """The file name of one `_data_files` entry of `folder`'s state.json."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("filename"), str):
+        raise ValueError(f"{folder / 'state.json'} lists a data file without a file name "
+                         f"({entry!r:.80}): write the dataset again with Dataset.save_to_disk")
+    return entry["filename"]
+
+
+def _inside(folder: Path, files: list[Path]) -> None:
+    """ValueError naming the first of `files` that lies outside `folder` once absolute paths,
+    `..` and symbolic links are resolved: a dataset folder is untrusted, and its state.json or
+    a link in it could otherwise bring any Arrow or Parquet file on the machine into training."""
+    root = folder.resolve()
+    for f in files:
+        if not f.resolve().is_relative_to(root):
+            raise ValueError(f"{folder} names the data file {f}, which lies outside the folder "
+                             f"(at {f.resolve()}): a dataset reads only its own files; copy the "
+                             "file into the folder or write the dataset again with "
+                             "Dataset.save_to_disk")
 
 
 class HFRows(Sequence[Item]):
