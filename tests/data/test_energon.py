@@ -139,6 +139,32 @@ def test_prepare_writes_shards_and_energon_metadata(clean) -> None:
     assert image == (src.parent / originals[0]).read_bytes()  # bytes copied verbatim
 
 
+def test_prepare_pairs_each_record_with_its_own_media(tmp_path: Path, monkeypatch) -> None:
+    """prepare reads the JSONL as every reader does: a first line behind a byte-order mark is a
+    record, and a whitespace line longer than a record may be is the bad sample
+    `record_too_large`, not a blank line, so the records after it keep their own media."""
+    from vlpack.data import sources
+
+    monkeypatch.setattr(sources, "MAX_RECORD_BYTES", 512)
+    Image.new("RGB", (64, 48), "red").save(tmp_path / "a.png")
+
+    def rec(i: str, image: bool) -> str:
+        user = [{"type": "image", "image": "a.png"}] * image + [{"type": "text", "text": "q"}]
+        return json.dumps({"id": i, "messages": [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": "ok"}]})
+
+    src = tmp_path / "d.jsonl"
+    src.write_text("\ufeff" + rec("r1", False) + "\n" + " " * 600 + "\n" + rec("r2", True) + "\n"
+                   + rec("r3", False) + "\n")
+    report = prepare_energon(src, tmp_path / "ds", shard_size=10)
+    assert (report["samples"], report["skipped"]) == (3, {"record_too_large": 1})
+    with tarfile.open(tmp_path / "ds" / "shard-000000.tar") as tar:
+        names = set(tar.getnames())
+        ids = [json.loads(tar.extractfile(f"{n:09d}.json").read())["id"] for n in range(3)]
+    assert ids == ["r1", "r2", "r3"]
+    assert {n for n in names if ".img" in n} == {"000000001.img0.png"}
+
+
 def test_prepare_cli_and_refuses_a_non_empty_folder(tmp_path: Path, capsys) -> None:
     src = default_dataset(n=N)
     assert main(["data", "energon-prepare", str(src), str(tmp_path / "ds"), "--shard-size", "5"]) == 0

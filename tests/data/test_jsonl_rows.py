@@ -15,7 +15,7 @@ from vlpack.data import file_scan, jsonl_rows
 from vlpack.data.jsonl_rows import JsonlRows
 from vlpack.data.loader import open_dataset
 from vlpack.data.sources import iter_jsonl
-from vlpack.data.types import BadSampleError
+from vlpack.data.types import BadSampleError, Conversation
 
 
 def _row(text: str, **extra) -> str:
@@ -51,6 +51,26 @@ def test_indexed_records_equal_the_sequential_read(tmp_path: Path, monkeypatch, 
     assert [_key(rows[i]) for i in range(len(rows))] == reference
     assert [_key(rows[i]) for i in range(-len(rows), 0)] == reference
     assert [_key(x) for x in pickle.loads(pickle.dumps(rows))] == reference
+
+
+def test_a_whitespace_line_over_the_record_cap_is_a_record(tmp_path: Path, monkeypatch) -> None:
+    """A line of whitespace longer than a record may be is the record `record_too_large` for
+    every reader (the index, the sequential read, energon-prepare's), not a blank line for some:
+    the records after it keep their numbers and their media."""
+    from vlpack.data import sources
+
+    for module in (sources, file_scan, jsonl_rows):
+        monkeypatch.setattr(module, "MAX_RECORD_BYTES", 256)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b" " * 300 + b"\n" + b" " * 100 + b"\n" + _row("a").encode() + b"\n")
+    items = list(iter_jsonl(path))
+    assert getattr(items[0], "reason", None) == "record_too_large"
+    assert str(items[0]).startswith(f"{path}:1: the record is 301 bytes")
+    assert isinstance(items[1], Conversation) and items[1].key == "d.jsonl:3"
+    reference = [_key(x) for x in items]
+    rows = JsonlRows(path)
+    assert [_key(rows[i]) for i in range(len(rows))] == reference
+    assert rows.lines.tolist() == [1, 3]
 
 
 def test_line_numbers_by_hand(tmp_path: Path) -> None:

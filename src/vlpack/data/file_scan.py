@@ -10,8 +10,10 @@ to the file changes its change time, so it is read again (a `touch` too; then on
 recomputed, the sizes stay cached when the content did not change). `VLPACK_SIZE_CACHE=off`
 turns this cache off with the size cache.
 
-A line is blank when it holds only ASCII whitespace (as `bytes.strip()` sees it); only a line
-whose first byte is whitespace is read again to tell (a record starts with `{`).
+A line is blank when it holds only ASCII whitespace (as `bytes.strip()` sees it) and is not
+longer than a record may be (`sources.MAX_RECORD_BYTES`; a longer line is a record, refused as
+too large, as `sources.iter_jsonl` reads it); only a line whose first byte is whitespace is read
+again to tell (a record starts with `{`), and never more of it than that.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vlpack.data.sources import MAX_RECORD_BYTES
+
+SCAN_FORMAT = 2
+"""The version of a stored scan's rules (2: a line over MAX_RECORD_BYTES is never blank); a
+scan stored under another is read again."""
 BLOCK = 1 << 22
 """Bytes read at once."""
 _WHITESPACE = np.zeros(256, dtype=bool)
@@ -71,7 +78,8 @@ def scan(path: str | Path) -> FileScan:
     try:
         with np.load(file, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            if meta["path"] == str(path) and meta["status"] == status:
+            if meta["path"] == str(path) and meta["status"] == status and \
+                    meta.get("format") == SCAN_FORMAT:
                 return FileScan(z["starts"], z["lines"], status[0], meta["digest"])
     except (OSError, ValueError, KeyError):
         pass  # no scan yet, another file's, or unreadable: read the file
@@ -80,7 +88,8 @@ def scan(path: str | Path) -> FileScan:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}.npz")
         np.savez(tmp, starts=found.starts, lines=found.lines, meta=np.array(json.dumps(
-            {"path": str(path), "status": status, "digest": found.digest})))
+            {"path": str(path), "status": status, "digest": found.digest,
+             "format": SCAN_FORMAT})))
         os.replace(tmp, file)
     return found
 
@@ -111,8 +120,9 @@ def read(path: str | Path) -> FileScan:
         keep = np.ones(len(line_start), dtype=bool)
         for k in np.flatnonzero(_WHITESPACE[first]).tolist():
             hi = int(line_start[k + 1]) if k + 1 < len(line_start) else offset
+            length = hi - int(line_start[k])  # with its newline
             f.seek(int(line_start[k]))
-            keep[k] = bool(f.read(hi - int(line_start[k])).strip())
+            keep[k] = length > MAX_RECORD_BYTES + 1 or bool(f.read(length).strip())
     kept = np.flatnonzero(keep)
     return FileScan(line_start[kept], (kept + 1).astype(np.int32), offset,
                     f"{offset}-{h.hexdigest()}")

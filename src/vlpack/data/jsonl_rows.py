@@ -62,12 +62,23 @@ class JsonlRows(Sequence[Item]):
         if (nl := raw.find(b"\n")) >= 0:
             raw = raw[:nl + 1]
         elif len(raw) > MAX_RECORD_BYTES:  # parse_line refuses it by its length alone
-            return too_large(self.path, int(self.lines[i]), hi - lo)
+            return too_large(self.path, int(self.lines[i]), self._line_length(lo, hi))
         return parse_line(raw, self.path, int(self.lines[i]), self.base_dir, self.media_root)
 
     def __iter__(self) -> Iterator[Item]:
         """The records in order, read sequentially."""
         return iter_jsonl(self.path, self.media_root)
+
+    def _line_length(self, lo: int, hi: int) -> int:
+        """Bytes of the line that starts at `lo` (its newline included, blank lines after it
+        up to `hi` not), read a MiB at a time, never held."""
+        at = lo
+        while at < hi:
+            chunk = os.pread(self._file(), min(hi - at, 2**20), at)
+            if (nl := chunk.find(b"\n")) >= 0:
+                return at + nl + 1 - lo
+            at += len(chunk)
+        return hi - lo
 
     def _file(self) -> int:
         if self._fd is None or self._pid != os.getpid():  # a forked worker opens its own

@@ -94,6 +94,15 @@ def iter_jsonl(
     """Stream the records of a JSONL file: a `Conversation` per good record, the
     `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`.
     Media paths must resolve inside `media_root` (None: the file's folder)."""
+    return (item for _, item in iter_jsonl_lines(path, media_root))
+
+
+def iter_jsonl_lines(
+    path: str | Path, media_root: str | Path | None = None
+) -> Iterator[tuple[bytes | None, Conversation | BadSampleError]]:
+    """`iter_jsonl`'s records, each with its line's bytes (None for a line over
+    `MAX_RECORD_BYTES`, which is never held): one definition of a record and a blank line for
+    every reader of a JSONL file."""
     path = Path(path)
     check_jsonl_path(path)
     base_dir = path.parent.absolute()
@@ -105,9 +114,9 @@ def iter_jsonl(
                 size = len(raw)
                 while (rest := f.readline(2**20)) and not rest.endswith(b"\n"):
                     size += len(rest)  # the rest of the line, a MiB at a time, never held
-                yield too_large(path, lineno, size + len(rest))
+                yield None, too_large(path, lineno, size + len(rest))
             elif raw.strip():
-                yield parse_line(raw, path, lineno, base_dir, media_root)
+                yield raw, parse_line(raw, path, lineno, base_dir, media_root)
 
 
 def too_large(path: Path, lineno: int, size: int) -> BadSampleError:

@@ -34,7 +34,7 @@ from typing import Any
 
 from vlpack.data.energon import require_energon
 from vlpack.data.media import BAD_PATH
-from vlpack.data.sources import iter_jsonl
+from vlpack.data.sources import iter_jsonl_lines
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
 REPORT_NAME = "vlpack-prepare.json"
@@ -76,29 +76,29 @@ def _write_shards(data: Path, out: Path, shard_size: int,
     problems: list[dict[str, str]] = []
     n = 0
     tar: tarfile.TarFile | None = None
-    with data.open("rb") as f:
-        raw_lines = (line for line in f if line.strip())  # iter_jsonl skips the same blank lines
-        try:
-            for raw, item in zip(raw_lines, iter_jsonl(data, media_root), strict=True):
-                if isinstance(item, BadSampleError):
-                    problems.append({"reason": item.reason, "message": str(item)})
-                    continue
-                try:
-                    members = _sample_members(json.loads(raw), item, data.parent.absolute())
-                except BadSampleError as e:
-                    problems.append({"reason": e.reason, "message": str(e)})
-                    continue
-                if n % shard_size == 0:
-                    if tar is not None:
-                        tar.close()
-                    tar = tarfile.open(out / f"shard-{n // shard_size:06d}.tar", "w")
-                assert tar is not None
-                for name, payload in members.items():
-                    _add(tar, f"{n:09d}.{name}", payload)
-                n += 1
-        finally:
-            if tar is not None:
-                tar.close()
+    try:
+        for raw, item in iter_jsonl_lines(data, media_root):
+            if isinstance(item, BadSampleError):
+                problems.append({"reason": item.reason, "message": str(item)})
+                continue
+            assert raw is not None  # a record that parsed was read whole
+            try:
+                record = json.loads(raw.decode("utf-8-sig"))  # as parse_line read it
+                members = _sample_members(record, item, data.parent.absolute())
+            except BadSampleError as e:
+                problems.append({"reason": e.reason, "message": str(e)})
+                continue
+            if n % shard_size == 0:
+                if tar is not None:
+                    tar.close()
+                tar = tarfile.open(out / f"shard-{n // shard_size:06d}.tar", "w")
+            assert tar is not None
+            for name, payload in members.items():
+                _add(tar, f"{n:09d}.{name}", payload)
+            n += 1
+    finally:
+        if tar is not None:
+            tar.close()
     return -(-n // shard_size), n, problems
 
 
