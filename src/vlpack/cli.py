@@ -80,11 +80,12 @@ def _add_energon_prepare(sub: argparse._SubParsersAction) -> None:
 
 def _run_energon_prepare(args: argparse.Namespace) -> int:
     from vlpack.data.energon.prepare import prepare_energon
+    from vlpack.data.types import printable
 
     r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False,
                         media_root=args.media_root)
     for p in r["problems"][:20]:
-        print(f"left out: {p['reason']}: {p['message']}")
+        print(f"left out: {p['reason']}: {printable(p['message'])}")
     if len(r["problems"]) > 20:
         print(f"... and {len(r['problems']) - 20} more (all in {args.out}/vlpack-prepare.json)")
     left_out = f"; left out: {r['skipped']}" if r["skipped"] else ""

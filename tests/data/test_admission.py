@@ -52,3 +52,16 @@ def test_limits_are_read_from_the_data_section() -> None:
     assert (limits.max_consecutive_bad, limits.max_bad_fraction, limits.dataset_size) == (3, 0.5, 7)
     default = BadLimits.of(DataConfig())  # the config's defaults, the only ones
     assert (default.max_consecutive_bad, default.max_bad_fraction) == (32, 0.05)
+
+
+def test_a_sample_name_cannot_forge_the_error_it_stops_the_run_with() -> None:
+    """A sample's name (its id, from the data) reaches the terminal escaped: no control
+    sequence, no new line that could pass for one of vlpack's."""
+    forged = "x\x1b[31m\nvlpack: done"
+    with pytest.raises(DataLimitError) as overlong:
+        Admission(100, None, "error").judge(forged, 150, 0)
+    run = BadLimits(max_consecutive_bad=0, max_bad_fraction=None)
+    with pytest.raises(DataLimitError) as bad:
+        run.bad("bad_json", f"{forged}: not JSON", {"bad_json": 1})
+    for e in (overlong.value, bad.value):
+        assert "\x1b" not in str(e) and "\n" not in str(e) and "x\\x1b[31m\\nvlpack" in str(e)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from vlpack.config import DataConfig, Overlong
+from vlpack.data.types import printable
 
 PACK, TRUNCATE, SKIP = "pack", "truncate", "skip"
 MIN_SEEN = 100
@@ -53,7 +54,7 @@ class Admission:
                 else f"{patches} ViT patches > max_patches {self.max_patches}")  # fmt: skip
         if self.overlong == "error":
             raise DataLimitError(
-                f"{name} is overlong ({what}); raise the sequence length / patch budget "
+                f"{printable(name)} is overlong ({what}); raise the sequence length / patch budget "
                 "(data.seq_len, data.max_patches; `vlpack pack --seq-len`), or choose the overlong "
                 "policy truncate (text-only cut) or skip (data.overlong=truncate|skip; "
                 "`vlpack pack --overlong`)"
@@ -85,7 +86,8 @@ class BadLimits:
         self._run += 1
         if self.max_consecutive_bad is not None and self._run > self.max_consecutive_bad:
             raise DataLimitError(
-                f"{self._run} bad samples in a row (last: {reason}: {message}); skipped so far: "
+                f"{self._run} bad samples in a row (last: {reason}: {printable(message)}); "
+                "skipped so far: "
                 f"{dict(skipped)}. Fix the data, or raise data.max_consecutive_bad"
             )
 

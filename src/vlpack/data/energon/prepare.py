@@ -35,7 +35,7 @@ from typing import Any
 from vlpack.data.energon import require_energon
 from vlpack.data.media import BAD_PATH
 from vlpack.data.sources import iter_jsonl_lines
-from vlpack.data.types import BadSampleError, Conversation, ImageRef
+from vlpack.data.types import BadSampleError, Conversation, ImageRef, printable
 
 REPORT_NAME = "vlpack-prepare.json"
 """Written into OUT_DIR: sample and shard counts, and what was left out by reason."""
@@ -58,7 +58,7 @@ def prepare_energon(
     shards, n, problems = _write_shards(data, out, shard_size, media_root)
     skipped = Counter(p["reason"] for p in problems)
     if not n:
-        first = "".join(f"\n  {p['reason']}: {p['message']}" for p in problems[:5])
+        first = "".join(f"\n  {p['reason']}: {printable(p['message'])}" for p in problems[:5])
         raise ValueError(f"{data}: no usable sample (left out: {dict(skipped)}); fix the "
                          f"records{first}")
     _energon_prepare(out, workers=min(shards, os.cpu_count() or 1), progress=progress)
