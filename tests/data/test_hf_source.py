@@ -226,6 +226,20 @@ def test_a_dataset_folder_reads_only_its_own_files(data, tmp_path) -> None:
         open_dataset("hf", str(files))
 
 
+def test_a_row_over_the_record_cap_is_refused_before_tokenizing(tmp_path, monkeypatch) -> None:
+    """A row holds no more text than a JSONL record may (`MAX_RECORD_BYTES`): more is the bad
+    sample `record_too_large`, named by row, and the rows after it still read."""
+    from vlpack.data import hf_source
+
+    monkeypatch.setattr(hf_source, "MAX_RECORD_BYTES", 1000)
+    msgs = [[{"role": "user", "content": "q" * n}, {"role": "assistant", "content": "a"}]
+            for n in (10, 2000, 20)]
+    datasets.Dataset.from_dict({"messages": msgs}).save_to_disk(str(tmp_path / "ds"))
+    rows = list(open_dataset("hf", str(tmp_path / "ds")))
+    assert [getattr(r, "reason", None) for r in rows] == [None, "record_too_large", None]
+    assert str(rows[1]).startswith("ds[1]: the row holds 2,014 characters of text")  # roles too
+
+
 def test_build_loaders_reads_hf_and_a_mix_of_it(data, enc) -> None:
     from vlpack.config import DataConfig, MixSource
     from vlpack.data.loader import build_loaders

@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import Any, overload
 
 from vlpack.data.media import media_path
-from vlpack.data.sources import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, parse_record
+from vlpack.data.sources import (
+    IMAGE_PLACEHOLDER,
+    MAX_RECORD_BYTES,
+    VIDEO_PLACEHOLDER,
+    parse_record,
+)
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
 Item = Conversation | BadSampleError
@@ -151,6 +156,11 @@ class HFRows(Sequence[Item]):
         has_id = record.get("id") not in (None, "")
         key = str(record["id"]) if has_id else where
         try:
+            if (chars := _text_chars(record)) > MAX_RECORD_BYTES:
+                raise BadSampleError(
+                    "record_too_large", f"{key}: the row holds {chars:,} characters of text, "
+                    f"over the {MAX_RECORD_BYTES // 2**20} MiB a record may be: split the "
+                    "conversation into several rows, or drop the row")
             obj = _drop_nulls(record)
             listed = _listed(obj, key, "image", "images")
             images = [self._image(v, key, j) for j, v in enumerate(listed)]
@@ -184,6 +194,21 @@ def _with_where(conv: Conversation, where: str) -> Conversation:
     import dataclasses
 
     return dataclasses.replace(conv, where=where)
+
+
+def _text_chars(x: Any) -> int:
+    """Characters of text in a row's values (image bytes not counted: the pixel limit bounds
+    an image), so a row is held to the size cap of a JSONL record before it is tokenized."""
+    total, stack = 0, [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 def _drop_nulls(x: Any) -> Any:
