@@ -205,6 +205,35 @@ def test_truncate_drops_trailing_image_keeps_answer(receipt):
         assert enc.truncated_size(conv, max_tokens) == cut.size
 
 
+def test_a_cut_decodes_only_the_images_it_keeps(receipt, monkeypatch):
+    """`encode(conv, max_tokens)` equals `truncate(encode(conv), max_tokens)` and opens only
+    the images before the cut (a sample naming one large image many times past the cut decodes
+    none of them); images are decoded and resized one at a time, as the batched processor."""
+    from vlpack.data import encode as encode_module
+
+    enc = Encoder("qwen3_vl", max_pixels=SMALL)
+    conv = Conversation("t", (
+        Message("user", (ImageRef(receipt), "Total?")), Message("assistant", ("12.50",)),
+        Message("user", (*[ImageRef(receipt)] * 6, "And these?")), Message("assistant", ("3",)),
+    ))  # fmt: skip
+    full = enc.encode(conv)
+    batched = enc.image_processor(images=[Image.open(receipt).convert("RGB")] * 7,
+                                  return_tensors=None)["pixel_values"]
+    np.testing.assert_array_equal(full.pixel_values, np.asarray(batched, dtype=np.float32))
+    opened = []
+    real = encode_module.open_image
+    monkeypatch.setattr(encode_module, "open_image",
+                        lambda *a, **k: opened.append(a[1]) or real(*a, **k))
+    vs = np.flatnonzero(full.input_ids == enc.vision_start_id)
+    for max_tokens, decoded in ((int(vs[1]) + 2, 1), (len(full) - 2, 7), (len(full), 7)):
+        opened.clear()
+        cut, ref = enc.encode(conv, max_tokens), enc.truncate(full, max_tokens)
+        assert len(opened) == decoded, max_tokens
+        for name in ("input_ids", "labels", "mm_token_type_ids", "image_grid_thw",
+                     "pixel_values"):
+            np.testing.assert_array_equal(getattr(cut, name), getattr(ref, name))
+
+
 def test_truncate_text_only_prompt_too_long():
     enc = Encoder("qwen3_vl")
     conv = Conversation("p", (Message("user", ("word " * 50,)), Message("assistant", ("ok",))))

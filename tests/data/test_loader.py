@@ -23,10 +23,10 @@ class FakeEncoder:
     def measure(self, item: EncodedSample) -> SampleSize:
         return item.size
 
-    def encode(self, item: EncodedSample) -> EncodedSample:
+    def encode(self, item: EncodedSample, max_tokens: int | None = None) -> EncodedSample:
         if item.key.startswith("corrupt"):
             raise BadSampleError("corrupt_image", f"{item.key}: corrupt")
-        return item
+        return item if max_tokens is None else self.truncate(item, max_tokens)
 
     def truncate(self, sample: EncodedSample, max_tokens: int) -> EncodedSample:
         return EncodedSample(

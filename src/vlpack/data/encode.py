@@ -206,30 +206,45 @@ class Encoder:
 
     # ---------------------------------------------------------------- public API
 
-    def encode(self, conv: Conversation) -> EncodedSample:
-        """Tokens, labels, token types, pixel values and grids of `conv`."""
-        images = [open_image(conv.key, ref, self.max_image_pixels) for ref in conv.images]
-        for ref, image in zip(conv.images, images, strict=True):
-            self._grid(conv.key, ref, *image.size)  # refuse what the processor would refuse
+    def encode(self, conv: Conversation, max_tokens: int | None = None) -> EncodedSample:
+        """Tokens, labels, token types, pixel values and grids of `conv`; with `max_tokens`,
+        `truncate(encode(conv), max_tokens)`, decoding only the visual items the cut keeps."""
+        if max_tokens is not None:
+            skeleton = self.skeleton(conv)
+            if len(skeleton) > max_tokens:
+                kept = len(self.truncate(skeleton, max_tokens).image_grid_thw)  # refusals first
+                return self.truncate(self._encode(conv, kept), max_tokens)
+        return self._encode(conv, None)
+
+    def _encode(self, conv: Conversation, decode: int | None) -> EncodedSample:
+        """`encode(conv)` with the pixels of the first `decode` visual items only (None: all);
+        the later items' grids come from their headers, as when measuring. Images are decoded
+        and resized one at a time, so a sample holds one full-size image at once."""
+        n = len(conv.visuals) if decode is None else decode
+        decoded = sum(isinstance(r, ImageRef) for r in conv.visuals[:n])
+        sizes, parts = [], []
+        for j, ref in enumerate(conv.images):
+            if j >= decoded:
+                sizes.append(image_size(conv.key, ref, self.max_image_pixels))
+                continue
+            image = open_image(conv.key, ref, self.max_image_pixels)
+            grid = self._grid(conv.key, ref, *image.size)  # refuse what the processor would
             if image.size != image_size(conv.key, ref, self.max_image_pixels):
                 raise BadSampleError(  # planning used the header's size: the two must agree
                     "corrupt_image", f"{conv.key}: image {ref.path}: its EXIF orientation is "
                     "stored after the pixel data, so its upright size is unknown until it is "
                     "decoded: re-save the image (upright, or with its metadata first)")
-        items = self._items(conv, [image.size for image in images])
-        parts: list[np.ndarray] = []
-        if images:
-            out = self.image_processor(images=images, return_tensors=None)
-            pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-            grids = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
-            assert [tuple(g) for g in grids.tolist()] == [
-                it.grid for it in items if it.plan is None], conv.key
-            parts = list(np.split(pixels, np.cumsum(grids.prod(axis=1))[:-1]))
+            sizes.append(image.size)
+            out = self.image_processor(images=[image], return_tensors=None)
+            assert tuple(np.asarray(out["image_grid_thw"]).reshape(-1).tolist()) == grid, conv.key
+            parts.append(np.ascontiguousarray(out["pixel_values"], dtype=np.float32))
+            del image, out
+        items = self._items(conv, sizes)
         images_left = iter(parts)
         mean, std = self._video_norm()
         stream = [next(images_left) if it.plan is None else vid.patches(
             vid.decode(conv.key, it.ref, it.plan.indices, (it.plan.height, it.plan.width)),
-            it.plan, self.family, mean, std) for it in items]
+            it.plan, self.family, mean, std) for it in items[:n]]
         sample = self._assemble(conv, items)
         sample.pixel_values = np.concatenate(stream) if stream else None
         return sample

@@ -156,9 +156,7 @@ class _BinBuilder(torch.utils.data.Dataset):
                 item = self.items[i]
                 if isinstance(item, BadSampleError):  # good when measured, bad when read again
                     raise item
-                sample = self.encoder.encode(item)
-                if i in caps:
-                    sample = self.encoder.truncate(sample, caps[i])
+                sample = self.encoder.encode(item, caps.get(i))  # a cut decodes what it keeps
             except BadSampleError as e:
                 failed.append(Skip(i, epoch, e.reason, str(e)))
                 continue
