@@ -314,6 +314,26 @@ def test_json_that_python_refuses_inside_the_record_is_a_bad_sample(tmp_path: Pa
                or str(items[n - 1]).startswith(f"{path.name}:{n}") for n in range(1, 8)), items
 
 
+def test_a_record_names_at_most_max_visual_items(tmp_path: Path) -> None:
+    """MAX_VISUAL_ITEMS images and videos in a record read; one more (as top-level images,
+    content items or videos) is the bad sample `too_many_visuals`, before any path is read."""
+    from vlpack.data.sources import MAX_VISUAL_ITEMS
+
+    n = MAX_VISUAL_ITEMS
+    ok = {"conversations": [{"from": "human", "value": "<image>" * n + "q"},
+                            {"from": "gpt", "value": "a"}], "images": ["a.png"] * n}
+    assert len(parse_record(ok, base_dir=tmp_path, key="k").images) == n
+    over = [dict(ok, images=["a.png"] * (n + 1)),
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}] * n
+                           + [{"type": "video", "video": "v.mp4"}]},
+                          {"role": "assistant", "content": "a"}]},
+            dict(ok, videos=["v.mp4"])]
+    for record in over:
+        with pytest.raises(BadSampleError, match=f"names {n + 1:,} images and videos") as e:
+            parse_record(record, base_dir=tmp_path / "nowhere", key="k")
+        assert e.value.reason == "too_many_visuals"
+
+
 def test_a_record_over_the_size_cap_is_skipped_unread(tmp_path: Path) -> None:
     from vlpack.data.sources import MAX_RECORD_BYTES
 
