@@ -96,6 +96,14 @@ def test_opening_parses_no_record(tmp_path: Path, monkeypatch) -> None:
     assert isinstance(rows, JsonlRows) and len(rows) == 50 and not parsed
     assert rows.nbytes == 12 * 50  # the line index: an offset and a line number per record
     assert rows[7].messages[0].content == ("q7",) and len(parsed) == 1
+    train, held, odd = rows[:45], rows[45:], rows[::7]  # views: the loaders' splits read nothing
+    assert isinstance(train, JsonlRows) and (len(train), len(held), len(odd)) == (45, 5, 8)
+    assert len(parsed) == 1
+    assert [_key(x) for x in held] == [_key(rows[i]) for i in range(45, 50)]
+    assert _key(odd[-1]) == _key(rows[49]) and _key(train[-1]) == _key(rows[44])
+    assert [_key(x) for x in pickle.loads(pickle.dumps(held))] == [_key(x) for x in held]
+    with pytest.raises(IndexError):
+        held[5]
 
 
 def _read(rows: JsonlRows, i: int) -> str:

@@ -14,6 +14,7 @@ it is read; the size cache's fingerprint of its content is taken at the same sta
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,26 +38,27 @@ class JsonlRows(Sequence[Item]):
         self.base_dir = self.path.parent.absolute()
         found = scan(self.path)
         self.starts, self.lines, self.size = found.starts, found.lines, found.size
+        self.rows = range(len(self.starts))
+        """The file's records this sequence holds (a slice is a view of the same index)."""
         self._fd: int | None = None
         self._pid = -1
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.rows)
 
     @overload
     def __getitem__(self, i: int) -> Item: ...
     @overload
-    def __getitem__(self, i: slice) -> list[Item]: ...
+    def __getitem__(self, i: slice) -> JsonlRows: ...
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"record {i} of {n}")
-        i = int(i) % n
+        if isinstance(i, slice):  # a view: no record is read
+            view = copy.copy(self)
+            view.rows, view._fd, view._pid = self.rows[i], None, -1
+            return view
+        i = self.rows[i]  # IndexError past either end
         lo = int(self.starts[i])
-        hi = int(self.starts[i + 1]) if i + 1 < n else self.size
+        hi = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.size
         # the line, then any blank lines after it; never more than one record too many bytes
         raw = os.pread(self._file(), min(hi - lo, MAX_RECORD_BYTES + 1), lo)
         if (nl := raw.find(b"\n")) >= 0:
@@ -66,8 +68,10 @@ class JsonlRows(Sequence[Item]):
         return parse_line(raw, self.path, int(self.lines[i]), self.base_dir, self.media_root)
 
     def __iter__(self) -> Iterator[Item]:
-        """The records in order, read sequentially."""
-        return iter_jsonl(self.path, self.media_root)
+        """The records in order, read sequentially (a view's by index)."""
+        if self.rows == range(len(self.starts)):
+            return iter_jsonl(self.path, self.media_root)
+        return (self[j] for j in range(len(self)))
 
     def _line_length(self, lo: int, hi: int) -> int:
         """Bytes of the line that starts at `lo` (its newline included, blank lines after it
