@@ -79,15 +79,15 @@ MAX_RECORD_BYTES = 8 * 2**20
 """The largest JSONL record (line) read: 8 MiB of text is about two million tokens, far beyond
 any `data.seq_len`; a longer line is skipped unread as `record_too_large`."""
 MAX_DEPTH = 64
+"""The deepest nesting of a record's JSON values (a conversation with tool calls needs under
+ten levels)."""
 MAX_VISUAL_ITEMS = 1024
 """Images and videos (a video counts once, whatever its frames) one record may name: a sample
-holds its items' tokens and pixels at once, and 20,000 items in a 320 KB line took 1.6 GB to
-measure."""
+holds its items' tokens and pixels at once, so a short line naming one image thousands of times
+would take gigabytes to measure."""
 MIN_FPS, MAX_FPS = 1e-3, 1e3
 """The frame rates a record may give a video: a rate outside them (`Infinity` and `1e-308` are
 JSON numbers to Python) would make its MRoPE time positions overflow or collapse."""
-"""The deepest nesting of a record's JSON values (a conversation with tool calls needs under
-ten levels)."""
 RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Strings that would turn into vision tokens if they appeared in text."""
 
