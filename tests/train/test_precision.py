@@ -85,9 +85,11 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
     those weights to bf16 at every use anyway): the memory saving is free.
 
     With the routed experts adapted (`model.lora.experts`) peft forms W + B·A in W's dtype, so
-    a bf16-held W gets its update in bf16: the loss agrees to 1e-6 and the adapters' gradients
-    to bf16 noise (1.3% here), even for weights that are bf16 numbers (a checkpoint stored in
-    bf16, as the released ones are; simulated here by rounding the weights)."""
+    a bf16-held W gets its update in bf16: the loss agrees to 5e-5 (bf16 noise: the bf16 loss
+    itself lies 1e-5 to 3e-5 from the float32 one; dropping the experts' update moves it 9e-5)
+    and the adapters' gradients to bf16 noise (1.4% here), even for weights that are bf16
+    numbers (a checkpoint stored in bf16, as the released ones are; simulated here by rounding
+    the weights)."""
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
     if experts:
         with torch.no_grad():
@@ -119,7 +121,7 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
     assert g32.keys() == g16.keys() and len(g32) > 4
     if experts:  # peft forms an adapted weight's update in that weight's dtype: bf16 noise
         rel = max(((g32[n] - g16[n]).norm() / g32[n].norm()).item() for n in g32)
-        assert abs(l32 - l16) <= 1e-6 * l32 and rel < 0.05, (l32, l16, rel)
+        assert abs(l32 - l16) <= 5e-5 * l32 and rel < 0.05, (l32, l16, rel)
         return
     assert torch.equal(l32, l16), (l32, l16)
     differ = [n for n in g32 if not torch.equal(g32[n], g16[n])]
