@@ -63,6 +63,12 @@ def test_a_whitespace_line_over_the_record_cap_is_a_record(tmp_path: Path, monke
         monkeypatch.setattr(module, "MAX_RECORD_BYTES", 256)
     path = tmp_path / "d.jsonl"
     path.write_bytes(b" " * 300 + b"\n" + b" " * 100 + b"\n" + _row("a").encode() + b"\n")
+    last = tmp_path / "last.jsonl"  # a last line of 257 spaces and no newline: too large too
+    last.write_bytes(_row("a").encode() + b"\n" + b" " * 257)
+    assert len(JsonlRows(last)) == len(list(iter_jsonl(last))) == 2
+    edge = tmp_path / "edge.jsonl"  # 256 spaces and a newline: the largest blank line
+    edge.write_bytes(b" " * 256 + b"\n" + _row("a").encode() + b"\n")
+    assert len(JsonlRows(edge)) == len(list(iter_jsonl(edge))) == 1
     items = list(iter_jsonl(path))
     assert getattr(items[0], "reason", None) == "record_too_large"
     assert str(items[0]).startswith(f"{path}:1: the record is 301 bytes")

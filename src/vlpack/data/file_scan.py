@@ -120,9 +120,10 @@ def read(path: str | Path) -> FileScan:
         keep = np.ones(len(line_start), dtype=bool)
         for k in np.flatnonzero(_WHITESPACE[first]).tolist():
             hi = int(line_start[k + 1]) if k + 1 < len(line_start) else offset
-            length = hi - int(line_start[k])  # with its newline
-            f.seek(int(line_start[k]))
-            keep[k] = length > MAX_RECORD_BYTES + 1 or bool(f.read(length).strip())
+            f.seek(int(line_start[k]))  # what iter_jsonl's readline(MAX_RECORD_BYTES + 1) reads
+            raw = f.read(min(hi - int(line_start[k]), MAX_RECORD_BYTES + 1))
+            too_long = len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n")
+            keep[k] = too_long or bool(raw.strip())
     kept = np.flatnonzero(keep)
     return FileScan(line_start[kept], (kept + 1).astype(np.int32), offset,
                     f"{offset}-{h.hexdigest()}")
