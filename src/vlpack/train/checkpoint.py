@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from vlpack.pickles import numpy_array_globals
+from vlpack.pickles import load_weights_only
 from vlpack.train.parallel import Topology, all_reduce, barrier
 
 MARKER = "COMPLETE"
@@ -287,14 +286,10 @@ def load_trainer_state(file: Path) -> dict[str, Any]:
     """A rank's trainer state, read with `weights_only=True`: tensors, containers, numbers and
     plain numpy arrays only (an Energon loader's state is bytes its loader reads with its own
     restricted unpickler), so the trainer state cannot make a resume run code."""
-    import pickle
-
-    try:
-        with torch.serialization.safe_globals(numpy_array_globals()):
-            return torch.load(file, weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        what = f"it names {why.group(1)}" if why else "it cannot be read as one"
+    state, refused = load_weights_only(file)
+    if refused is not None:
+        what = f"it names {refused}" if refused else "it cannot be read as one"
         raise ValueError(f"{file} holds more than a vlpack trainer state (tensors, numbers, "
                          f"containers): {what}, and vlpack does not run what a checkpoint's "
-                         "pickle asks for. Resume from a checkpoint vlpack wrote") from None
+                         "pickle asks for. Resume from a checkpoint vlpack wrote")
+    return state

@@ -17,7 +17,6 @@ import io
 import json
 import logging
 import pickle
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +30,7 @@ from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
 from vlpack.data.energon.validate import validate_dataset_folder
-from vlpack.pickles import numpy_array_globals
+from vlpack.pickles import load_weights_only
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +101,12 @@ def _load_energon_state(data: bytes):
     """Energon's state from `state_dict`'s bytes, read with `weights_only=True`: tensors,
     containers and Energon's state classes only, so a checkpoint cannot make a resume run
     code (a state naming anything else is refused by name)."""
-    try:
-        with torch.serialization.safe_globals([*numpy_array_globals(), *_energon_state_classes(data)]):
-            return torch.load(io.BytesIO(data), weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    state, refused = load_weights_only(io.BytesIO(data), _energon_state_classes(data))
+    if refused is not None:
         raise ValueError(f"an Energon loader state in this checkpoint names "
-                         f"{why.group(1) if why else 'what vlpack does not build'}: resume from a "
-                         "checkpoint vlpack wrote") from None
+                         f"{refused or 'what vlpack does not build'}: resume from a checkpoint "
+                         "vlpack wrote")
+    return state
 
 
 class EnergonLoader:
