@@ -86,14 +86,12 @@ def quantize_experts(model: nn.Module, device: torch.device, *, model_name: str 
                 w = getattr(m, name)
                 if w.dtype == torch.int8:
                     continue
-                if device.type == "meta" or w.device.type == "meta":
-                    q = torch.empty(w.shape, dtype=torch.int8, device="meta")
-                    s = torch.empty(w.shape[:-1], dtype=torch.float32, device="meta")
-                else:
-                    q = torch.empty(w.shape, dtype=torch.int8, device=device)
-                    s = torch.empty(w.shape[:-1], dtype=torch.float32, device=device)
-                    for e in range(w.shape[0]):  # one expert at a time bounds the float32 copy
-                        q[e], s[e] = quantize_rows(w[e].to(device))
+                shapes_only = device.type == "meta" or w.device.type == "meta"
+                to = torch.device("meta") if shapes_only else device
+                q = torch.empty(w.shape, dtype=torch.int8, device=to)
+                s = torch.empty(w.shape[:-1], dtype=torch.float32, device=to)
+                for e in range(0 if shapes_only else w.shape[0]):  # one expert at a time
+                    q[e], s[e] = quantize_rows(w[e].to(device))  # bounds the float32 copy
                 setattr(m, name, nn.Parameter(q, requires_grad=False))
                 m.register_buffer(name + SCALE, s, persistent=False)
                 done += 1
