@@ -27,14 +27,56 @@ def test_layer_bytes_by_hand() -> None:
     tiny-qwen3_5_moe (4 experts, top 2, expert and shared MLP 32):
       Gated-DeltaNet (2 key heads × 16, 4 value heads × 16: qkv 128, v 64): 768 +
       2·(128 + 64 + 8) + 3·2·128 + 4·64 + 2·2·64 = 2448; gated attention (head dim 32: q 256):
-      768 + 2·(256 + 128) + 2·(128 + 64) + 3·2·128 + 16 = 2704; MoE 8·4 + 2·2·(128 + 160) +
-      2·(6·32 + 64) = 1696.
+      768 + 2·(256 + 128) + 2·(128 + 64) + 3·2·128 + 16 = 2704; MoE: router 8·4, shared expert
+      2·(6·32 + 64) = 512, and 2 routed copies of (eager, frozen) 24 + 2 + 2·2·32 + 2·2·32 = 282:
+      1108; compiled, 16 + 2 + 2·2·32 = 146 a copy: 836; trained eager, 282 + 2·(64 + 32) = 474
+      a copy: 1492.
     """
     text = meta_model("tiny-qwen3_vl").config.text_config
     assert memory.layer_bytes(text, "full_attention", 2) == 3152
     text = meta_model("tiny-qwen3_5_moe").config.text_config
-    assert memory.layer_bytes(text, "linear_attention", 2) == 2448 + 1696
-    assert memory.layer_bytes(text, "full_attention", 2) == 2704 + 1696
+    assert memory.layer_bytes(text, "linear_attention", 2) == 2448 + 1108
+    assert memory.layer_bytes(text, "full_attention", 2) == 2704 + 1108
+    assert memory.layer_bytes(text, "full_attention", 2, compiled=True) == 2704 + 836
+    assert memory.layer_bytes(text, "full_attention", 2, experts_train=True) == 2704 + 1492
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("train", [False, True])
+def test_routed_bytes_are_what_autograd_keeps(train: bool, compiled: bool) -> None:
+    """`routed_bytes` against the storages autograd keeps for one experts module's backward
+    (counted with saved-tensor hooks, weights and their scales left out) under bf16 autocast,
+    eager and compiled, frozen and trained: per routed copy, to within the per-expert offsets."""
+    import copy
+
+    from vlpack.model import build_model
+
+    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
+    tiny = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    cfg = copy.deepcopy(tiny.config)
+    cfg.moe_intermediate_size = 16  # 2I != D, so no width is mistaken for another
+    cfg._experts_implementation = "vlpack_grouped_mm_compiled" if compiled else "vlpack_grouped_mm"
+    ex = type(tiny)(cfg).to(torch.bfloat16)
+    for p in ex.parameters():
+        p.requires_grad_(train)
+    g = torch.Generator().manual_seed(0)
+    T, K = 53, 2
+    x = torch.randn(T, ex.hidden_dim, generator=g, requires_grad=True)
+    idx = torch.randint(0, ex.num_experts, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        ex(x, idx, w).float().sum().backward()
+    weights = {p.untyped_storage().data_ptr() for p in ex.parameters()}
+    per_copy = sum(n for ptr, n in kept.items() if ptr not in weights) / (T * K)
+    want = memory.routed_bytes(ex.hidden_dim, 16, 2, train=train, compiled=compiled)
+    assert want <= per_copy <= want + 4 * ex.num_experts / (T * K), (per_copy, want)
 
 
 def test_activation_plan_by_hand() -> None:

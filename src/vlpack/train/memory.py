@@ -66,6 +66,8 @@ class RunShape:
     """Bytes of an activation: 2 under bf16 autocast, else 4."""
     loss_chunk: int = 1024
     """Rows of the chunked loss's logits block (0: the whole [T, vocab] logits)."""
+    compiled: bool = False
+    """model.compile: the routed experts' dispatch runs compiled and keeps less (`routed_bytes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +116,11 @@ def _cfg(model: nn.Module):
     return getattr(cfg, "text_config", cfg), cfg.vision_config
 
 
-def layer_bytes(text, kind: str, b: int) -> int:
+def layer_bytes(text, kind: str, b: int, *, experts_train: bool = False,
+                compiled: bool = False) -> int:
     """Bytes per token a text layer of `kind` keeps for its backward when it does not
-    recompute: its two norms (float32 input, `b`-byte output), its mixer and its MLP."""
+    recompute: its two norms (float32 input, `b`-byte output), its mixer and its MLP (routed
+    experts: `routed_bytes`)."""
     h = text.hidden_size
     out = 2 * (4 * h + b * h)
     if kind == "linear_attention":
@@ -139,14 +143,24 @@ def layer_bytes(text, kind: str, b: int) -> int:
     if n_exp:
         k, inter = text.num_experts_per_tok, text.moe_intermediate_size
         shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
-        # float32 router logits and probabilities; per routed copy: the row, gate/up output,
-        # the activation, and one more row width (2h + 5I: the peaks in docs/training.md were
-        # measured when the dispatch kept the weighted P x h output; it now keeps a weighted
-        # P x I input instead, so this errs large by h - I); the shared expert as a dense MLP
-        out += 8 * n_exp + k * b * (2 * h + 5 * inter) + b * (6 * shared + h)
+        # float32 router logits and probabilities, the routed copies, the shared expert as a
+        # dense MLP
+        out += (8 * n_exp + k * routed_bytes(h, inter, b, train=experts_train, compiled=compiled)
+                + b * (6 * shared + h))
     else:
         out += 6 * b * text.intermediate_size
     return out
+
+
+def routed_bytes(h: int, inter: int, b: int, *, train: bool, compiled: bool) -> int:
+    """Bytes one routed (token, expert) copy keeps for backward in vlpack's dispatch
+    (model/experts.py): its `b`-byte routing weight and the gate/up projection's output (2I);
+    eager, also three int64 indices and the SiLU gate's output and the gated product (2I more);
+    compiled, two int64 indices (the compiled backward recomputes the gate). Trained experts
+    (full fine-tuning, LoRA on the experts) add the inputs of both grouped GEMMs for the weights'
+    gradients (h + I)."""
+    out = b + b * 2 * inter + (16 if compiled else 24 + b * 2 * inter)
+    return out + (b * (h + inter) if train else 0)
 
 
 def vision_block_bytes(vision, b: int) -> int:
@@ -164,7 +178,9 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     b, T, h = run.act_bytes, run.seq_len, text.hidden_size
     n = text.num_hidden_layers
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
-    per_layer = [layer_bytes(text, k, b) for k in kinds]
+    experts_train = any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n)
+    per_layer = [layer_bytes(text, k, b, experts_train=experts_train, compiled=run.compiled)
+                 for k in kinds]
     recomputed = math.ceil(run.recompute_share * n) if run.recompute_share else 0
     kept = sum(per_layer[recomputed:]) + 4 * h * recomputed
     widest = max(per_layer)

@@ -111,7 +111,7 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.M
     share = m.checkpoint_share if m.activation_checkpointing else 0.0
     run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
                           recompute_share=share, act_bytes=2 if autocast else 4,
-                          loss_chunk=1024 if m.chunked_loss else 0)
+                          loss_chunk=1024 if m.chunked_loss else 0, compiled=m.compile)
     plan = memory.plan(shapes, run, world_size=info.world_size,
                        sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
                        sharded=sharded, build_dtype=precision.build_dtype(m.name, low),
