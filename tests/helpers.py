@@ -282,3 +282,24 @@ def _rows(tmp_path: Path, rows: list) -> Path:
 
 def _chat(q, a: str = "A receipt.") -> dict:
     return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def tiny_routed_experts(impl: str, *, inter: int = 16, train: bool = False,
+                        dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A routed experts module of tiny-qwen3_5_moe (hidden 64) with expert width `inter` (16:
+    2I != D, so no width is mistaken for another), run by `impl`, weights in `dtype` drawn from
+    N(0, 0.1) with seed 0, trained or frozen."""
+    import copy
+
+    from vlpack.model import build_model
+
+    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
+    tiny = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    cfg = copy.deepcopy(tiny.config)
+    cfg.moe_intermediate_size = inter
+    cfg._experts_implementation = impl
+    ex = type(tiny)(cfg)
+    g = torch.Generator().manual_seed(0)
+    for p in ex.parameters():
+        p.data.normal_(0, 0.1, generator=g)
+    return ex.to(dtype).requires_grad_(train)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from tests.helpers import tiny_routed_experts
 from vlpack.model import build_model
 
 
@@ -58,16 +59,8 @@ def test_frozen_experts_keep_no_hidden_wide_routed_rows_for_backward(impl: str):
     """With frozen experts (a LoRA run) under bf16 autocast, eager and compiled, autograd keeps
     no P × D tensor for backward: the routing weight scales the down projection's P × I input,
     so its gradient needs that input, not the P × D output (I = 16 here, D = 64)."""
-    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
-    tiny = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-    cfg = copy.deepcopy(tiny.config)
-    cfg.moe_intermediate_size = 16  # 2I != D, so the shapes tell the tensors apart
-    cfg._experts_implementation = impl
-    ex = type(tiny)(cfg)
+    ex = tiny_routed_experts(impl)
     g = torch.Generator().manual_seed(0)
-    for p in ex.parameters():
-        p.data.normal_(0, 0.1, generator=g)
-        p.requires_grad_(False)
     T, K = 53, 2
     x = torch.randn(T, ex.hidden_dim, generator=g, requires_grad=True)
     idx = torch.randint(0, ex.num_experts, (T, K), generator=g)

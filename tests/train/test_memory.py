@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import CPU, small_cfg
+from tests.helpers import CPU, small_cfg, tiny_routed_experts
 from vlpack.config import LoraConfig
 from vlpack.model.build import meta_model
 from vlpack.train import memory
@@ -45,20 +45,10 @@ def test_layer_bytes_by_hand() -> None:
 @pytest.mark.parametrize("train", [False, True])
 def test_routed_bytes_are_what_autograd_keeps(train: bool, compiled: bool) -> None:
     """`routed_bytes` against the storages autograd keeps for one experts module's backward
-    (counted with saved-tensor hooks, weights and their scales left out) under bf16 autocast,
-    eager and compiled, frozen and trained: per routed copy, to within the per-expert offsets."""
-    import copy
-
-    from vlpack.model import build_model
-
-    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
-    tiny = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-    cfg = copy.deepcopy(tiny.config)
-    cfg.moe_intermediate_size = 16  # 2I != D, so no width is mistaken for another
-    cfg._experts_implementation = "vlpack_grouped_mm_compiled" if compiled else "vlpack_grouped_mm"
-    ex = type(tiny)(cfg).to(torch.bfloat16)
-    for p in ex.parameters():
-        p.requires_grad_(train)
+    (counted with saved-tensor hooks, the weights left out) under bf16 autocast, eager and
+    compiled, frozen and trained: per routed copy, to within the per-expert offsets."""
+    impl = "vlpack_grouped_mm_compiled" if compiled else "vlpack_grouped_mm"
+    ex = tiny_routed_experts(impl, train=train, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     T, K = 53, 2
     x = torch.randn(T, ex.hidden_dim, generator=g, requires_grad=True)

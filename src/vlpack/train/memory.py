@@ -178,7 +178,8 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     b, T, h = run.act_bytes, run.seq_len, text.hidden_size
     n = text.num_hidden_layers
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
-    experts_train = any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n)
+    experts_train = any(p.requires_grad for name, p in model.named_parameters()
+                        if ".experts." in name)
     per_layer = [layer_bytes(text, k, b, experts_train=experts_train, compiled=run.compiled)
                  for k in kinds]
     recomputed = math.ceil(run.recompute_share * n) if run.recompute_share else 0
