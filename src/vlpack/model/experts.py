@@ -37,6 +37,13 @@ IMPLEMENTATION = "vlpack_grouped_mm"
 COMPILED = "vlpack_grouped_mm_compiled"
 
 
+def routed_expert(name: str) -> bool:
+    """Whether the parameter or module `name` (a dotted path) is, or lies inside, a MoE block's
+    routed experts (`...mlp.experts.gate_up_proj`, `...mlp.experts.3.down_proj`); the shared
+    expert (`...mlp.shared_expert...`) is not."""
+    return ".experts." in f".{name}."
+
+
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None

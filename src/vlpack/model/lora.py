@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vlpack.config import LoraConfig as VlpackLora
+from vlpack.model.experts import routed_expert
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "out_proj")
@@ -47,7 +48,7 @@ def target_names(model: nn.Module, cfg: VlpackLora) -> list[str]:
     linear of the vision tower and its mergers; a ValueError when none match."""
     wanted = set(cfg.target_modules or LLM_TARGETS)
     text_linears = _text_linear_names(model)
-    experts = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".experts." in n}
+    experts = {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if routed_expert(n)}
     routed = sorted(wanted & ((experts - text_linears) | {"experts"}))
     if cfg.target_modules and routed:
         raise ValueError(f"model.lora.target_modules names {routed}: the routed experts' weights "
@@ -84,7 +85,7 @@ def expert_parameters(model: nn.Module, cfg: VlpackLora) -> list[str]:
     if not cfg.experts:
         return []
     names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]
-             for n, _ in model.named_parameters() if ".experts." in n}
+             for n, _ in model.named_parameters() if routed_expert(n)}
     found = [p for p in EXPERT_PARAMETERS if p in names]
     if not found:
         raise ValueError(f"model.lora.experts=true but {type(model).__name__} has no routed "

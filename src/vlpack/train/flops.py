@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vlpack.model.experts import routed_expert
+
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0}
 """Dense bf16 tensor-core peak per GPU (TFLOP/s)."""
 
@@ -67,11 +69,11 @@ def _matmul_flops(module: torch.nn.Module, grad_flows: bool, experts: bool = Fal
     with `experts`, else every linear but them), or over its fused 3-D expert weights."""
     total = 0.0
     for n, m in module.named_modules():
-        if isinstance(m, torch.nn.Linear) and (".experts." in f".{n}.") == experts:
+        if isinstance(m, torch.nn.Linear) and routed_expert(n) == experts:
             total += _factor(m.weight, grad_flows) * m.weight.numel()
     if experts:
         total += sum(_factor(p, grad_flows) * p.numel()
-                     for n, p in module.named_parameters() if ".experts." in n and p.ndim == 3)
+                     for n, p in module.named_parameters() if routed_expert(n) and p.ndim == 3)
     return total
 
 

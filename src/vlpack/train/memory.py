@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlpack.model.experts import routed_expert
 from vlpack.model.quant import scale_buffers
 
 GIB = 2**30
@@ -179,7 +180,7 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     n = text.num_hidden_layers
     kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * n)
     experts_train = any(p.requires_grad for name, p in model.named_parameters()
-                        if ".experts." in name)
+                        if routed_expert(name))
     per_layer = [layer_bytes(text, k, b, experts_train=experts_train, compiled=run.compiled)
                  for k in kinds]
     recomputed = math.ceil(run.recompute_share * n) if run.recompute_share else 0
