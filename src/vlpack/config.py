@@ -34,13 +34,14 @@ AfterVideo = Literal["qwen", "transformers"]
 @functools.cache
 def _literal_fields(cls: type) -> tuple[tuple[str, tuple], ...]:
     """(field name, allowed values) of each field of `cls` typed `Literal[...]` (or
-    `Literal[...] | None`, None then allowed too)."""
+    `Literal[...] | None`, None then allowed too); a field that also takes another type
+    (`float | Literal["auto"]`) checks itself."""
     out = []
     for name, tp in typing.get_type_hints(cls).items():
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
             else (tp,)
         literals = [a for a in args if typing.get_origin(a) is Literal]
-        if literals:
+        if literals and all(typing.get_origin(a) is Literal or a is type(None) for a in args):
             allowed = tuple(v for a in literals for v in typing.get_args(a))
             out.append((name, allowed + ((None,) if type(None) in args else ())))
     return tuple(out)
@@ -335,11 +336,14 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute layer activations in backward instead of keeping them (less memory, about a
     third more compute)."""
-    checkpoint_share: float = 1.0
+    checkpoint_share: float | Literal["auto"] = 1.0
     """With activation_checkpointing: the share of each layer stack (decoder layers, vision
     blocks) that recomputes, from the first layer on; 0.5 keeps the second half's activations
-    (vlpack.model.recompute). Without activation_checkpointing nothing recomputes and the share
-    has no effect (so `model.activation_checkpointing=false` works on a recipe that sets one)."""
+    (vlpack.model.recompute). `auto`: the least share whose memory plan fits the device's free
+    memory, in steps of one text layer, chosen before the model is built (train/stack.py; the
+    log and `--dry-run` say which); where everything fits, nothing recomputes. Without
+    activation_checkpointing nothing recomputes and the share has no effect (so
+    `model.activation_checkpointing=false` works on a recipe that sets one)."""
     chunked_loss: bool = True
     """Cross-entropy in chunks, never holding [T, vocab] logits."""
     compile: bool = False
@@ -353,9 +357,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self, "model")
-        if not 0.0 < self.checkpoint_share <= 1.0:
+        if self.checkpoint_share != "auto" and not 0.0 < self.checkpoint_share <= 1.0:
             raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
-                             "(0, 1], e.g. 0.5 to recompute half of each layer stack")
+                             "(0, 1], e.g. 0.5 to recompute half of each layer stack, or auto "
+                             "for the least share that fits the device")
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ValueError("model.freeze_* freezes everything: nothing would train")
         if self.frozen_dtype == "int8" and self.lora.experts:
@@ -600,6 +605,9 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+_KIND = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert `value` (from YAML or a command line) to the annotated type `tp`."""
     if dataclasses.is_dataclass(tp):  # an element of a list of sections (data.mix)
@@ -611,13 +619,17 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             if type(None) in args:
                 return None
         errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        kinds = [a for a in args if a is not type(None)]
+        for a in kinds:
             try:
                 return _coerce(key, value, a)
             except ValueError as e:
                 errors.append(str(e))
+        if len(kinds) > 1:  # e.g. float | Literal["auto"]
+            what = " or ".join(f"one of {', '.join(map(str, typing.get_args(a)))}"
+                               if typing.get_origin(a) is Literal else _KIND.get(a, str(a))
+                               for a in kinds)
+            raise ValueError(f"{key} needs {what}, got {value!r}")
         raise ValueError(errors[0] if errors else f"{key}: cannot use {value!r}")
     if origin is Literal:
         if value not in typing.get_args(tp):

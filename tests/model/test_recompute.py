@@ -71,6 +71,10 @@ def test_share_is_validated() -> None:
                            ).model.activation_checkpointing
     assert load_config(None, ["model.activation_checkpointing=true",
                               "model.checkpoint_share=0.5"]).model.checkpoint_share == 0.5
+    assert load_config(None, ["model.checkpoint_share=auto"]).model.checkpoint_share == "auto"
+    with pytest.raises(ValueError, match=r"model.checkpoint_share needs a number or one of auto, "
+                                         r"got 'most'"):
+        load_config(None, ["model.checkpoint_share=most"])
 
 
 # --- model.activation_checkpointing through the trainer ----------------------------------------------

@@ -3,6 +3,7 @@ one-paragraph out-of-memory message, and a model too large refused before it is 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,80 @@ def test_a_model_too_large_fails_before_it_is_built(tmp_path: Path, monkeypatch)
     with pytest.raises(ValueError, match=r"model.name=qwen3.5-35b-a3b has 35.1\d B parameters .*"
                                          r"would take about 5\d\d.\d GiB on each cpu device, but 8.0 GiB"):
         Trainer(small_cfg(tmp_path, "model.name=qwen3.5-35b-a3b"), CPU)
+
+
+# --- model.checkpoint_share=auto ---------------------------------------------------------------------
+def _cut_lora(*extra: str):
+    from vlpack.config import load_config
+
+    return load_config("qwen3.5-35b-a3b-lora", ["model.name=qwen3.5-35b-a3b-8L",
+                                                "data.seq_len=32768", *extra])
+
+
+def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog) -> None:
+    """The 35B-A3B cut to 8 text layers, LoRA at 32k tokens: with the free memory just above what
+    the plan with k recomputed layers needs, auto recomputes k (the reference: each fixed share
+    k / 8, planned one by one); just below, k + 1; where nothing fits or the free memory is
+    unknown, all 8; where everything fits, none (activation checkpointing off)."""
+    import logging
+
+    from vlpack.train.stack import plan_memory
+
+    fixed = [plan_memory(_cut_lora("model.activation_checkpointing=false"), CPU,
+                         sharded=False)[0]]
+    fixed += [plan_memory(_cut_lora("model.activation_checkpointing=true",
+                                    f"model.checkpoint_share={k / 8}"), CPU, sharded=False)[0]
+              for k in range(1, 9)]
+    needs = [p.train_bytes for p in fixed]
+    assert all(a > b for a, b in itertools.pairwise(needs)) and fixed[8].build_bytes < needs[8]
+    auto = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
+
+    def share(free: int | None) -> float:
+        return plan_memory(auto, CPU, sharded=False, free=free)[0].recompute_share
+
+    for k in (0, 3, 8):
+        just_enough = -(-needs[k] // (1 - memory.HEADROOM)) + 8
+        assert share(just_enough) == k / 8
+        if k < 8:
+            assert share(just_enough - 2 * memory.GIB * (needs[k] > needs[k + 1])) == (k + 1) / 8
+    assert share(None) == share(1) == 1.0
+    caplog.set_level(logging.INFO, logger="vlpack.train")
+    share(needs[8] // 2)
+    assert "8 of 8 text layers recompute (share 1)" in caplog.text and "which no share fits" \
+        in caplog.text
+
+
+def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) -> None:
+    """tiny's 2 text layers: with room for one kept layer but not two, the first recomputes and
+    the second keeps its activations; with room for both, activation checkpointing is off."""
+    from vlpack.train.stack import plan_memory
+
+    ac = ("model.activation_checkpointing=true",)
+    keep_one = plan_memory(small_cfg(tmp_path, *ac, "model.checkpoint_share=0.5"), CPU,
+                           sharded=False)[0]
+    keep_all = plan_memory(small_cfg(tmp_path, "model.activation_checkpointing=false"), CPU,
+                           sharded=False)[0]
+    assert keep_all.train_bytes > keep_one.train_bytes
+    for room, expected in ((keep_one, [True, False]), (keep_all, [False, False])):
+        free = int(room.train_bytes / (1 - memory.HEADROOM)) + 64
+        monkeypatch.setattr(memory, "available_bytes", lambda device, free=free: free)
+        out = tmp_path / str(expected)
+        trainer = Trainer(small_cfg(out, *ac, "model.checkpoint_share=auto"), CPU)
+        layers = trainer.model.model.language_model.layers
+        assert [bool(getattr(x, "gradient_checkpointing", False)) for x in layers] == expected
+        assert trainer.plan.recompute_share == expected.count(True) / 2
+
+
+def test_the_plan_recomputes_the_layers_that_recompute() -> None:
+    """share 0.28 (7 / 25) of 25 text layers is 7 recomputed layers in the model (0.28 · 25 rounds
+    to 7.000000000000001) and in the plan: the same text activations as share 0.27 (7 layers)."""
+    from vlpack.model.recompute import recomputed_layers
+
+    assert recomputed_layers(0.28, 25) == recomputed_layers(0.27, 25) == 7
+    model = meta_model("qwen3.5-35b-a3b-25L")
+
+    def acts(share: float) -> int:
+        run = memory.RunShape(seq_len=64, patches=64, recompute_share=share, act_bytes=2)
+        return memory.activation_bytes(model, run)["text layers"]
+
+    assert acts(0.28) == acts(0.27) != acts(0.29)

@@ -27,6 +27,12 @@ def layer_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
     }
 
 
+def recomputed_layers(share: float, n: int) -> int:
+    """How many of a stack's `n` layers recompute at `share` (0: none): ceil(share × n), robust
+    to the float rounding of share = k / n (the memory plan counts the same)."""
+    return math.ceil(share * n - 1e-9) if share else 0
+
+
 def enable_activation_checkpointing(model: nn.Module, share: float = 1.0) -> dict[str, int]:
     """Recompute in backward the first ceil(`share` × n) layers of each of `model`'s stacks.
 
@@ -46,7 +52,7 @@ def enable_activation_checkpointing(model: nn.Module, share: float = 1.0) -> dic
         model.gradient_checkpointing_enable({"use_reentrant": False})
     recomputed = {}
     for name, stack in stacks.items():
-        n = math.ceil(share * len(stack) - 1e-9)
+        n = recomputed_layers(share, len(stack))
         for i, layer in enumerate(stack):
             layer.gradient_checkpointing = i < n
         recomputed[name] = n

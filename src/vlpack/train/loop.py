@@ -574,6 +574,10 @@ def print_plan(cfg: Config) -> int:
               f"rank(s), per device ({plan.params / 1e9:.2f} B parameters, "
               f"{plan.trainable / 1e9:.3f} B trainable; data.seq_len={cfg.data.seq_len}, "
               f"parallel.cp={cfg.parallel.cp}):")
+        if cfg.model.activation_checkpointing:
+            print(f"  recomputed share of each layer stack {plan.recompute_share:.3g}"
+                  + (" (model.checkpoint_share=auto)"
+                     if cfg.model.checkpoint_share == "auto" else ""))
         print("\n".join(plan.lines()))
         try:
             check_plan(plan, cfg, info, sharded, ways)

@@ -34,7 +34,6 @@ of one host share its memory (`sharing`).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from torch import nn
 
 from vlpack.model.experts import routed_expert
 from vlpack.model.quant import scale_buffers
+from vlpack.model.recompute import recomputed_layers
 
 GIB = 2**30
 ACTIVATION_SCALE = 0.85
@@ -92,6 +92,8 @@ class MemoryPlan:
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
     build_dtype: torch.dtype = torch.float32
     """The dtype the model is built in (train/precision.build_dtype)."""
+    recompute_share: float = 0.0
+    """The share of each layer stack that recomputes in this plan (0: none)."""
 
     @property
     def train_bytes(self) -> int:
@@ -183,7 +185,7 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
                         if routed_expert(name))
     per_layer = [layer_bytes(text, k, b, experts_train=experts_train, compiled=run.compiled)
                  for k in kinds]
-    recomputed = math.ceil(run.recompute_share * n) if run.recompute_share else 0
+    recomputed = recomputed_layers(run.recompute_share, n)
     kept = sum(per_layer[recomputed:]) + 4 * h * recomputed
     widest = max(per_layer)
     parts = {"text layers": T * kept, "backward working set": 2 * T * widest}
@@ -192,7 +194,7 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
         depth = vision.depth
         vb = vision_block_bytes(vision, b)
         hv = getattr(vision, "hidden_size", None) or vision.embed_dim
-        vr = math.ceil(run.recompute_share * depth) if run.recompute_share else 0
+        vr = recomputed_layers(run.recompute_share, depth)
         parts["vision blocks"] = run.patches * (vb * (depth - vr) + 4 * hv * vr + 2 * vb)
     vocab = text.vocab_size
     rows = run.loss_chunk or T
@@ -237,7 +239,7 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         build_bytes=0 if sharded or host_build else whole * sharing,
         host_bytes=sum(weights.values()) if sharded else whole if host_build else 0,
         shard_bytes=sum(shard.values()) if sharded else 0,
-        build_dtype=build_dtype,
+        build_dtype=build_dtype, recompute_share=run.recompute_share if run is not None else 0.0,
     )
 
 
@@ -280,18 +282,28 @@ def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int,
     return out
 
 
+def fits(p: MemoryPlan, device: torch.device, free: int | None, *,
+         holds_copy: bool = False) -> bool:
+    """Whether `p` fits `free` bytes of `device` less HEADROOM (`check_fits` says why not);
+    True where the free memory cannot be read."""
+    return free is None or _need(p, device, holds_copy)[0] <= int(free * (1 - HEADROOM))
+
+
+def _need(p: MemoryPlan, device: torch.device, holds_copy: bool) -> tuple[int, int]:
+    """The most `p` holds on `device` at once, and what it holds while rank 0's copy loads."""
+    loading = p.host_bytes + p.shard_bytes if holds_copy and device.type == "cpu" else 0
+    return max(p.build_bytes, p.train_bytes, loading), loading
+
+
 def check_fits(p: MemoryPlan, device: torch.device, free: int | None, *, model: str,
                holds_copy: bool = False, ways: list[str] | None = None) -> None:
     """ValueError with the plan and the ways out when it exceeds `free` bytes (less HEADROOM).
     `holds_copy`: this CPU device also holds rank 0's whole copy while the shards load (the copy
     is freed before gradients and optimizer state exist)."""
-    if free is None:
+    if fits(p, device, free, holds_copy=holds_copy):
         return
-    loading = p.host_bytes + p.shard_bytes if holds_copy and device.type == "cpu" else 0
-    need = max(p.build_bytes, p.train_bytes, loading)
+    need, loading = _need(p, device, holds_copy)
     usable = int(free * (1 - HEADROOM))
-    if need <= usable:
-        return
     what = ("building it would" if p.build_bytes == need else
             "rank 0's whole copy and the parameter shards would" if loading == need else
             "training it would")

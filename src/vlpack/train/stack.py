@@ -15,6 +15,7 @@ or activations of `data.seq_len`) and freezing, checkpointing, compile and FSDP2
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from vlpack.train import memory, precision
 from vlpack.train.flops import FlopModel, flop_model
 from vlpack.train.kernel_cache import keep_kernel_cache, use_tuned_kernels
 from vlpack.train.module import TrainModule, freeze
-from vlpack.train.parallel import Topology, load_full_state
+from vlpack.train.parallel import Topology, all_reduce, load_full_state
 from vlpack.train.parallelize import Parallelism, parallelize
 
 log = logging.getLogger("vlpack.train")
@@ -86,10 +87,12 @@ def builds_on_host(cfg: Config, info: Topology) -> bool:
             and folder.is_dir() and folder_has_weights(folder))
 
 
-def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.MemoryPlan, list[str]]:
+def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
+                free: int | None = None) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
-    apply to it."""
+    apply to it. With `model.checkpoint_share=auto`, the plan of the least share that fits
+    `free` bytes (None: this device's free memory), the same on every rank (`auto_share`)."""
     from vlpack.model.build import meta_model
 
     m, d = cfg.model, cfg.data
@@ -108,17 +111,63 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool) -> tuple[memory.M
         quantize_experts(shapes, torch.device("meta"), model_name=m.name)
     merge = shapes.config.vision_config.spatial_merge_size
     tokens = d.seq_len // cfg.parallel.cp
-    share = m.checkpoint_share if m.activation_checkpointing else 0.0
-    run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
-                          recompute_share=share, act_bytes=2 if autocast else 4,
-                          loss_chunk=1024 if m.chunked_loss else 0, compiled=m.compile)
-    plan = memory.plan(shapes, run, world_size=info.world_size,
-                       sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
-                       sharded=sharded, build_dtype=precision.build_dtype(m.name, low),
-                       host_build=builds_on_host(cfg, info))
-    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=share, cp=cfg.parallel.cp,
-                           vision_capped=d.max_patches is not None)
+
+    def plan_at(share: float) -> memory.MemoryPlan:
+        run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
+                              recompute_share=share, act_bytes=2 if autocast else 4,
+                              loss_chunk=1024 if m.chunked_loss else 0, compiled=m.compile)
+        return memory.plan(shapes, run, world_size=info.world_size,
+                           sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
+                           sharded=sharded, build_dtype=precision.build_dtype(m.name, low),
+                           host_build=builds_on_host(cfg, info))
+
+    if not m.activation_checkpointing:
+        plan = plan_at(0.0)
+    elif m.checkpoint_share == "auto":
+        free = memory.available_bytes(info.device) if free is None else free
+        plan = auto_share(plan_at, shapes.config.text_config.num_hidden_layers, info, free,
+                          holds_copy=sharded and info.is_main)
+    else:
+        plan = plan_at(m.checkpoint_share)
+    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=plan.recompute_share,
+                           cp=cfg.parallel.cp, vision_capped=d.max_patches is not None)
     return plan, ways
+
+
+def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info: Topology,
+               free: int | None, *, holds_copy: bool) -> memory.MemoryPlan:
+    """`model.checkpoint_share=auto`: the plan of the least share k / `layers` (k recomputed
+    text layers, 0 to all) that fits `free` bytes on this rank (`memory.fits`), the largest k of
+    all ranks so every rank recomputes alike; all layers where the free memory is unknown or
+    nothing fits (the plan's check then refuses the run). The plan shrinks as k grows, so a
+    bisection finds k."""
+    plans: dict[int, memory.MemoryPlan] = {}
+
+    def at(k: int) -> memory.MemoryPlan:
+        if k not in plans:
+            plans[k] = plan_at(k / layers)
+        return plans[k]
+
+    lo, hi = 0, layers
+    if free is not None:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if memory.fits(at(mid), info.device, free, holds_copy=holds_copy):
+                hi = mid
+            else:
+                lo = mid + 1
+    else:
+        lo = layers
+    k = int(all_reduce([float(lo)], info, op="max")[0])
+    p = at(k)
+    if info.is_main:
+        room = ("the free memory unknown" if free is None else f"{free / memory.GIB:.1f} GiB free"
+                + ("" if memory.fits(p, info.device, free, holds_copy=holds_copy)
+                   else ", which no share fits"))
+        log.info("model.checkpoint_share=auto: %d of %d text layers recompute (share %.3g), "
+                 "%.1f GiB planned with %s", k, layers, p.recompute_share,
+                 p.train_bytes / memory.GIB, room)
+    return p
 
 
 def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
@@ -226,8 +275,8 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     parallelize(model, module, info, Parallelism(
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
         frozen_dtype=low, int8_experts=m.frozen_dtype == "int8",
-        activation_checkpointing=m.activation_checkpointing,
-        checkpoint_share=m.checkpoint_share, compile_scope=m.compile_scope if m.compile else None,
+        activation_checkpointing=plan.recompute_share > 0,
+        checkpoint_share=plan.recompute_share or 1.0, compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention,
         fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
         reshard_after_forward=t.reshard_after_forward))
