@@ -147,7 +147,8 @@ def model_name(args) -> str:
 def variant(mode: str, args) -> str:
     """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`;
     `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
-    ac = f"+ac{args.checkpoint_share:g}" if args.activation_checkpointing else ""
+    share = args.checkpoint_share
+    ac = (f"+ac{share:g}" if share != "auto" else "+acauto") if args.activation_checkpointing else ""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
     return (mode + "+compile" * args.compile + "+compile_layers" * args.compile_layers
             + "+vision_attn" * args.trace_vision_attention
@@ -237,7 +238,7 @@ def vlpack_config(mode: str, args):
     keys = [f"model.name={model_name(args)}", "model.init=random",
             f"data.packing={'bfd' if mode == 'vlpack_packed' else 'none'}",
             f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-            f"model.checkpoint_share={args.checkpoint_share}",
+            f"model.checkpoint_share={args.checkpoint_share}", f"data.seq_len={args.seq_len}",
             f"model.compile={str(compile_scope is not None).lower()}",
             f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
             f"model.frozen_dtype={args.frozen_dtype}",
@@ -258,6 +259,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
         stack = build_stack(cfg, topo, loss_method=None if args.loss == "auto" else args.loss,
                             trace_vision_attention=args.trace_vision_attention)
         model, spec, module = stack.model, stack.spec, stack.module
+        recompute = stack.plan.recompute_share  # model.checkpoint_share=auto resolved
         if args.experts and spec.is_moe:
             model.set_experts_implementation(args.experts)
         params = list(module.parameters())
@@ -282,6 +284,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
             trace_vision_attention=args.trace_vision_attention,
             fsdp=args.bf16_params, param_dtype=torch.bfloat16))
         params = [p for p in model.parameters() if p.requires_grad]
+        recompute = m.checkpoint_share if m.activation_checkpointing else 0.0
     opt = build_optimizer(params, cfg.optim, device_type=device.type) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)
@@ -359,6 +362,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
         "real_tokens_per_s": real / train_s,
         "real_tokens_per_s_with_optimizer": real / wall if args.optimizer else None,
         "padding_share": 1 - real / tokens,
+        "recompute_share": recompute,
         "mfu": flop_total / train_s / PEAK,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                          if device.type == "cuda" else None),
@@ -418,8 +422,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--checkpoint-share", type=float, default=1.0,
-                   help="with --activation-checkpointing: share of each layer stack recomputed")
+    p.add_argument("--checkpoint-share", type=lambda v: v if v == "auto" else float(v),
+                   default=1.0,
+                   help="with --activation-checkpointing: share of each layer stack recomputed, "
+                        "or auto (vlpack modes: the least share whose memory plan fits)")
     p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="step AdamW (fp32 states); --no-optimizer for shapes whose states do "
                         "not fit one GPU (throughput never counts the optimizer)")
@@ -467,6 +473,10 @@ def main(argv=None) -> int:
                                                              "vlpack_grouped_mm_compiled"):
         p.error("--frozen-dtype int8 runs vlpack's experts kernel: leave --experts out or name "
                 "vlpack_grouped_mm(_compiled)")
+    if args.checkpoint_share == "auto" and any(not m.startswith("vlpack")
+                                               for m in args.modes.split(",")):
+        p.error("--checkpoint-share auto is model.checkpoint_share=auto, planned by vlpack's "
+                "stack: run the stock modes with a number")
     if args.stacks_every:  # where a slow setup or first step spends its time, if it is cut off
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
