@@ -205,6 +205,39 @@ def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog) -> None:
         in caplog.text
 
 
+def _auto_rank(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks planning the 8-layer cut with auto: rank 0 with room for every layer's
+    activations, rank 1 with just enough for 3 recomputed layers (the reference: its own plan
+    at the fixed share 3 / 8). Writes the share it planned to `out`.RANK."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from vlpack.train.parallel import init_distributed, shutdown
+    from vlpack.train.stack import is_sharded, plan_memory
+
+    info = init_distributed(1)
+    cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
+    sharded = is_sharded(cfg, info)
+    three = _cut_lora("model.activation_checkpointing=true", f"model.checkpoint_share={3 / 8}")
+    need = plan_memory(three, info, sharded=sharded)[0].train_bytes
+    free = 1 << 50 if rank == 0 else int(need / (1 - memory.HEADROOM)) + 8
+    plan = plan_memory(cfg, info, sharded=sharded, free=free)[0]
+    Path(f"{out}.{rank}").write_text(str(plan.recompute_share))
+    shutdown()
+
+
+def test_auto_share_is_the_same_on_every_rank(tmp_path: Path) -> None:
+    """Ranks that recompute different layers would run different collectives in backward under
+    FSDP2: auto takes the share the rank with the least room needs, on both ranks."""
+    from tests.helpers import run_ranks
+
+    out = tmp_path / "share"
+    assert run_ranks(_auto_rank, str(out), world=2, timeout=300) == [0, 0]
+    assert [float(Path(f"{out}.{r}").read_text()) for r in range(2)] == [3 / 8, 3 / 8]
+
+
 def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) -> None:
     """tiny's 2 text layers: with room for one kept layer but not two, the first recomputes and
     the second keeps its activations; with room for both, activation checkpointing is off."""
