@@ -137,7 +137,12 @@ def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeyp
     out = capsys.readouterr().out
     assert "vlpack: error: out of cpu memory in step 1" in out, out
     assert "the memory plan counted" in out and "Ways out: " in out and "--dry-run" in out
-    assert "Traceback" not in out and "Tried to allocate" not in out
+    assert "Traceback" not in out and "Tried to allocate" not in out and "auto" not in out
+    # the share auto chose from the plan (this machine's room: nothing recomputes)
+    assert train(small_cfg(tmp_path / "auto", "train.max_steps=2",
+                           "model.activation_checkpointing=true",
+                           "model.checkpoint_share=auto")) == 1
+    assert "model.checkpoint_share=auto having chosen 0 from it" in capsys.readouterr().out
 
 
 def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypatch, caplog) -> None:

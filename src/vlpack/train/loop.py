@@ -388,10 +388,13 @@ class Trainer:
                  if dev.type == "cuda" else float("nan"))
         p = self.plan
         acts = sum(p.activations.values()) / memory.GIB
+        auto = (f", model.checkpoint_share=auto having chosen {p.recompute_share:.3g} from it"
+                if self.cfg.model.activation_checkpointing
+                and self.cfg.model.checkpoint_share == "auto" else "")
         return (f"out of {dev.type} memory in step {self.step + 1} (rank {self.info.rank}): "
                 f"PyTorch had allocated up to {peak:.1f} GiB of the device's {total:.1f} GiB; the "
                 f"memory plan counted {p.train_bytes / memory.GIB:.1f} GiB ({acts:.1f} GiB of it "
-                f"activations for data.seq_len={self.cfg.data.seq_len}). The last good checkpoint "
+                f"activations for data.seq_len={self.cfg.data.seq_len}{auto}). The last good checkpoint "
                 f"is {self.last_checkpoint or 'none'}. Ways out: " + "; ".join(self.ways_out)
                 + ". `vlpack train ... --dry-run` prints the plan of a setting without training")
 
