@@ -148,16 +148,13 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
             plans[k] = plan_at(k / layers)
         return plans[k]
 
-    lo, hi = 0, layers
-    if free is not None:
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if memory.fits(at(mid), info.device, free, holds_copy=holds_copy):
-                hi = mid
-            else:
-                lo = mid + 1
-    else:
-        lo = layers
+    lo, hi = (0, layers) if free is not None else (layers, layers)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if memory.fits(at(mid), info.device, free, holds_copy=holds_copy):
+            hi = mid
+        else:
+            lo = mid + 1
     k = int(all_reduce([float(lo)], info, op="max")[0])
     p = at(k)
     if info.is_main:
