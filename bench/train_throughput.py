@@ -144,9 +144,23 @@ def model_name(args) -> str:
     return reduced_depth(args.model, args.layers) if args.layers else args.model
 
 
+def _share(value: str) -> float | str:
+    """--checkpoint-share: a share in (0, 1] or auto."""
+    if value == "auto":
+        return value
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r}: a share in (0, 1], e.g. 0.5, or auto")
+    return share
+
+
 def variant(mode: str, args) -> str:
     """The result key: the mode plus its speed levers (`vlpack_packed+compile+bf16_params`;
-    `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack)."""
+    `+ac1` with activation checkpointing of every layer, `+ac0.5` of half of each stack, `+acauto`
+    of the share the memory plan chose, recorded as the result's `recompute_share`)."""
     share = args.checkpoint_share
     ac = (f"+ac{share:g}" if share != "auto" else "+acauto") if args.activation_checkpointing else ""
     expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
@@ -238,7 +252,8 @@ def vlpack_config(mode: str, args):
     keys = [f"model.name={model_name(args)}", "model.init=random",
             f"data.packing={'bfd' if mode == 'vlpack_packed' else 'none'}",
             f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-            f"model.checkpoint_share={args.checkpoint_share}", f"data.seq_len={args.seq_len}",
+            f"model.checkpoint_share={args.checkpoint_share}",
+            f"data.seq_len={args.seq_len}", "data.pad_to_multiple_of=1",  # the plan's bins
             f"model.compile={str(compile_scope is not None).lower()}",
             f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
             f"model.frozen_dtype={args.frozen_dtype}",
@@ -422,8 +437,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--checkpoint-share", type=lambda v: v if v == "auto" else float(v),
-                   default=1.0,
+    p.add_argument("--checkpoint-share", type=_share, default=1.0,
                    help="with --activation-checkpointing: share of each layer stack recomputed, "
                         "or auto (vlpack modes: the least share whose memory plan fits)")
     p.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
@@ -473,10 +487,9 @@ def main(argv=None) -> int:
                                                              "vlpack_grouped_mm_compiled"):
         p.error("--frozen-dtype int8 runs vlpack's experts kernel: leave --experts out or name "
                 "vlpack_grouped_mm(_compiled)")
-    if args.checkpoint_share == "auto" and any(not m.startswith("vlpack")
-                                               for m in args.modes.split(",")):
-        p.error("--checkpoint-share auto is model.checkpoint_share=auto, planned by vlpack's "
-                "stack: run the stock modes with a number")
+    if args.checkpoint_share == "auto" and args.modes != "vlpack_packed":
+        p.error("--checkpoint-share auto is model.checkpoint_share=auto, which plans packed "
+                "rows: run it with --modes vlpack_packed, the other modes with a share")
     if args.stacks_every:  # where a slow setup or first step spends its time, if it is cut off
         faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -357,8 +357,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self, "model")
-        if self.checkpoint_share != "auto" and not 0.0 < self.checkpoint_share <= 1.0:
-            raise ValueError(f"model.checkpoint_share={self.checkpoint_share}: use a share in "
+        share = self.checkpoint_share
+        if share != "auto" and (isinstance(share, str) or not 0.0 < share <= 1.0):
+            raise ValueError(f"model.checkpoint_share={share!r}: use a share in "
                              "(0, 1], e.g. 0.5 to recompute half of each layer stack, or auto "
                              "for the least share that fits the device")
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
@@ -564,6 +565,10 @@ class Config:
             from vlpack.model.presets import random_weights_refusal
 
             raise ValueError(random_weights_refusal(self.model.name, source))
+        if self.model.checkpoint_share == "auto" and self.data.packing == "none":
+            raise ValueError("model.checkpoint_share=auto plans packed rows of data.seq_len "
+                             "tokens, and data.packing=none pads batches of data.batch_size "
+                             "samples: set a share (e.g. model.checkpoint_share=1.0)")
         cp = self.parallel.cp
         if cp > 1 and self.data.packing == "none":
             raise ValueError("parallel.cp > 1 splits packed rows: set data.packing to bfd, ffd "
@@ -626,7 +631,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except ValueError as e:
                 errors.append(str(e))
         if len(kinds) > 1:  # e.g. float | Literal["auto"]
-            what = " or ".join(f"one of {', '.join(map(str, typing.get_args(a)))}"
+            what = " or ".join(", ".join(map(str, typing.get_args(a)))
                                if typing.get_origin(a) is Literal else _KIND.get(a, str(a))
                                for a in kinds)
             raise ValueError(f"{key} needs {what}, got {value!r}")

@@ -121,10 +121,15 @@ def test_dry_run_prints_the_plan_and_refuses_what_does_not_fit(tmp_path: Path) -
     assert "memory plan of tiny-qwen3_vl" in ok.stdout and "fits:" in ok.stdout, ok.stdout
     assert "activations: loss" in ok.stdout and not (tmp_path / "metrics.jsonl").exists()
     # full fine-tuning of the 35B on this machine: refused, LoRA among the ways out
+    # (with auto: every layer recomputes, and that does not fit either)
     big = subprocess.run([sys.executable, "-m", "vlpack", "train", "qwen3.5-35b-a3b",
-                          "--dry-run"], capture_output=True, text=True, timeout=300)
+                          "--dry-run", "model.checkpoint_share=auto"], capture_output=True,
+                         text=True, timeout=300)
     assert big.returncode == 1, big.stdout + big.stderr[-2000:]
     assert "does not fit" in big.stdout and "model.lora.rank=16" in big.stdout, big.stdout
+    assert "recomputed share of each layer stack 1.0 (model.checkpoint_share=auto)" in big.stdout
+    assert "40 of 40 text layers recompute (share 1.0)" in big.stderr, big.stderr[-2000:]
+    assert "which no share fits" in big.stderr
 
 
 def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeypatch,
@@ -142,7 +147,7 @@ def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeyp
     assert train(small_cfg(tmp_path / "auto", "train.max_steps=2",
                            "model.activation_checkpointing=true",
                            "model.checkpoint_share=auto")) == 1
-    assert "model.checkpoint_share=auto having chosen 0 from it" in capsys.readouterr().out
+    assert "model.checkpoint_share=auto having chosen 0.0 from it" in capsys.readouterr().out
 
 
 def test_memory_check_warn_and_skip_start_a_refused_run(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -177,7 +182,7 @@ def _cut_lora(*extra: str):
                                                 "data.seq_len=32768", *extra])
 
 
-def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog) -> None:
+def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog, monkeypatch) -> None:
     """The 35B-A3B cut to 8 text layers, LoRA at 32k tokens: with the free memory just above what
     the plan with k recomputed layers needs, auto recomputes k (the reference: each fixed share
     k / 8, planned one by one); just below, k + 1; where nothing fits or the free memory is
@@ -203,17 +208,22 @@ def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog) -> None:
         assert share(just_enough) == k / 8
         if k < 8:
             assert share(just_enough - 2 * memory.GIB * (needs[k] > needs[k + 1])) == (k + 1) / 8
-    assert share(None) == share(1) == 1.0
+    assert share(1) == 1.0
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # cannot be read
+    assert share(None) == 1.0
     caplog.set_level(logging.INFO, logger="vlpack.train")
+    plan_memory(_cut_lora("model.activation_checkpointing=false", "model.checkpoint_share=auto"),
+                CPU, sharded=False)
+    assert "auto has no effect without model.activation_checkpointing=true" in caplog.text
     share(needs[8] // 2)
-    assert "8 of 8 text layers recompute (share 1)" in caplog.text and "which no share fits" \
+    assert "8 of 8 text layers recompute (share 1.0)" in caplog.text and "which no share fits" \
         in caplog.text
 
 
 def _auto_rank(rank: int, port: int, out: str) -> None:
-    """One of 2 gloo ranks planning the 8-layer cut with auto: rank 0 with room for every layer's
-    activations, rank 1 with just enough for 3 recomputed layers (the reference: its own plan
-    at the fixed share 3 / 8). Writes the share it planned to `out`.RANK."""
+    """One of 2 gloo ranks planning the 8-layer cut with auto: rank 0 with just enough room for 1
+    recomputed layer, rank 1 for 3 (the reference: each rank's own plan at the fixed share).
+    Writes the share it planned to `out`.RANK."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -225,9 +235,10 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
     info = init_distributed(1)
     cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
     sharded = is_sharded(cfg, info)
-    three = _cut_lora("model.activation_checkpointing=true", f"model.checkpoint_share={3 / 8}")
-    need = plan_memory(three, info, sharded=sharded)[0].train_bytes
-    free = 1 << 50 if rank == 0 else int(need / (1 - memory.HEADROOM)) + 8
+    k = 1 if rank == 0 else 3
+    fixed = _cut_lora("model.activation_checkpointing=true", f"model.checkpoint_share={k / 8}")
+    need = plan_memory(fixed, info, sharded=sharded)[0]
+    free = int(max(need.train_bytes, need.build_bytes) / (1 - memory.HEADROOM)) + 8
     plan = plan_memory(cfg, info, sharded=sharded, free=free)[0]
     Path(f"{out}.{rank}").write_text(str(plan.recompute_share))
     shutdown()
@@ -244,8 +255,9 @@ def test_auto_share_is_the_same_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) -> None:
-    """tiny's 2 text layers: with room for one kept layer but not two, the first recomputes and
-    the second keeps its activations; with room for both, activation checkpointing is off."""
+    """tiny's 2 text layers and 2 vision blocks: with room for one kept layer but not two, the
+    first of each stack recomputes and the second keeps its activations; with room for both,
+    activation checkpointing is off."""
     from vlpack.train.stack import plan_memory
 
     ac = ("model.activation_checkpointing=true",)
@@ -259,21 +271,25 @@ def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) 
         monkeypatch.setattr(memory, "available_bytes", lambda device, free=free: free)
         out = tmp_path / str(expected)
         trainer = Trainer(small_cfg(out, *ac, "model.checkpoint_share=auto"), CPU)
-        layers = trainer.model.model.language_model.layers
-        assert [bool(getattr(x, "gradient_checkpointing", False)) for x in layers] == expected
+        for stack in (trainer.model.model.language_model.layers, trainer.model.model.visual.blocks):
+            assert [bool(getattr(x, "gradient_checkpointing", False)) for x in stack] == expected
         assert trainer.plan.recompute_share == expected.count(True) / 2
 
 
 def test_the_plan_recomputes_the_layers_that_recompute() -> None:
-    """share 0.28 (7 / 25) of 25 text layers is 7 recomputed layers in the model (0.28 · 25 rounds
-    to 7.000000000000001) and in the plan: the same text activations as share 0.27 (7 layers)."""
-    from vlpack.model.recompute import recomputed_layers
+    """share 0.28 (7 / 25) of the 25-layer cut: the model recomputes 7 text layers (0.28 · 25
+    rounds to 7.000000000000001) and 8 of its 27 vision blocks (0.28 · 27 = 7.56), and the plan
+    counts the same: its text layers as at share 0.27 (7 layers, not 8 as at 0.29), its vision
+    blocks as at 0.29 (8 blocks, not 7 as at 0.25)."""
+    from vlpack.model.recompute import enable_activation_checkpointing
 
-    assert recomputed_layers(0.28, 25) == recomputed_layers(0.27, 25) == 7
     model = meta_model("qwen3.5-35b-a3b-25L")
 
-    def acts(share: float) -> int:
+    def acts(share: float) -> dict[str, int]:
         run = memory.RunShape(seq_len=64, patches=64, recompute_share=share, act_bytes=2)
-        return memory.activation_bytes(model, run)["text layers"]
+        return memory.activation_bytes(model, run)
 
-    assert acts(0.28) == acts(0.27) != acts(0.29)
+    assert acts(0.28)["text layers"] == acts(0.27)["text layers"] != acts(0.29)["text layers"]
+    assert acts(0.28)["vision blocks"] == acts(0.29)["vision blocks"] != acts(0.25)["vision blocks"]
+    assert enable_activation_checkpointing(model, 0.28) == {"model.visual.blocks": 8,
+                                                            "model.language_model.layers": 7}

@@ -388,7 +388,7 @@ class Trainer:
                  if dev.type == "cuda" else float("nan"))
         p = self.plan
         acts = sum(p.activations.values()) / memory.GIB
-        auto = (f", model.checkpoint_share=auto having chosen {p.recompute_share:.3g} from it"
+        auto = (f", model.checkpoint_share=auto having chosen {p.recompute_share!r} from it"
                 if self.cfg.model.activation_checkpointing
                 and self.cfg.model.checkpoint_share == "auto" else "")
         return (f"out of {dev.type} memory in step {self.step + 1} (rank {self.info.rank}): "
@@ -578,7 +578,7 @@ def print_plan(cfg: Config) -> int:
               f"{plan.trainable / 1e9:.3f} B trainable; data.seq_len={cfg.data.seq_len}, "
               f"parallel.cp={cfg.parallel.cp}):")
         if cfg.model.activation_checkpointing:
-            print(f"  recomputed share of each layer stack {plan.recompute_share:.3g}"
+            print(f"  recomputed share of each layer stack {plan.recompute_share!r}"
                   + (" (model.checkpoint_share=auto)"
                      if cfg.model.checkpoint_share == "auto" else ""))
         print("\n".join(plan.lines()))

@@ -122,6 +122,9 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
                            host_build=builds_on_host(cfg, info))
 
     if not m.activation_checkpointing:
+        if m.checkpoint_share == "auto" and info.is_main:
+            log.warning("model.checkpoint_share=auto has no effect without "
+                        "model.activation_checkpointing=true: nothing recomputes")
         plan = plan_at(0.0)
     elif m.checkpoint_share == "auto":
         free = memory.available_bytes(info.device) if free is None else free
@@ -161,8 +164,9 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
         room = ("the free memory unknown" if free is None else f"{free / memory.GIB:.1f} GiB free"
                 + ("" if memory.fits(p, info.device, free, holds_copy=holds_copy)
                    else ", which no share fits"))
-        log.info("model.checkpoint_share=auto: %d of %d text layers recompute (share %.3g), "
-                 "%.1f GiB planned with %s", k, layers, p.recompute_share,
+        other = f" (rank 0 alone needs {lo}: another rank has less room)" if k != lo else ""
+        log.info("model.checkpoint_share=auto: %d of %d text layers recompute (share %r)%s, "
+                 "%.1f GiB planned with %s on rank 0", k, layers, p.recompute_share, other,
                  p.train_bytes / memory.GIB, room)
     return p
 
