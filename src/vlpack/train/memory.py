@@ -248,6 +248,8 @@ def available_bytes(device: torch.device) -> int | None:
     process's cap leaves (`torch.cuda.set_per_process_memory_fraction`, or
     `PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`) beyond what it has reserved."""
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                              else device.index)
         free, total = torch.cuda.mem_get_info(device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
         capped = int(fraction * total) - torch.cuda.memory_reserved(device)
