@@ -262,8 +262,7 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int,
-             vision_capped: bool = True) -> list[str]:
+def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True) -> list[str]:
     """The settings that shrink the largest parts of `p`, most effective first."""
     acts = sum(p.activations.values())
     state = p.grads + p.optimizer
@@ -275,7 +274,7 @@ def ways_out(p: MemoryPlan, *, lora: bool, recompute_share: float, cp: int,
         out.append("a vision budget per bin (data.max_patches=N): without one the plan counts "
                    "every token of a bin as an image token")
     if acts:
-        if recompute_share < 1.0:
+        if p.recompute_share < 1.0:
             out.append("recompute more of each layer stack (model.activation_checkpointing=true "
                        "model.checkpoint_share=1.0)")
         out.append("shorter bins (data.seq_len)")

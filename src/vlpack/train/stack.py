@@ -132,8 +132,8 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
                           holds_copy=sharded and info.is_main)
     else:
         plan = plan_at(m.checkpoint_share)
-    ways = memory.ways_out(plan, lora=bool(m.lora.rank), recompute_share=plan.recompute_share,
-                           cp=cfg.parallel.cp, vision_capped=d.max_patches is not None)
+    ways = memory.ways_out(plan, lora=bool(m.lora.rank), cp=cfg.parallel.cp,
+                           vision_capped=d.max_patches is not None)
     return plan, ways
 
 
