@@ -293,3 +293,14 @@ def test_the_plan_recomputes_the_layers_that_recompute() -> None:
     assert acts(0.28)["vision blocks"] == acts(0.29)["vision blocks"] != acts(0.25)["vision blocks"]
     assert enable_activation_checkpointing(model, 0.28) == {"model.visual.blocks": 8,
                                                             "model.language_model.layers": 7}
+
+
+def test_ways_out_offer_more_recomputation_only_where_some_layers_keep() -> None:
+    model = meta_model("tiny-qwen3_vl")
+
+    def ways(share: float) -> str:
+        run = memory.RunShape(seq_len=64, patches=64, recompute_share=share, act_bytes=2)
+        return " ".join(memory.ways_out(memory.plan(model, run, world_size=1), lora=True, cp=1))
+
+    assert "recompute more of each layer stack" in ways(0.0) and "checkpoint_share=1.0" in ways(0.5)
+    assert "recompute more" not in ways(1.0) and "parallel.cp=2" in ways(1.0)
