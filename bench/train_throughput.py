@@ -145,15 +145,18 @@ def model_name(args) -> str:
 
 
 def _share(value: str) -> float | str:
-    """--checkpoint-share: a share in (0, 1] or auto."""
-    if value == "auto":
-        return value
+    """--checkpoint-share: what `model.checkpoint_share` takes (a share in (0, 1] or auto),
+    refused with the config's own message."""
+    from vlpack.config import ModelConfig
+
     try:
-        share = float(value)
+        share = value if value == "auto" else float(value)
     except ValueError:
-        share = -1.0
-    if not 0.0 < share <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value!r}: a share in (0, 1], e.g. 0.5, or auto")
+        raise argparse.ArgumentTypeError(f"{value!r}: a share in (0, 1], e.g. 0.5, or auto") from None
+    try:
+        ModelConfig(checkpoint_share=share)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return share
 
 
@@ -291,15 +294,13 @@ def run_mode(mode: str, args, samples, device) -> dict:
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()
+        recompute = m.checkpoint_share if m.activation_checkpointing else 0.0
         parallelize(model, model, topo, Parallelism(
-            frozen_dtype=torch.bfloat16 if low else None,
-            activation_checkpointing=m.activation_checkpointing,
-            checkpoint_share=m.checkpoint_share,
+            frozen_dtype=torch.bfloat16 if low else None, recompute_share=recompute,
             compile_scope=m.compile_scope if m.compile else None,
             trace_vision_attention=args.trace_vision_attention,
             fsdp=args.bf16_params, param_dtype=torch.bfloat16))
         params = [p for p in model.parameters() if p.requires_grad]
-        recompute = m.checkpoint_share if m.activation_checkpointing else 0.0
     opt = build_optimizer(params, cfg.optim, device_type=device.type) if args.optimizer else None
     flops = flop_model(model)
     batches = make_batches(samples, mode, spec, args.seq_len, args.batch)

@@ -28,8 +28,9 @@ class Parallelism:
     int8_experts: bool = False
     """Then hold the frozen routed experts' weights in int8 on the rank's device, and move the
     model there (`model.frozen_dtype=int8`: a folder's model is built in host memory)."""
-    activation_checkpointing: bool = False
-    checkpoint_share: float = 1.0
+    recompute_share: float = 0.0
+    """The share of each layer stack that recomputes in backward (0: activation checkpointing
+    off; the memory plan's, which resolves `model.checkpoint_share=auto`)."""
     compile_scope: str | None = None
     """`layers`, `regions`, or None (eager)."""
     trace_vision_attention: bool = False
@@ -50,8 +51,8 @@ def parallelize(model: nn.Module, root: nn.Module, info: Topology, p: Parallelis
     hold_parameters(model, p.frozen_dtype)
     if p.int8_experts:
         hold_int8_experts(model, info.device)
-    if p.activation_checkpointing:
-        enable_activation_checkpointing(model, p.checkpoint_share)
+    if p.recompute_share:
+        enable_activation_checkpointing(model, p.recompute_share)
     if p.compile_scope == "layers":
         compile_layers(model, trace_vision_attention=p.trace_vision_attention)
     elif p.compile_scope == "regions":

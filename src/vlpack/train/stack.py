@@ -276,8 +276,7 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     parallelize(model, module, info, Parallelism(
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
         frozen_dtype=low, int8_experts=m.frozen_dtype == "int8",
-        activation_checkpointing=plan.recompute_share > 0,
-        checkpoint_share=plan.recompute_share or 1.0, compile_scope=m.compile_scope if m.compile else None,
+        recompute_share=plan.recompute_share, compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention,
         fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
         reshard_after_forward=t.reshard_after_forward))
