@@ -5,6 +5,7 @@ frozen base rebuilt as the trainer built it; train.keep_checkpoints; the family 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,23 @@ def test_the_default_export_is_bf16_sharded_with_its_index(run, tmp_path: Path) 
     assert [p.name for p in folder.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
 
 
+@pytest.fixture
+def umask_022():
+    """The process umask 022 for the test (a serving container's usual one)."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_every_exported_file_has_the_umask_mode(run, tmp_path: Path, umask_022) -> None:
+    """safetensors writes its files 0600; the export leaves every file it writes at the umask's
+    mode (0644 under umask 022), so a serving container running as another user reads them."""
+    folder = export_checkpoint(run[0], tmp_path / "hf", max_shard_bytes=4 * 10**6)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1
+    assert {n: m for n, m in modes.items() if m != "0o644"} == {}
+
+
 def test_keep_checkpoints_is_the_configured_number(run) -> None:
     """train.keep_checkpoints=3 keeps all three saves (the default, 2, rotates step 1 away)."""
     out, _, _ = run
@@ -137,9 +155,13 @@ def test_a_lora_export_rebuilds_the_frozen_base_as_the_trainer_held_it(tmp_path:
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v.float()), k
+    umask = os.umask(0o022)
+    os.umask(umask)
     adapter = export_checkpoint(saved, tmp_path / "adapter", mode="adapter")
     config = peft.LoraConfig.from_pretrained(str(adapter))
     assert config.r == 4 and config.base_model_name_or_path == "tiny-qwen3_vl"
+    assert oct((adapter / "adapter_model.safetensors").stat().st_mode & 0o777) == oct(
+        0o666 & ~umask)  # the umask's mode, not safetensors' 0600
     tensors = load_file(adapter / "adapter_model.safetensors")
     trained = {k: v for k, v in sd.items() if "lora_" in k}
     assert len(tensors) == len(trained)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -63,6 +64,14 @@ def _tied_copies(model: nn.Module) -> set[str]:
             getattr(cfg, "text_config", None), "tie_word_embeddings", False):
         copies.add("lm_head.weight")
     return copies
+
+
+def umask_mode(path: Path) -> None:
+    """Give `path` the mode the umask allows a new file (0644 under umask 022): safetensors
+    writes its files 0600, which a serving engine running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _plan_shards(groups: dict[str, list[str]], shapes: dict[str, torch.Size], itemsize: int,
@@ -115,6 +124,7 @@ def write_weights(model: nn.Module, out: Path, fetch: Fetch, *, dtype: torch.dty
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({k: v.detach().cpu().contiguous() for k, v in part.items()}, str(out / name),
                   metadata={"format": "pt"})
+        umask_mode(out / name)
         weight_map.update(dict.fromkeys(part, name))
         total += sum(v.numel() * v.element_size() for v in part.values())
         del tensors, part
@@ -198,6 +208,7 @@ def export_live_adapter(model: nn.Module, out_dir: str | Path, info: Topology, *
     out = Path(out_dir)
     if info.is_main:
         save_adapter(model, out, state_dict=state, base=base)
+        umask_mode(out / "adapter_model.safetensors")
     barrier(info)
     return out
 
@@ -338,6 +349,7 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode
 
         keys = [k for k in (_clean(k) for k in model.state_dict()) if "lora_" in k]
         save_adapter(model, out, state_dict=fetch(keys), base=cfg.model.name)
+        umask_mode(out / "adapter_model.safetensors")
         print(f"vlpack: wrote the LoRA adapter of {path} to {out} (peft's format, float32; "
               f"base model {cfg.model.name})")
         return out
