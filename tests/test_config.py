@@ -102,6 +102,20 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         load_config(p)
 
 
+def test_a_duplicated_yaml_key_is_refused_with_its_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys without a word; the config names file, line and key."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("train:\n  max_steps: 3\n  seed: 1\n  max_steps: 5\n")
+    with pytest.raises(ValueError) as e:
+        load_config(p)
+    assert str(e.value) == (
+        f"{p}:4: the key 'max_steps' appears twice in one mapping (first at line 2; YAML would "
+        "keep only the last value): delete one of them")
+    p.write_text("data:\n  seq_len: 64\ndata:\n  seq_len: 128\n")
+    with pytest.raises(ValueError, match=r"twice\.yaml:3: the key 'data' appears twice .*line 1;"):
+        load_config(p)
+
+
 @pytest.mark.parametrize("text", ["- train:\n    max_steps: 3\n", "just words\n", "42\n"])
 def test_yaml_top_level_not_a_mapping_names_the_file(tmp_path: Path, text: str) -> None:
     p = tmp_path / "listed.yaml"

@@ -748,6 +748,28 @@ def recipe_path(name_or_path: str | Path) -> Path:
     raise ValueError(f"config {name_or_path} is neither a YAML file nor a recipe; recipes: {names}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader refusing a key given twice in one mapping (plain YAML keeps the last
+    value without a word); `<<` merge keys still override."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):  # the safe loader names it
+                continue
+            if key in first:
+                raise ValueError(
+                    f"{key_node.start_mark.name}:{line}: the key {key!r} appears twice in one "
+                    f"mapping (first at line {first[key]}; YAML would keep only the last "
+                    "value): delete one of them")
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_recipe(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML config as a nested dict, with the recipe its `base:` names (a recipe name, or a
     YAML path relative to this file) underneath: this file's keys override the base's, section
@@ -756,7 +778,8 @@ def read_recipe(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         loop = " → ".join(str(q) for q in (*chain, p.resolve()))
         raise ValueError(f"{p}: the base: recipes form a loop ({loop}): remove one base:")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        with p.open() as f:  # the stream's name is the file's in errors
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
