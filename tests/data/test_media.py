@@ -289,3 +289,74 @@ def test_orientation_known_only_after_the_pixels_is_refused(enc: Encoder, tmp_pa
     with pytest.raises(BadSampleError, match="stored after the pixel data") as info:
         enc.encode(_conv(path))
     assert info.value.reason == "corrupt_image"
+
+
+# --- the boundary's edge: names that extend the root, `..` in and out, links, spellings of the root --
+# The root is `media/`; beside it lie `media_x/` and `media2/`, whose names begin with the root's
+# (a string-prefix test takes them for inside), and `link_out.png` in the root points into
+# `media_x/`. Every spelling of the root (trailing slash, relative, `./`, `..` in it, a symlink
+# to it) bounds the same files.
+_EDGES = {  # record id: (its path, {TMP} replaced by the test folder; the verdict)
+    "plain": ("a.png", "ok"),
+    "sub": ("sub/b.png", "ok"),
+    "down_up": ("sub/../a.png", "ok"),
+    "out_and_back_in": ("../media/a.png", "ok"),
+    "deep_out_and_back_in": ("sub/../../media/sub/b.png", "ok"),
+    "sibling_x": ("../media_x/a.png", OUTSIDE_ROOT),
+    "sibling_2": ("../media2/a.png", OUTSIDE_ROOT),
+    "sibling_folder": ("../media_x", OUTSIDE_ROOT),
+    "parent": ("..", OUTSIDE_ROOT),
+    "abs_inside": ("{TMP}/media/a.png", "ok"),
+    "abs_sibling": ("{TMP}/media_x/a.png", OUTSIDE_ROOT),
+    "abs_sibling_2": ("{TMP}/media2/a.png", OUTSIDE_ROOT),
+    "abs_via_sibling_back_in": ("{TMP}/media_x/../media/a.png", "ok"),
+    "abs_via_root_out": ("{TMP}/media/../media2/a.png", OUTSIDE_ROOT),
+    "link_out": ("link_out.png", OUTSIDE_ROOT),
+    "link_in": ("link_in.png", "ok"),
+    "root_itself": (".", BAD_PATH),  # inside, but a folder
+    "root_by_name": ("../media", BAD_PATH),
+}
+
+
+@pytest.fixture
+def edges(tmp_path: Path) -> Path:
+    """tmp/media/{set.jsonl, a.png, sub/b.png, link_out.png → ../media_x/a.png, link_in.png →
+    sub/b.png}, tmp/media_x/a.png, tmp/media2/a.png and tmp/alias → media."""
+    media = tmp_path / "media"
+    for folder in (media / "sub", tmp_path / "media_x", tmp_path / "media2"):
+        folder.mkdir(parents=True)
+    for f in (media / "a.png", media / "sub" / "b.png", tmp_path / "media_x" / "a.png",
+              tmp_path / "media2" / "a.png"):
+        Image.new("RGB", (8, 8)).save(f)
+    (media / "link_out.png").symlink_to(Path("..") / "media_x" / "a.png")
+    (media / "link_in.png").symlink_to(Path("sub") / "b.png")
+    (tmp_path / "alias").symlink_to(media)
+    return _write(media, *(_rec(k, p.replace("{TMP}", str(tmp_path)))
+                           for k, (p, _) in _EDGES.items()))
+
+
+@pytest.mark.parametrize("spelling", [None, "{TMP}/media", "{TMP}/media/", "media", "media/",
+                                      "./media", "./media/", "media/sub/..", "{TMP}/alias",
+                                      "alias/"])
+def test_every_spelling_of_the_root_bounds_the_same_files(edges: Path, spelling: str | None,
+                                                         monkeypatch) -> None:
+    monkeypatch.chdir(edges.parent.parent)  # relative spellings are relative to the cwd
+    root = None if spelling is None else spelling.replace("{TMP}", str(edges.parent.parent))
+    assert _verdicts(edges, root) == {k: v for k, (_, v) in _EDGES.items()}
+
+
+def test_media_path_bounds_by_path_not_by_prefix(edges: Path) -> None:
+    """`media_path` itself, its root resolved as callers give it: a sibling whose name extends
+    the root's is outside, whatever way it is named."""
+    tmp = edges.parent.parent
+    root = (tmp / "media").resolve()
+    for raw in ("../media_x/a.png", f"{tmp}/media2/a.png", "link_out.png", "../media2"):
+        with pytest.raises(BadSampleError, match="outside the media root") as e:
+            media_path(raw, tmp / "media", root, "k", "image")
+        assert e.value.reason == OUTSIDE_ROOT
+    assert media_path("../media/sub/../a.png", tmp / "media", root, "k", "image") == root / "a.png"
+    # a root of media_x: media/ and media2/ are outside it too
+    inner = (tmp / "media_x").resolve()
+    with pytest.raises(BadSampleError) as e:
+        media_path("../media/a.png", tmp / "media_x", inner, "k", "image")
+    assert e.value.reason == OUTSIDE_ROOT
