@@ -6,6 +6,8 @@ import itertools
 import json
 import logging
 import math
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,38 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteLossError, match=r"last good checkpoint is .*step_00000002"):
         t.fit()
     assert ckpt.latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeypatch) -> None:
+    """Under a clock that only an evaluation advances (44 s each), `elapsed_s`, `eta_s` and the
+    summary count the evaluations; the step time (`step_s`, the summary's steps share) stays
+    apart. A run stopped after step 2 and resumed continues its elapsed time."""
+    from vlpack.train import loop
+    from vlpack.train.metrics import format_summary
+
+    now = [1000.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(
+        perf_counter=time.perf_counter, monotonic=lambda: now[0]))
+
+    def evaluate(self) -> float:
+        now[0] += 44.0
+        return 2.0
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    args = ("train.max_steps=3", "train.eval_every=1", "data.eval_samples=4")
+    summary = Trainer(small_cfg(tmp_path / "a", *args), CPU).fit()
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [(r["elapsed_s"], r["eta_s"]) for r in steps] == [(0.0, None), (44.0, 44.0), (88.0, 0.0)]
+    assert summary["elapsed_s"] == 132.0 and 0 < summary["seconds"] < 44
+    assert f"  time        132.0s wall clock, {summary['seconds']:.1f}s of it in steps (" in (
+        format_summary(summary))
+    Trainer(small_cfg(tmp_path / "b", *args, "train.stop_after=2"), CPU).fit()
+    now[0] = 5000.0
+    resumed = Trainer(small_cfg(tmp_path / "b", *args), CPU).fit()
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["elapsed_s"] for r in rows if "loss" in r] == [0.0, 44.0, 88.0]
+    assert resumed["elapsed_s"] == 132.0
 
 
 def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:

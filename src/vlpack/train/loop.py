@@ -102,6 +102,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.step = 0
         self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
+        self._elapsed_before = 0.0  # wall-clock seconds of the earlier processes of this run
+        self._started_at: float | None = None  # time.monotonic() when this process began training
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.eval_loss: float | None = None
@@ -197,12 +199,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
+    def elapsed(self) -> float:
+        """Wall-clock seconds since training started (evaluations and saves included), the
+        earlier processes of a resumed run included."""
+        if self._started_at is None:
+            return self._elapsed_before
+        return self._elapsed_before + time.monotonic() - self._started_at
+
     def state(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "loader": self.train_loader.state_dict(),
             "totals": dict(self.totals),
+            "elapsed_s": self.elapsed(),
             "first_loss": self.first_loss,
             "last_loss": self.last_loss,
         }
@@ -260,6 +270,7 @@ class Trainer:
         self.scheduler.load_state_dict(st["scheduler"])
         self.train_loader.load_state_dict(st["loader"])
         self.totals = st["totals"]
+        self._elapsed_before = st.get("elapsed_s", self.totals["seconds"])  # else its step time
         self.first_loss, self.last_loss = st["first_loss"], st["last_loss"]
         self.last_checkpoint = path
         return path
@@ -321,6 +332,7 @@ class Trainer:
                                  log_every=cfg.train.log_every,
                                  enabled=cfg.train.progress and info.is_main)
         eta = Eta(self.step, cfg.train.max_steps)
+        self._started_at = time.monotonic()
         it = iter(self.train_loader)
         first_step = self.step
         profiler = StepProfiler(out_dir / f"profile_rank{info.rank}.txt", device=info.device,
@@ -345,7 +357,7 @@ class Trainer:
                 if not profiler.covers(self.step) and self.step > 1:
                     plain_s, plain_n = plain_s + r.seconds, plain_n + 1
                 profiler.after(self.step, plain_s / plain_n if plain_n else None)
-                self._record(r, data_wait, peak, writer, eta.update(self.step))
+                self._record(r, data_wait, peak, writer, eta.update(self.step, time.monotonic()))
                 if cfg.train.stop_after and self.step - first_step >= cfg.train.stop_after:
                     self._stop = self.step < cfg.train.max_steps
                 # every rank learns whether any rank was signalled (and by which signal)
@@ -414,7 +426,8 @@ class Trainer:
         self.first_loss = r.loss if self.first_loss is None else self.first_loss
         self.last_loss = r.loss
         row = step_row(self.step, r, data_wait=data_wait, totals=t, peak_flops=peak,
-                       world_size=self.info.world_size, device=self.info.device, eta_s=eta_s)
+                       world_size=self.info.world_size, device=self.info.device, eta_s=eta_s,
+                       elapsed_s=self.elapsed())
         if self.step % self.cfg.train.log_every == 0:  # the same steps on every rank
             acc = self.accounting()
             row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"],
@@ -443,7 +456,7 @@ class Trainer:
             **({"sources": acc["sources"]} if "sources" in acc else {}),
             "tokens": self.totals["tokens"], "first_loss": self.first_loss,
             "last_loss": self.last_loss, "eval_loss": self.eval_loss,
-            "seconds": self.totals["seconds"],
+            "seconds": self.totals["seconds"], "elapsed_s": self.elapsed(),
             "tokens_per_s": self.totals["real_tokens"] / max(self.totals["seconds"], 1e-9),
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "metrics": str(out_dir / "metrics.jsonl"), "plot": None,

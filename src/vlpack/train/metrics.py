@@ -4,8 +4,9 @@ A training row (`step_row`) holds the step's figures (loss, aux_loss, lr, grad_n
 tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s), the memory of the step's busiest
 moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
 allocator: what other processes cannot use), and where the run stands: `time` (Unix seconds),
-`elapsed_s` (training time so far, resumed runs included), `samples`, `tokens_seen` (real tokens
-so far), `eta_s` and, on logged steps, `epoch` (samples consumed / training samples) with the
+`elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier
+processes of a resumed run included; the step's own time is `step_s`), `samples`, `tokens_seen`
+(real tokens so far), `eta_s` and, on logged steps, `epoch` (samples consumed / training samples) with the
 skipped and truncated counts. An evaluation row holds step, samples, eval_loss and eval_s.
 """
 
@@ -25,7 +26,8 @@ Mirror = Callable[[dict[str, Any]], None]
 
 
 def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], peak_flops: float | None,
-             world_size: int, device: torch.device, eta_s: float | None) -> dict[str, Any]:
+             world_size: int, device: torch.device, eta_s: float | None,
+             elapsed_s: float) -> dict[str, Any]:
     """The metrics row of a finished step `r` (a `StepResult`); `totals` already include it."""
     cuda = device.type == "cuda"
     return {
@@ -38,7 +40,7 @@ def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], pea
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "step_s": r.seconds, "data_wait_s": data_wait,
-        "time": round(time.time(), 3), "elapsed_s": totals["seconds"],
+        "time": round(time.time(), 3), "elapsed_s": elapsed_s,
         "tokens_seen": totals["real_tokens"], "eta_s": eta_s,
     }
 
@@ -106,7 +108,8 @@ def format_summary(s: dict[str, Any]) -> str:
                    f"({100 * s['real_tokens'] / max(s['tokens'], 1):.1f}% real)"),
         ("loss", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}"),
         ("eval loss", "—" if s.get("eval_loss") is None else f"{s['eval_loss']:.4f}"),
-        ("time", f"{s['seconds']:.1f}s ({s['tokens_per_s']:.0f} real tokens/s)"),
+        ("time", f"{s['elapsed_s']:.1f}s wall clock, {s['seconds']:.1f}s of it in steps "
+                 f"({s['tokens_per_s']:.0f} real tokens/s)"),
         ("checkpoint", s.get("checkpoint") or "—"),
         *([("adapter", s["adapter"])] if s.get("adapter") else []),
         *([("hf export", s["hf_export"])] if s.get("hf_export") else []),
