@@ -137,6 +137,37 @@ def test_parquet_and_pickled_rows(data, tmp_path) -> None:
     assert again[2] == rows[2] and list(again[1:]) == [rows[1], rows[2]]
 
 
+def _seen(item) -> tuple:
+    """(key, where, each turn's role and text; an image as "IMG") of a row."""
+    return (item.key, item.where, [(m.role, ["IMG" if isinstance(c, ImageRef) else c
+                                             for c in m.content]) for m in item.messages])
+
+
+_P2 = ("p2", "ds[2]", [("user", ["IMG", "And here?"]), ("assistant", ["left"])])
+_ROW3 = ("ds[3]", None, [("user", ["IMG", "Broken?"]), ("assistant", ["yes"])])
+_TWO = ("two", "ds[4]", [("user", ["IMG", "IMG", "Both?"]), ("assistant", ["yes"])])
+
+
+def test_a_slice_holds_its_own_rows(data, enc) -> None:
+    """A slice (the held-out tail, a worker's share) reads its rows of the dataset, by index and
+    in order, not the dataset's first rows."""
+    from vlpack.data.loader import build_loaders
+
+    rows = open_dataset("hf", str(data[0]))
+    tail = rows[2:]
+    assert len(tail) == 3
+    assert [_seen(tail[i]) for i in range(3)] == [_P2, _ROW3, _TWO]
+    assert [_seen(r) for r in tail] == [_P2, _ROW3, _TWO]  # iterating reads in chunks
+    assert _seen(tail[-1]) == _TWO and _seen(rows[1:][1:3][0]) == _P2
+    assert [r.key for r in rows[::2]] == ["t0", "p2", "two"]
+    assert [r.key for r in list(rows[::2])] == ["t0", "p2", "two"]
+    train, held_out = build_loaders(
+        DataConfig(source="hf", path=str(data[0]), seq_len=512, max_bad_fraction=0.5,
+                   eval_samples=2), enc, seed=0, pad_token_id=0, spatial_merge_size=2)
+    assert [r.key for r in train.items] == ["t0", "ds[1]", "p2"]
+    assert [_seen(r) for r in held_out.items] == [_ROW3, _TWO]
+
+
 def test_loader_accounts_plans_and_resumes(data, enc) -> None:
     rows = open_dataset("hf", str(data[0]))
     jsonl = open_dataset("jsonl", str(data[1]))
@@ -165,7 +196,7 @@ def test_loader_accounts_plans_and_resumes(data, enc) -> None:
         assert a.sample_keys == b.sample_keys and torch.equal(a.input_ids, b.input_ids)
 
 
-def test_image_paths_keep_the_media_root(data, enc, tmp_path) -> None:
+def test_image_paths_keep_the_media_root(data, enc, tmp_path, monkeypatch) -> None:
     """Images stored by path (a parquet written without embedding them): joined to the
     dataset's folder and bounded by the media root, as in JSONL."""
     import pyarrow as pa
@@ -187,6 +218,10 @@ def test_image_paths_keep_the_media_root(data, enc, tmp_path) -> None:
     assert "paths.parquet[1]" in str(rows[1])
     wide = open_dataset("hf", str(tmp_path / "pq" / "paths.parquet"), media_root=str(tmp_path))
     assert isinstance(wide[1], Conversation)
+    monkeypatch.chdir(tmp_path / "pq")  # a relative root, as a command line gives it
+    for spelling in ("..", "../", "./../pq/.."):
+        wide = open_dataset("hf", "paths.parquet", media_root=spelling)
+        assert isinstance(wide[1], Conversation) and wide.root == tmp_path.resolve(), spelling
 
 
 def test_dataset_dict_and_missing_path_name_the_fix(data, tmp_path) -> None:
@@ -208,7 +243,9 @@ def test_a_dataset_folder_reads_only_its_own_files(data, tmp_path) -> None:
     datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "SECRET"}]]}
                                ).save_to_disk(str(private))
     arrow = next(private.glob("*.arrow"))
-    for name in (f"../private/{arrow.name}", str(arrow)):
+    shutil.copytree(private, tmp_path / "evil_x")  # beside evil/, its name extending evil's
+    for name in (f"../private/{arrow.name}", str(arrow), f"../evil_x/{arrow.name}",
+                 str(tmp_path / "evil_x" / arrow.name)):
         evil = tmp_path / "evil"
         shutil.rmtree(evil, ignore_errors=True)
         shutil.copytree(data[0], evil)
