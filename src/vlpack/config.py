@@ -438,6 +438,10 @@ class TrainConfig:
     """Checkpoint at the end of the run (off for throughput runs that need no checkpoint)."""
     resume: str = "auto"
     """`auto` (latest checkpoint in output_dir, if any) | a checkpoint folder | `none`."""
+    resume_fallback: bool = False
+    """With `resume=auto`, a latest checkpoint whose files fail their recorded sizes or sha256
+    digests is skipped (the log says which and why) for the newest intact one beside it. Off: such
+    a checkpoint is refused with an error naming the damaged file and that intact checkpoint."""
     overwrite: bool = False
     """A fresh run (`resume=none`) in an output_dir holding another run's checkpoints is refused;
     with overwrite those checkpoints and the old metrics are deleted first."""

@@ -4,6 +4,7 @@ checkpoints, rotation keeps to its own run, and resume never runs past max_steps
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +172,144 @@ def test_a_trainer_state_that_would_run_code_is_refused(tmp_path: Path) -> None:
         torch.save({"step": 3, "rng": rng}, tmp_path / "ok.pt")
         back = load_trainer_state(tmp_path / "ok.pt")
         assert back["step"] == 3 and list(back["rng"]["numpy"][1]) == key.tolist()
+
+
+# Integrity: every file a checkpoint writes is recorded with its size and sha256 in the COMPLETE
+# marker; a resume checks them first and names the damaged file and the intact checkpoint beside it.
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """A tiny run saved at steps 1 and 2 (copied by each test that damages it)."""
+    out = tmp_path_factory.mktemp("integrity") / "run"
+    Trainer(small_cfg(out, "train.max_steps=2", "train.save_every=1"), CPU).fit()
+    assert _steps(out) == ["step_00000001", "step_00000002"]
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the run and its latest checkpoint's folder."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out, out / "checkpoints" / "step_00000002"
+
+
+def _flip(f: Path) -> None:
+    """XOR 4 KiB in the middle of `f`: same size, other bytes."""
+    b = bytearray(f.read_bytes())
+    mid = len(b) // 2 - 2048
+    b[mid:mid + 4096] = bytes(x ^ 0xFF for x in b[mid:mid + 4096])
+    f.write_bytes(bytes(b))
+
+
+DAMAGE = {
+    "flipped": ("__0_0.distcp", _flip, r"has the recorded size but not the recorded sha256"),
+    "truncated": ("__0_0.distcp", lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+                  r"has \d+ bytes where the checkpoint recorded \d+ \(truncated"),
+    "empty metadata": (".metadata", lambda f: f.write_bytes(b""),
+                       r"has 0 bytes where the checkpoint recorded \d+"),
+    "missing": ("trainer_rank0.pt", Path.unlink, r"is missing"),
+}
+
+
+def test_the_marker_records_every_file(two_steps: Path) -> None:
+    for step in _steps(two_steps):
+        folder = two_steps / "checkpoints" / step
+        files = ckpt.marker(folder)["files"]
+        assert set(files) == {p.name for p in folder.iterdir()} - {ckpt.MARKER}
+        assert {".metadata", "__0_0.distcp", "trainer_rank0.pt"} <= set(files)
+        assert all(files[n] == {"bytes": (folder / n).stat().st_size,
+                                "sha256": ckpt.file_digest(folder / n)} for n in files)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_one(
+        two_steps: Path, tmp_path: Path, damage: str) -> None:
+    name, spoil, what = DAMAGE[damage]
+    out, latest = _copy(two_steps, tmp_path)
+    size = (latest / name).stat().st_size
+    assert size > 8192 or name != "__0_0.distcp"  # the flip lies inside the file
+    spoil(latest / name)
+    intact = out / "checkpoints" / "step_00000001"
+    with pytest.raises(ckpt.CheckpointIntegrityError) as info:
+        Trainer(small_cfg(out, "train.max_steps=4"), CPU).fit()
+    msg = str(info.value)
+    assert re.search(re.escape(str(latest / name)) + " " + what, msg), msg
+    assert f"the newest intact checkpoint is {intact}: resume from it with " in msg, msg
+    assert "train.resume_fallback=true" in msg and "Traceback" not in msg
+    assert _steps(out) == ["step_00000001", "step_00000002"]  # nothing trained or rotated
+
+
+def test_fallback_resumes_from_the_intact_checkpoint(two_steps: Path, tmp_path: Path,
+                                                     caplog) -> None:
+    """train.resume_fallback=true skips the damaged latest checkpoint (the log says why) and
+    continues from step 1 as if step 2 had never been saved: the losses of 4 straight steps."""
+    out, latest = _copy(two_steps, tmp_path)
+    _flip(latest / "__0_0.distcp")
+    Trainer(small_cfg(tmp_path / "straight", "train.max_steps=4"), CPU).fit()
+    with caplog.at_level("WARNING", logger="vlpack.train.checkpoint"):
+        t = Trainer(small_cfg(out, "train.max_steps=4", "train.resume_fallback=true"), CPU)
+        assert t.maybe_resume() == out / "checkpoints" / "step_00000001" and t.step == 1
+    assert f"skipping {latest}: {latest / '__0_0.distcp'} has the recorded size but" in caplog.text
+    assert "resuming from " + str(out / "checkpoints" / "step_00000001") in caplog.text
+    Trainer(small_cfg(out, "train.max_steps=4", "train.resume_fallback=true"), CPU).fit()
+    assert losses(out) == losses(tmp_path / "straight")
+
+
+def test_no_intact_checkpoint_left_says_to_start_anew(two_steps: Path, tmp_path: Path) -> None:
+    out, latest = _copy(two_steps, tmp_path)
+    _flip(latest / "__0_0.distcp")
+    (out / "checkpoints" / "step_00000001" / ".metadata").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointIntegrityError, match=r"no intact checkpoint is left in .*"
+                       r"step_00000001 is damaged too: .*\.metadata has 0 bytes.*: start anew with "
+                       r"train.resume=none train.overwrite=true"):
+        Trainer(small_cfg(out, "train.max_steps=4", "train.resume_fallback=true"), CPU).fit()
+
+
+def test_a_named_checkpoint_is_never_swapped(two_steps: Path, tmp_path: Path) -> None:
+    """train.resume=FOLDER: the fallback applies to resume=auto only."""
+    out, latest = _copy(two_steps, tmp_path)
+    (latest / "trainer_rank0.pt").unlink()
+    with pytest.raises(ckpt.CheckpointIntegrityError, match=r"trainer_rank0\.pt is missing"):
+        Trainer(small_cfg(out, "train.max_steps=4", f"train.resume={latest}",
+                          "train.resume_fallback=true"), CPU).fit()
+
+
+def _unrecorded(folder: Path) -> None:
+    """The marker as a checkpoint without digests has it."""
+    m = ckpt.marker(folder)
+    del m["files"]
+    (folder / ckpt.MARKER).write_text(json.dumps(m))
+
+
+def test_a_checkpoint_without_digests_resumes_with_a_warning(two_steps: Path, tmp_path: Path,
+                                                             caplog) -> None:
+    out, latest = _copy(two_steps, tmp_path)
+    _unrecorded(latest)
+    with caplog.at_level("WARNING", logger="vlpack.train.checkpoint"):
+        t = Trainer(small_cfg(out, "train.max_steps=4"), CPU)
+        assert t.maybe_resume() == latest and t.step == 2
+    assert f"{latest} records no file digests" in caplog.text and "without verifying" in caplog.text
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    ("truncated", "RuntimeError: PytorchStreamReader failed"),  # DCP names no shard
+    ("empty metadata", ".metadata is empty"),
+    ("missing", "trainer_rank0.pt: FileNotFoundError"),
+])
+def test_torch_load_errors_name_the_checkpoint(two_steps: Path, tmp_path: Path, damage: str,
+                                               why: str) -> None:
+    """Without digests the damage shows only when torch loads: its error is re-raised naming
+    the folder and the intact checkpoint beside it, without torch's traceback."""
+    name, spoil, _ = DAMAGE[damage]
+    out, latest = _copy(two_steps, tmp_path)
+    _unrecorded(latest)
+    spoil(latest / name)
+    with pytest.raises(ckpt.CheckpointIntegrityError) as info:
+        Trainer(small_cfg(out, "train.max_steps=4"), CPU).fit()
+    msg = str(info.value)
+    assert msg.startswith(f"loading {latest} failed (") and why in msg, msg
+    assert f"the newest intact checkpoint is {out / 'checkpoints' / 'step_00000001'}" in msg
+    assert "\n" not in msg

@@ -257,14 +257,18 @@ class Trainer:
             return None
         if not path.is_dir():
             raise ValueError(f"train.resume={r}: {path} is not a checkpoint folder")
-        step = int(ckpt.marker(path)["step"]) if (path / ckpt.MARKER).is_file() else None
+        checked = (path / ckpt.MARKER).is_file()
+        if checked:  # the files' digests, before anything is loaded
+            path = ckpt.resume_point(path, self.info,
+                                     fallback=r == "auto" and self.cfg.train.resume_fallback)
+        step = int(ckpt.marker(path)["step"]) if checked else None
         if step is not None and step > self.cfg.train.max_steps:
             raise ValueError(
                 f"{path} is at step {step}, past train.max_steps={self.cfg.train.max_steps}: "
                 "raise train.max_steps to train it further, or start anew in another "
                 "train.output_dir (or here with train.resume=none train.overwrite=true)"
             )
-        st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.info)
+        st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.info, verify=not checked)
         self.run_id = ckpt.marker(path).get("run_id")
         self.step = st["step"]
         self.scheduler.load_state_dict(st["scheduler"])
@@ -476,7 +480,7 @@ class Trainer:
         return summary
 
 
-UNTRACKED = ("train.resume", "train.overwrite", "train.progress", "train.max_steps",
+UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.progress", "train.max_steps",
              "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
              "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
              "train.memory_check",
