@@ -92,6 +92,21 @@ def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeyp
     assert resumed["elapsed_s"] == 132.0
 
 
+def test_per_part_rates_are_logged_and_in_the_metrics(tmp_path: Path, capfd) -> None:
+    """optim.lr_vision / lr_merger: the start-up line names every rate, and each metrics row has
+    the parts' scheduled rates beside `lr` (warmup over 2 steps: half, then whole)."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=2", "optim.warmup_steps=2", "optim.lr_vision=1e-5",
+                      "optim.lr_merger=2e-5"), CPU).fit()
+    out = capfd.readouterr().out.splitlines()
+    assert [x for x in out if x.startswith("vlpack: AdamW")] == [
+        "vlpack: AdamW lr 2.00e-03, lr_vision 1.00e-05, lr_merger 2.00e-05; weight decay 0 (none on "
+        "norms and biases); warmup 2 steps, then cosine to 0.1 × each rate at step 2"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["lr"], r["lr_vision"], r["lr_merger"]) for r in rows] == [
+        pytest.approx((1e-3, 5e-6, 1e-5)), pytest.approx((2e-3, 1e-5, 2e-5))]
+    assert "lr_llm" not in rows[0]
+
+
 def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     t = Trainer(small_cfg(tmp_path, "train.max_steps=3", "data.eval_samples=4", "train.progress=true",
                           "train.export_hf=true", "train.export_dtype=float32",

@@ -8,7 +8,7 @@ from torch import nn
 
 from vlpack.config import OptimConfig, load_config
 from vlpack.train.module import module_groups
-from vlpack.train.optim import build_optimizer, build_scheduler, warmup_steps
+from vlpack.train.optim import build_optimizer, build_scheduler, own_rates, warmup_steps
 
 
 def _model() -> nn.Module:
@@ -42,6 +42,18 @@ def test_per_part_learning_rates_land_in_the_groups() -> None:
     assert opt.param_groups[0]["lr"] == 1e-4  # optim.lr's group first: the metrics' lr column
     build_scheduler(opt, cfg, total_steps=20)  # the warmup scales every part alike
     assert sorted({round(g["lr"] / g["initial_lr"], 12) for g in opt.param_groups}) == [0.25]
+
+
+def test_own_rates_name_the_trained_parts_with_their_own_rate() -> None:
+    """The rates the metrics and the start-up line show beside `lr`: a part with its own
+    `optim.lr_<part>` that has parameters to train (a frozen vision tower has none)."""
+    model = _model()
+    cfg = OptimConfig(lr=1e-4, lr_vision=1e-6, lr_merger=1e-5)
+    assert own_rates(cfg, module_groups(model)) == {"lr_vision": 1e-6, "lr_merger": 1e-5}
+    for p in model.model.visual.blocks.parameters():
+        p.requires_grad_(False)
+    assert own_rates(cfg, module_groups(model)) == {"lr_merger": 1e-5}
+    assert own_rates(OptimConfig(lr=1e-4), module_groups(model)) == {}
 
 
 def test_without_per_part_rates_the_groups_are_decay_and_no_decay() -> None:

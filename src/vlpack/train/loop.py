@@ -35,7 +35,7 @@ from vlpack.train.export import export_live, export_live_adapter
 from vlpack.train.flops import peak_flops
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.module import module_groups
-from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
 from vlpack.train.parallel import (
     Topology,
     all_gather_object,
@@ -100,6 +100,10 @@ class Trainer:
                 print(f"vlpack: train.epochs={cfg.train.epochs}: {bins} planned bins, "
                       f"train.max_steps={cfg.train.max_steps}", flush=True)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        self.own_rates = own_rates(cfg.optim, module_groups(self.model))
+        """`optim.lr_<part>` of the parts training at their own rate (metrics' `lr_<part>`)."""
+        if self.info.is_main:
+            print(describe(cfg.optim, self.own_rates, cfg.train.max_steps), flush=True)
         self.step = 0
         self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
         self._elapsed_before = 0.0  # wall-clock seconds of the earlier processes of this run
@@ -432,6 +436,8 @@ class Trainer:
         row = step_row(self.step, r, data_wait=data_wait, totals=t, peak_flops=peak,
                        world_size=self.info.world_size, device=self.info.device, eta_s=eta_s,
                        elapsed_s=self.elapsed())
+        at = r.lr / self.scheduler.base_lrs[0]  # the schedule's factor, alike for every rate
+        row.update({k: rate * at for k, rate in self.own_rates.items()})
         if self.step % self.cfg.train.log_every == 0:  # the same steps on every rank
             acc = self.accounting()
             row.update(skipped=sum(acc["skipped"].values()), truncated=acc["truncated"],

@@ -17,6 +17,22 @@ def part_lrs(cfg: OptimConfig) -> dict[str, float]:
     return {part: getattr(cfg, f"lr_{part}") or cfg.lr for part in PARTS}
 
 
+def own_rates(cfg: OptimConfig, parts: dict[str, list[torch.nn.Parameter]]) -> dict[str, float]:
+    """`{"lr_<part>": rate}` of each part with its own `optim.lr_<part>` and parameters to
+    train (`parts`: `module_groups`), the rates the log and the metrics name beside `lr`."""
+    return {f"lr_{part}": rate for part in PARTS
+            if (rate := getattr(cfg, f"lr_{part}")) is not None
+            and any(p.requires_grad for p in parts[part])}
+
+
+def describe(cfg: OptimConfig, rates: dict[str, float], total_steps: int) -> str:
+    """The start-up line naming the optimizer, every rate (`own_rates`) and the schedule."""
+    named = ", ".join([f"lr {cfg.lr:.2e}", *(f"{k} {v:.2e}" for k, v in rates.items())])
+    return (f"vlpack: AdamW {named}; weight decay {cfg.weight_decay:g} (none on norms and "
+            f"biases); warmup {warmup_steps(cfg, total_steps)} steps, then cosine to "
+            f"{cfg.min_lr_ratio:g} × each rate at step {total_steps}")
+
+
 def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
                     parts: dict[str, list[torch.nn.Parameter]] | None = None) -> torch.optim.AdamW:
     """AdamW over trainable params; fused kernels on GPU. Norms and biases get no decay.
