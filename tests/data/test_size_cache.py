@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from vlpack.data import size_cache
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, build_loaders, measure_all, open_dataset
 from vlpack.data.size_cache import sample_sizes
-from vlpack.data.types import BadSampleError
+from vlpack.data.types import BadSampleError, SampleSize
 
 
 def _row(i: int) -> str:
@@ -295,3 +296,23 @@ def test_a_relative_media_root_is_keyed_by_the_folder_it_names(data, enc, monkey
         monkeypatch.chdir(cwd)
         sample_sizes(open_dataset("jsonl", str(data)), enc, data, media_root=".")
     assert [k["data.media_root"] for k in keys] == [str(data.parent), str(data.parent / "copy")]
+
+
+class _Counted:
+    """An encoder stub: each item's size is the item itself."""
+
+    def measure(self, item: int) -> SampleSize:
+        return SampleSize(tokens=item, patches=0)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_measuring_bar_shows_on_a_terminal_only(terminal: bool, capsys, monkeypatch) -> None:
+    """A log file (stderr no terminal) gets no `measuring samples` bar, whose redraws would
+    pile up in it; a terminal gets it from both measuring paths."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    parts = size_cache.measure_parallel([3, 4, 5], _Counted(), progress=True)
+    assert parts[0].sizes[0].tolist() == [3, 4, 5]
+    assert [s.tokens for s in measure_all([6, 7], _Counted(), progress=True)] == [6, 7]
+    err = capsys.readouterr().err
+    assert (err.count("measuring samples: 100%"), "measuring samples" in err) == (
+        (2, True) if terminal else (0, False))

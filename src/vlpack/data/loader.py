@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
@@ -24,8 +23,9 @@ from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch, build_thd_batch
 from vlpack.data.mixture import Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
+from vlpack.data.size_cache import measure_one, measuring_bar
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
-from vlpack.data.types import BadSampleError, Conversation, EncodedSample, located
+from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 
 Item = Conversation | BadSampleError
 
@@ -88,14 +88,10 @@ def describe(item, i: int) -> str:
 def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> list[SizeOrError]:
     """Exact size of every sample from image headers; bad samples become their error."""
     out: list[SizeOrError] = []
-    for item in tqdm(items, desc="measuring samples", disable=not progress, unit="sample"):
-        if isinstance(item, BadSampleError):
-            out.append(item)
-            continue
-        try:
-            out.append(encoder.measure(item))
-        except BadSampleError as e:
-            out.append(located(e, item))
+    with measuring_bar(len(items), progress) as bar:
+        for item in items:
+            out.append(measure_one(item, encoder))
+            bar.update(1)
     return out
 
 

@@ -37,6 +37,7 @@ import logging
 import multiprocessing
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -222,6 +223,13 @@ def measure_one(item, encoder) -> SizeOrError:
         return located(e, item)
 
 
+def measuring_bar(total: int, progress: bool) -> tqdm:
+    """The `measuring samples` bar, shown with `progress` on a terminal only: in a log file
+    (stderr redirected) its redraws would pile up."""
+    return tqdm(total=total, desc="measuring samples", unit="sample",
+                disable=not (progress and sys.stderr.isatty()))
+
+
 def _measure_range(items, encoder, lo: int, hi: int) -> _Part:
     part = _Part(lo, np.full((3, hi - lo), -1, dtype=np.int32))
     for j in range(lo, hi):
@@ -250,7 +258,7 @@ def measure_parallel(items: Sequence, encoder, indices: Sequence[int] | None = N
     in this one). Parts are contiguous runs, in order."""
     idx = np.arange(len(items)) if indices is None else np.asarray(indices, dtype=np.int64)
     runs = _runs(idx, chunk=max(64, -(-len(idx) // max(1, workers * 16))))
-    bar = tqdm(total=len(idx), desc="measuring samples", disable=not progress, unit="sample")
+    bar = measuring_bar(len(idx), progress)
     parts: list[_Part] = []
     if workers <= 1 or len(runs) <= 1:
         for lo, hi in runs:
