@@ -323,3 +323,121 @@ def test_validate_reads_a_dataset(data, capsys) -> None:
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (r["samples"], r["good"]) == (5, 4)
     assert len(r["problems"]) == 1 and "ds[3]" in r["problems"][0]["message"]
+
+
+# --- hub layouts: TRL's (llava-instruct-mix-vsft), ShareGPT/LLaVA columns, and a set to map first ----
+_RED, _GREEN, _BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def _colours(rows, n: int) -> tuple:
+    """(each turn's role and content, an image as its colour) of row `n`, or its error's reason
+    and message."""
+    from vlpack.data.media import open_image
+
+    item = rows[n]
+    if isinstance(item, BadSampleError):
+        return item.reason, str(item)
+    return [(m.role, [open_image("k", c).getpixel((0, 0)) if isinstance(c, ImageRef) else c
+                      for c in m.content]) for m in item.messages]
+
+
+def _item(kind: str, text: str | None = None, index: int | None = None) -> dict:
+    """A content item as TRL's datasets store it: both keys, the unused one null."""
+    return {"type": kind, "index": index, "text": text}
+
+
+def test_trl_layout_reads(tmp_path, enc) -> None:
+    """llava-instruct-mix-vsft's layout: `messages` whose items all carry `index` and `text`
+    (one null), and an `images` column of PIL images; an image item takes `images[index]`, or
+    the next image when its index is null."""
+    red, green, blue = (Image.new("RGB", (32, 32), c) for c in (_RED, _GREEN, _BLUE))
+    T = _item
+    rows = [  # (user content, images)
+        ([T("image", index=0), T("text", "What colour?")], [red]),
+        ([T("image", index=1), T("text", "and"), T("image", index=0)], [green, blue]),
+        ([T("image"), T("text", "then"), T("image")], [green, blue]),
+        ([T("text", "No picture.")], []),
+        ([T("image", index=2), T("text", "Which?")], [red]),
+        ([T("image", index=0), T("image", index=0)], [red, green]),
+    ]
+    msgs = [[{"role": "user", "content": c}, {"role": "assistant",
+                                              "content": [T("text", f"answer {n}")]}]
+            for n, (c, _) in enumerate(rows)]
+    features = datasets.Features({
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.List(
+            {"index": datasets.Value("int64"), "text": datasets.Value("string"),
+             "type": datasets.Value("string")})}),
+        "images": datasets.List(datasets.Image())})  # fmt: skip
+    datasets.Dataset.from_dict({"messages": msgs, "images": [r[1] for r in rows]},
+                               features=features).save_to_disk(str(tmp_path / "vsft"))
+    got = open_dataset("hf", str(tmp_path / "vsft"))
+    assert _colours(got, 0) == [("user", [_RED, "What colour?"]), ("assistant", ["answer 0"])]
+    assert _colours(got, 1) == [("user", [_BLUE, "and", _GREEN]), ("assistant", ["answer 1"])]
+    assert _colours(got, 2) == [("user", [_GREEN, "then", _BLUE]), ("assistant", ["answer 2"])]
+    assert _colours(got, 3) == [("user", ["No picture."]), ("assistant", ["answer 3"])]
+    assert _colours(got, 4) == ("bad_schema", 'vsft[4]: image item 0 has "index": 2, but the '
+                                'row holds 1 image(s) in "images": give each image item the '
+                                '0-based position of its image in "images", or drop the index '
+                                "to take them in order")
+    assert _colours(got, 5) == ("bad_schema", "vsft[5]: the image items' \"index\" values "
+                                "[0, 0] do not name each of the row's 2 image(s) in \"images\" "
+                                "once: give one image item per image, indexed 0 to 1")
+    sample = enc.encode(got[0])  # it trains: 32×32 is scaled up to the 128×128 min_pixels
+    assert sample.image_grid_thw.tolist() == [[1, 8, 8]]
+
+
+def test_trl_layout_videos_take_their_index(tmp_path) -> None:
+    """Video items of TRL's layout take `videos[index]` too (here frame lists, never opened)."""
+    T = _item
+    msgs = [[{"role": "user", "content": [T("video", index=1), T("text", "or"),
+                                          T("video", index=0)]},
+             {"role": "assistant", "content": [T("text", "same")]}]]
+    (tmp_path / "v").mkdir()
+    datasets.Dataset.from_dict({"messages": msgs, "videos": [[["a0.png", "a1.png"],
+                                                               ["b0.png", "b1.png"]]]}
+                               ).to_parquet(str(tmp_path / "v" / "clips.parquet"))
+    (row,) = open_dataset("hf", str(tmp_path / "v" / "clips.parquet"))
+    first, text, second = row.messages[0].content
+    assert [p.name for p in first.frames] == ["b0.png", "b1.png"] and text == "or"
+    assert [p.name for p in second.frames] == ["a0.png", "a1.png"]
+
+
+def test_sharegpt_columns_read(tmp_path) -> None:
+    """`conversations` of `from`/`value` with `<image>` placeholders, and the images in an
+    `image` column (one Image, or a path as LLaVA-Instruct gives it) or an `images` list."""
+    red, green = (Image.new("RGB", (32, 32), c) for c in (_RED, _GREEN))
+    conv = [[{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "Red."}],
+            [{"from": "human", "value": "Colour?"}, {"from": "gpt", "value": "Green."}]]
+    ds = datasets.Dataset.from_dict({"conversations": conv, "image": [red, green]},
+                                    features=datasets.Features({
+                                        "conversations": [{"from": datasets.Value("string"),
+                                                           "value": datasets.Value("string")}],
+                                        "image": datasets.Image()}))
+    ds.save_to_disk(str(tmp_path / "one"))
+    got = open_dataset("hf", str(tmp_path / "one"))
+    assert _colours(got, 0) == [("user", [_RED, "\nColour?"]), ("assistant", ["Red."])]
+    assert _colours(got, 1) == ("image_count_mismatch", 'one[1]: 0 <image> placeholder(s) but 1 '
+                                'image(s) in "image"/"images": give exactly one image per '
+                                "placeholder, in order")
+    two = [[{"from": "human", "value": "<image><image>Same?"}, {"from": "gpt", "value": "No."}]]
+    datasets.Dataset.from_dict({"conversations": two, "images": [[green, red]]}).cast_column(
+        "images", datasets.List(datasets.Image())).save_to_disk(str(tmp_path / "many"))
+    assert _colours(open_dataset("hf", str(tmp_path / "many")), 0) == [
+        ("user", [_GREEN, _RED, "Same?"]), ("assistant", ["No."])]
+    (tmp_path / "llava" / "coco").mkdir(parents=True)
+    green.save(tmp_path / "llava" / "coco" / "0001.png")
+    datasets.Dataset.from_dict({"id": ["0001"], "image": ["coco/0001.png"],
+                                "conversations": conv[:1]}).to_parquet(
+        str(tmp_path / "llava" / "train.parquet"))
+    assert _colours(open_dataset("hf", str(tmp_path / "llava" / "train.parquet")), 0) == [
+        ("user", [_GREEN, "\nColour?"]), ("assistant", ["Red."])]
+
+
+def test_a_set_without_conversations_names_the_mapping(tmp_path) -> None:
+    """A VQA set's columns (or The Cauldron's `texts`) are refused when opened, with the map
+    that turns them into `messages`."""
+    datasets.Dataset.from_dict({"image": [Image.new("RGB", (8, 8))], "question": ["Q?"],
+                                "answer": ["A."]}).save_to_disk(str(tmp_path / "vqa"))
+    with pytest.raises(ValueError, match=r'columns image, question, answer but no "messages" '
+                       r'or "conversations" column: map each row .*ds\.map\(lambda r:'):
+        open_dataset("hf", str(tmp_path / "vqa"))

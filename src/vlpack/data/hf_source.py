@@ -5,8 +5,10 @@ folder of them. The rows stay in Arrow files, memory-mapped (parquet is converte
 `datasets`' own cache, as `datasets` does); a row is read when the planner measures it or a
 worker encodes it, so no process holds the whole set in memory.
 
-A row is a record of the JSONL shapes (`sources.py`): a `messages` or a `conversations` column,
-optional `id`, `tools`, `image`/`images`, `video`/`videos`. Differences, all from Arrow:
+A row is a record of the JSONL shapes (`sources.py`, whose parser reads it): a `messages` or a
+`conversations` column, optional `id`, `tools`, `image`/`images`, `video`/`videos`. A dataset
+with neither conversation column (a VQA set's `question`/`answer`) is refused when opened, with
+the `Dataset.map` that makes one. Differences, all from Arrow:
 
 - Images are an `Image` feature (or a list of them): each value is encoded bytes or a path.
   Bytes are decoded by `media.open_image` like files are (the pixel limit, EXIF orientation,
@@ -14,7 +16,9 @@ optional `id`, `tools`, `image`/`images`, `video`/`videos`. Differences, all fro
   by default the dataset's folder), as in JSONL.
 - A content item `{"type": "image"}` without a path (the layout TRL and most hub VLM sets use)
   takes the next image of the row's `images`, as an `<image>` placeholder does; a
-  `{"type": "video"}` item the next of `videos`.
+  `{"type": "video"}` item the next of `videos`. An item with an `index` (TRL's
+  `{"type": "image", "index": 0, "text": null}`) takes `images[index]`; the indices of a row's
+  items must name each of its images once.
 - Arrow fills a struct's absent fields with null: null fields are dropped before parsing.
 - Videos are paths or lists of frame paths (strings); a video stored as bytes is refused.
 
@@ -114,6 +118,20 @@ def _inside(folder: Path, files: list[Path]) -> None:
                              "Dataset.save_to_disk")
 
 
+def _check_columns(columns: list[str], path: Path) -> None:
+    """ValueError naming the fix when the dataset has no conversation column (a VQA set's
+    `question`/`answer`, The Cauldron's `texts`): every row would be a bad sample."""
+    if "messages" in columns or "conversations" in columns:
+        return
+    raise ValueError(
+        f"{path} has the columns {', '.join(columns)} but no \"messages\" or \"conversations\" "
+        "column: map each row to a conversation and save it, e.g. ds.map(lambda r: "
+        '{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", '
+        '"text": r["question"]}]}, {"role": "assistant", "content": r["answer"]}]}'
+        ").save_to_disk(PATH), keeping the images in an \"images\" column (docs/data.md, "
+        "Hugging Face datasets)")
+
+
 class HFRows(Sequence[Item]):
     """The rows of a Hugging Face dataset as `Conversation`s (bad rows as their
     `BadSampleError`), converted when indexed; picklable (workers reopen the memory-map)."""
@@ -126,6 +144,8 @@ class HFRows(Sequence[Item]):
         self.root = Path(media_root if media_root is not None else self.base).resolve()
         self.table = (_table if _table is not None else load_hf(p)).with_format("arrow")
         self.rows = _rows if _rows is not None else range(len(self.table))
+        if _table is None:
+            _check_columns(self.table.column_names, p)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -163,12 +183,17 @@ class HFRows(Sequence[Item]):
                     "conversation into several rows, or drop the row")
             obj = _drop_nulls(record)
             listed = _listed(obj, key, "image", "images")
-            images = [self._image(v, key, j) for j, v in enumerate(listed)]
+            order = _by_index(obj, "image", len(listed), key) or range(len(listed))
+            images = [self._image(listed[j], key, j) for j in order]
             obj.pop("image", None)
             obj.pop("images", None)
             for name in ("video", "videos"):
                 if name in obj:
                     obj[name] = _video_paths(obj[name], key)
+            n_videos = len(obj["videos"]) if isinstance(obj.get("videos"), list) else \
+                int("video" in obj)
+            if (order := _by_index(obj, "video", n_videos, key)) and "videos" in obj:
+                obj["videos"] = [obj["videos"][j] for j in order]
             _placeholders(obj)
             conv = parse_record(obj, base_dir=self.base, key=key, media_root=self.root,
                                 images=images)
@@ -241,15 +266,47 @@ def _video_paths(value: Any, key: str) -> Any:
     return value
 
 
-def _placeholders(obj: dict) -> None:
-    """`{"type": "image"}` / `{"type": "video"}` items without a path become `<image>` /
-    `<video>` text, which take the row's next image / video (in place)."""
+def _slots(obj: dict) -> Iterator[tuple[list, int]]:
+    """(content list, position) of each `{"type": ...}` item of the row's messages that names
+    no file (at most an `index` besides its type): an image or video the row's columns hold."""
     for m in obj.get("messages") or ():
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             continue
         for n, item in enumerate(content):
-            if isinstance(item, dict) and set(item) == {"type"}:
-                tag = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}.get(item["type"])
-                if tag is not None:
-                    content[n] = {"type": "text", "text": tag}
+            if isinstance(item, dict) and "type" in item and set(item) <= {"type", "index"}:
+                yield content, n
+
+
+def _by_index(obj: dict, kind: str, n: int, key: str) -> list[int] | None:
+    """The entries of the row's `n` images (or videos) that its `{"type": kind}` items take,
+    in the items' order: an item's `index` (TRL's layout) when given, else its position among
+    them. None when no item gives an index (each then takes the next, as `<image>` does)."""
+    items = [content[i] for content, i in _slots(obj) if content[i]["type"] == kind]
+    if not any("index" in item for item in items):
+        return None
+    column = f'"{kind}s"'
+    order = []
+    for p, item in enumerate(items):
+        j = item.get("index", p)
+        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < n:
+            raise BadSampleError("bad_schema", f'{key}: {kind} item {p} has "index": {j!r:.40}, '
+                                 f"but the row holds {n} {kind}(s) in {column}: give each "
+                                 f"{kind} item the 0-based position of its {kind} in {column}, "
+                                 "or drop the index to take them in order")
+        order.append(j)
+    if sorted(order) != list(range(n)):
+        raise BadSampleError("bad_schema", f'{key}: the {kind} items\' "index" values {order} '
+                             f"do not name each of the row's {n} {kind}(s) in {column} once: "
+                             f"give one {kind} item per {kind}, indexed 0 to {n - 1}")
+    return order
+
+
+def _placeholders(obj: dict) -> None:
+    """`{"type": "image"}` / `{"type": "video"}` items without a path become `<image>` /
+    `<video>` text, which take the row's next image / video (in place; `_by_index` has
+    already put the row's images and videos in the order their items take them)."""
+    for content, n in _slots(obj):
+        tag = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}.get(content[n]["type"])
+        if tag is not None:
+            content[n] = {"type": "text", "text": tag}
