@@ -313,3 +313,15 @@ def test_torch_load_errors_name_the_checkpoint(two_steps: Path, tmp_path: Path, 
     assert msg.startswith(f"loading {latest} failed (") and why in msg, msg
     assert f"the newest intact checkpoint is {out / 'checkpoints' / 'step_00000001'}" in msg
     assert "\n" not in msg
+
+
+def test_the_digest_reads_every_chunk(tmp_path: Path, monkeypatch) -> None:
+    """Two files that differ only in their last chunk's last byte have different digests."""
+    import hashlib
+
+    monkeypatch.setattr(ckpt, "CHUNK", 1024)
+    data = bytes(range(256)) * 10  # 2.5 chunks
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "b").write_bytes(data[:-1] + b"\x00")
+    assert ckpt.file_digest(tmp_path / "a") == hashlib.sha256(data).hexdigest()
+    assert ckpt.file_digest(tmp_path / "a") != ckpt.file_digest(tmp_path / "b")
