@@ -360,3 +360,20 @@ def test_media_path_bounds_by_path_not_by_prefix(edges: Path) -> None:
     with pytest.raises(BadSampleError) as e:
         media_path("../media/a.png", tmp / "media_x", inner, "k", "image")
     assert e.value.reason == OUTSIDE_ROOT
+
+
+def test_an_inline_data_uri_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A `data:` URI in an image field is no missing file: the record is refused as an inline
+    URI, with the fix (the image as a file next to the JSONL)."""
+    uri = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4D"
+           "wABBAEAcCBlCwAAAABJRU5ErkJggg==")
+    (bad,) = iter_jsonl(_write(tmp_path, _rec("u", uri)))
+    assert isinstance(bad, BadSampleError) and bad.reason == BAD_PATH
+    assert str(bad) == (
+        "u: image 'data:image/png;base64,iVBORw0KGgoAAAANSU…' is an inline data: URI, which "
+        "vlpack does not read: write the image to a file next to the JSONL file and name that "
+        f'file in the record (e.g. "images/0001.png") [{tmp_path / "set.jsonl"}:1]')
+    with pytest.raises(BadSampleError, match=r'video .* \(e\.g\. "videos/0001\.mp4"\)'):
+        media_path("data:video/mp4;base64,AAAA", tmp_path, tmp_path.resolve(), "k", "video")
+    with pytest.raises(BadSampleError, match=r'\(e\.g\. "images/0001\.jpg"\)'):
+        media_path("data:image/jpeg;base64,/9j/", tmp_path, tmp_path.resolve(), "k", "image")

@@ -7,7 +7,8 @@ escapes is refused by name as `media_outside_root`, before any byte is read. Sha
 training read only what the dataset names, so a dataset from elsewhere cannot pull
 `/etc/passwd`, `~/.ssh/...` or another project's files into a model or a shard. A path that
 exists must be a regular file (not a folder, FIFO or device), and one the OS cannot check (a
-name too long, a NUL byte, a symlink loop, no permission) is refused as `bad_media_path`. The
+name too long, a NUL byte, a symlink loop, no permission) is refused as `bad_media_path`, as is
+an inline `data:` URI (named as one, with the fix: the image as a file beside the JSONL). The
 resolved path is what every later open uses, so the file read is the file checked.
 
 Formats: images are opened only as the raster formats of `IMAGE_FORMATS` (no EPS, which Pillow
@@ -46,7 +47,16 @@ def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:
     """`base / raw` resolved (through `..` and symlinks), refused with
     `BadSampleError(OUTSIDE_ROOT)` when that lies outside `root` (itself already resolved), and
     with `BadSampleError(BAD_PATH)` when the OS cannot check it or it exists but is not a regular
-    file. A path that does not exist is returned; its reader reports it missing."""
+    file, or is an inline `data:` URI. A path that does not exist is returned; its reader
+    reports it missing."""
+    if raw.startswith("data:"):  # the bytes inline (base64), not a path
+        kind = raw[5:].split(";")[0].split(",")[0]  # e.g. image/png
+        sub = kind.partition("/")[2] or ("png" if what == "image" else "mp4")
+        ext = {"jpeg": "jpg"}.get(sub, sub)
+        raise BadSampleError(
+            BAD_PATH, f"{key}: {what} {raw[:40] + '…'!r} is an inline data: URI, which vlpack "
+            f"does not read: write the {what} to a file next to the JSONL file and name that file "
+            f'in the record (e.g. "{what}s/0001.{ext}")')
     try:
         real = (base / raw).resolve()
     except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, a symlink loop
