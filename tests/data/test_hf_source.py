@@ -424,6 +424,12 @@ def test_sharegpt_columns_read(tmp_path) -> None:
         "images", datasets.List(datasets.Image())).save_to_disk(str(tmp_path / "many"))
     assert _colours(open_dataset("hf", str(tmp_path / "many")), 0) == [
         ("user", [_GREEN, _RED, "Same?"]), ("assistant", ["No."])]
+    chat = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A."}]}]]
+    datasets.Dataset.from_dict({"conversations": chat, "images": [[red]]}).cast_column(
+        "images", datasets.List(datasets.Image())).save_to_disk(str(tmp_path / "chat"))
+    assert _colours(open_dataset("hf", str(tmp_path / "chat")), 0) == [  # role/content turns
+        ("user", [_RED, "Q?"]), ("assistant", ["A."])]
     (tmp_path / "llava" / "coco").mkdir(parents=True)
     green.save(tmp_path / "llava" / "coco" / "0001.png")
     datasets.Dataset.from_dict({"id": ["0001"], "image": ["coco/0001.png"],

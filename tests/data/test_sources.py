@@ -50,6 +50,23 @@ def test_messages_style_multi_image_with_system():
     assert conv.images == [ImageRef(BASE / "a.jpg"), ImageRef(Path("/abs/b.png"))]
 
 
+def test_each_shape_reads_under_either_name():
+    """Hub sets store `{"role", "content"}` turns under `conversations` and `{"from", "value"}`
+    turns under `messages`: each reads by its shape, as it would under its own name."""
+    conv = _parse({"conversations": [{"role": "user", "content": [
+        {"type": "image", "image": "a.jpg"}, {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "12.50"}]})  # fmt: skip
+    assert conv.messages == (Message("user", (ImageRef(BASE / "a.jpg"), "Total?")),
+                             Message("assistant", ("12.50",)))
+    conv = _parse({"messages": [{"from": "human", "value": "<image>Total?"},
+                                {"from": "gpt", "value": "12.50"}], "image": "a.jpg"})
+    assert conv.messages == (Message("user", (ImageRef(BASE / "a.jpg"), "Total?")),
+                             Message("assistant", ("12.50",)))
+    with pytest.raises(BadSampleError, match=r'k: "conversations" must be a list of \{"from", '
+                       r'"value": str\} objects'):  # neither shape: the field's own error
+        _parse({"conversations": [{"from": "human", "value": "Q"}, {"role": "assistant"}]})
+
+
 def test_sharegpt_style_placeholders_in_order():
     conv = _parse({
         "conversations": [{"from": "system", "value": "Sys"},

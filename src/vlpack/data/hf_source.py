@@ -269,7 +269,8 @@ def _video_paths(value: Any, key: str) -> Any:
 def _slots(obj: dict) -> Iterator[tuple[list, int]]:
     """(content list, position) of each `{"type": ...}` item of the row's messages that names
     no file (at most an `index` besides its type): an image or video the row's columns hold."""
-    for m in obj.get("messages") or ():
+    turns = obj["messages"] if "messages" in obj else obj.get("conversations")
+    for m in turns if isinstance(turns, list) else ():
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
             continue

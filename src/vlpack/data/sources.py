@@ -1,6 +1,8 @@
 """Read JSONL conversations into `Conversation`s.
 
-Two record shapes are accepted (one JSON object per line):
+Two record shapes are accepted (one JSON object per line), each under either name: turns of
+`{"role", "content"}` read as messages style and turns of `{"from", "value"}` as ShareGPT, under
+`messages` or `conversations` alike:
 
 messages style::
 
@@ -223,10 +225,9 @@ def parse_record(
         _bad(key, "bad_schema", f"a record must be a JSON object, got {type(obj).__name__}")
     paths = _record_images(obj, key) if images is None else []
     tools = _tools(obj.get("tools"), key)
-    if "messages" in obj:
-        raw = _messages_turns(obj["messages"], key)
-    elif "conversations" in obj:
-        raw = _sharegpt_turns(obj["conversations"], key)
+    if "messages" in obj or "conversations" in obj:
+        field = "messages" if "messages" in obj else "conversations"
+        raw = _turns(obj[field], key, field)
     else:
         _bad(key, "bad_schema", 'a record needs a "messages" or a "conversations" list')
     n_items = len(paths if images is None else images) + len(_record_videos(obj, key)) + sum(
@@ -476,6 +477,22 @@ def _tool_calls(calls: Any, key: str, i: int) -> tuple[ToolCall, ...]:
                  f"a JSON object, got {args!r:.80}{fix}")
         out.append(ToolCall(fn["name"], args))
     return tuple(out)
+
+
+def _turns(turns: Any, key: str, field: str) -> _Turns:
+    """The turns under `field`, read by their shape: `{"role", "content"}` turns as messages,
+    `{"from", "value"}` turns as ShareGPT, whichever of the two names holds them (hub datasets
+    use both names for both shapes); a list of neither shape gets the error of `field`'s own
+    shape."""
+    def has(name: str) -> bool:
+        return isinstance(turns, list) and bool(turns) and all(
+            isinstance(t, dict) and name in t for t in turns)
+
+    if has("from") and not has("role"):
+        return _sharegpt_turns(turns, key)
+    if has("role") and not has("from"):
+        return _messages_turns(turns, key)
+    return (_messages_turns if field == "messages" else _sharegpt_turns)(turns, key)
 
 
 def _messages_turns(messages: Any, key: str) -> _Turns:
