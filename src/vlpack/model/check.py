@@ -42,6 +42,7 @@ from torch import nn
 
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
+from vlpack.model import check_vision as cv
 from vlpack.model import loss
 from vlpack.model.build import ModelSpec
 from vlpack.model.check_data import CheckUnsupportedError, format_data, load_samples
@@ -52,6 +53,7 @@ from vlpack.model.moe import RouterCapture
 from vlpack.model.reference import stock_reference
 from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import special_ids, text_id_range
+from vlpack.model.vision import StaleVisionTablesError
 
 TOLERANCES = {
     "float32": dict(logits=1e-4, loss=1e-5, grad=1e-4, aux=1e-5),
@@ -117,6 +119,7 @@ class Run:
     groups: dict[str, str] = field(default_factory=dict)
     loss_total: float | None = None  # the packed path's own summed loss of the row
     own_shift: list[float] | None = None  # reference: CE of its logits with vlpack's label shift
+    vision: list[list[torch.Tensor]] | None = None  # per sample, its items' tower features [M, C]
 
 
 def _topk(router_logits: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -178,7 +181,8 @@ def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int
     to `total_len`), forward (+ backward of the summed loss); split over the ranks of a
     context-parallel `context` (the row's logits gathered, the gradients summed)."""
     batch = _pack(spec, samples, pad_to, total_len).to(next(model.parameters()).device)
-    with torch.set_grad_enabled(backward), RouterCapture(model) as cap:
+    with torch.set_grad_enabled(backward), RouterCapture(model) as cap, \
+            cv.VisionCapture(model, spec.merge_size) as seen:
         out, logits_TV, hidden_TH, routers, aux = _forward_row(model, spec, batch, context,
                                                               logits=True, cap=cap)
     if backward:
@@ -198,8 +202,10 @@ def run_packed(model, spec: ModelSpec, samples: list[EncodedSample], pad_to: int
             topk.append(_topk([r[seg] for r in routers], spec.num_experts_per_tok))
     aux = None if aux is None else float(aux.detach())
     grads = _grads(model, context) if backward else {}
+    # a context-parallel rank encodes only its share of the row's images: features not compared
+    vision = cv.packed_items(seen.calls, samples) if context is None else None
     return Run(logits, losses, grads, aux, out.paths, topk if spec.is_moe else None,
-               hidden=hidden, groups=param_groups(model), loss_total=total)
+               hidden=hidden, groups=param_groups(model), loss_total=total, vision=vision)
 
 
 def _hf_aux(model: nn.Module, spec: ModelSpec, router_logits: list[list[torch.Tensor]]) -> float:
@@ -218,10 +224,11 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
     where fla is importable) on each sample alone, gradients summed; the loss and its gradient
     are transformers' own `labels=` loss per sample."""
     with stock_reference(model):
-        logits, losses, routers, topk, hf, counts, own = [], [], [], [], [], [], []
+        logits, losses, routers, topk, hf, counts, own, vision = [], [], [], [], [], [], [], []
         for s in samples:
-            with RouterCapture(model) as cap:
+            with RouterCapture(model) as cap, cv.VisionCapture(model, spec.merge_size) as seen:
                 out = unpacked_forward(model, s, spec=spec, hf_labels=True)
+            vision.append(cv.reference_items(seen.calls, s))
             # transformers' own loss: its token mean times the targets its shift leaves
             n_hf = int((s.labels[1:] != IGNORE_INDEX).sum())
             ref_sum = out.loss_sum if out.hf_loss is None else out.hf_loss.float() * n_hf
@@ -237,7 +244,7 @@ def run_unpacked(model, spec: ModelSpec, samples: list[EncodedSample]) -> Run:
         aux = _hf_aux(model, spec, routers) if spec.is_moe else None
     return Run(logits, losses, _grads(model), aux, topk=topk if spec.is_moe else None,
                hf_losses=hf, label_counts=counts, groups=param_groups(model),
-               loss_total=sum(losses), own_shift=own)
+               loss_total=sum(losses), own_shift=own, vision=vision)
 
 
 def _nonzero(g: torch.Tensor | None) -> bool:
@@ -289,7 +296,9 @@ def compare(a: Run, b: Run, keep: list[torch.Tensor] | None = None,
     ta, tb = (sum(r.losses) if r.loss_total is None else r.loss_total for r in (a, b))
     g = compare_grads(a, b, floor)
     aux = None if a.aux is None or b.aux is None else abs(a.aux - b.aux)
+    vision = None if a.vision is None or b.vision is None else cv.compare_items(a.vision, b.vision)
     return dict(logits=logit, loss=lossd, loss_total=abs(ta - tb) / max(1.0, abs(tb)),
+                vision=vision,
                 loss_value=dict(packed=ta, reference=tb),
                 grad=g["grad"], grad_params=g["params"],
                 grad_worst=g["worst"], params_missing=g["missing"], aux=aux,
@@ -509,16 +518,29 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
         spec, samples=samples, seed=seed, data=data, model_name=spec.name, replica=replica,
         media_root=media_root, model=model)
     pad_to = pad_unit(cp)
-    tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
                         init=init, replica=replica,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
-                        tolerances=tol, isolation_bound=ISOLATION[dtype], **data_info)
+                        tolerances=TOLERANCES[dtype], isolation_bound=ISOLATION[dtype], **data_info)
     failures: list[str] = list(data_info.get("encoding", {}).get("failures", []))
+    try:
+        return _run_items(model, spec, batch_samples, report, failures, dtype=dtype, device=dev,
+                          pad_to=pad_to, seed=seed, context=context)
+    except StaleVisionTablesError as e:  # a vlpack state bug the packed forward detects itself
+        report.update(failures=[*failures, f"float32 contract: {e}"], passed=False)
+        return report
 
+
+def _run_items(model: nn.Module, spec: ModelSpec, batch_samples: list[EncodedSample],
+               report: dict, failures: list[str], *, dtype: str, device: torch.device,
+               pad_to: int, seed: int, context: ContextGroup | None) -> dict:
+    """`run_check`'s comparisons on the chosen samples: their failures appended to
+    `failures`, their values and the verdict written into `report`, which is returned."""
+    cp, dev = 1 if context is None else context.size, device
+    tol32, tol = TOLERANCES["float32"], TOLERANCES[dtype]
     # The contract, in fp32. Bin A (forward only), bin B (the samples reversed, other alignment,
     # extra tail padding), then A with gradients: each against the reference, so state kept
     # from one forward (vision tables, deepstack index, boundaries) cannot go unseen. The
@@ -530,7 +552,8 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     rev = run_packed(model, spec, *_other_bin(batch_samples, cp), backward=False,
                      context=context)
     rev = replace(rev, logits=rev.logits[::-1], losses=rev.losses[::-1],
-                  topk=None if rev.topk is None else rev.topk[::-1])
+                  topk=None if rev.topk is None else rev.topk[::-1],
+                  vision=None if rev.vision is None else rev.vision[::-1])
     d2 = compare(rev, ref, stable_tokens(rev, ref))
     for d_ in (d1, d2):  # forward only: no gradients to compare
         d_.update(grad={}, grad_params={}, grad_worst={}, params_missing={})
@@ -540,9 +563,17 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     keep = stable_tokens(packed, ref)
     d = compare(packed, ref, keep)
     failures += _contract_failures("float32 packed vs unpacked", d, tol32)
+    keys = [s.key for s in batch_samples]
+    for label, d_ in (("float32 first bin, forward only", d1),
+                      ("float32 second bin (reversed, re-padded)", d2),
+                      ("float32 packed vs unpacked", d)):
+        failures += cv.failures(label, d_["vision"], keys) if d_["vision"] is not None else []
+    sens = cv.position_sensitivity(model, batch_samples, spec.merge_size)
+    failures += cv.sensitivity_failures(sens)
     iso32 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
     failures += _isolation_failures("float32 isolation", iso32, ISOLATION["float32"])
     report.update(contract_float32=_summary(d), second_bin=_summary(d2),
+                  vision_position_sensitivity=sens, vision_tolerance=cv.VISION_TOL,
                   isolation_float32=iso32,
                   hf_label_loss=[None if h is None else round(h, 6) for h in ref.hf_losses])
 
@@ -594,7 +625,8 @@ def _not_exercised(groups: dict[str, str], *runs: Run) -> list[str]:
 def _summary(d: dict) -> dict:
     return dict(max_logit_diff=max(d["logits"]), max_loss_diff=max(d["loss"]),
                 loss_total_diff=d["loss_total"],
-                grad_rel_diff=d["grad"], moe_aux_diff=d["aux"])
+                grad_rel_diff=d["grad"], moe_aux_diff=d["aux"],
+                max_vision_diff=None if not d["vision"] else max(d["vision"]))
 
 
 def _fmt(x: float | None) -> str:
@@ -602,6 +634,9 @@ def _fmt(x: float | None) -> str:
 
 
 def format_report(r: dict) -> str:
+    if "per_sample" not in r:  # stopped by an error the packed forward detected itself
+        return "\n".join([f"vlpack check: {r['model']} ({r['family']}) on {r['device']}, "
+                          f"{r['dtype']}", "FAILED:", *[f"  - {f}" for f in r["failures"]]])
     lines = [
         f"vlpack check: {r['model']} ({r['family']}) on {r['device']}"
         + (f" × {r['cp']} context-parallel ranks" if r.get("cp", 1) > 1 else "")
