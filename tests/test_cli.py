@@ -60,3 +60,28 @@ def test_no_module_below_the_cli_reads_flags() -> None:
     readers = {str(p.relative_to(root)) for p in sorted(root.rglob("*.py"))
                if re.search(r"\bargparse\b", p.read_text())}
     assert readers == {"cli.py"}
+
+
+_HELP = """import runpy, sys
+sys.argv = ["vlpack", *sys.argv[1:]]
+try:
+    runpy.run_module("vlpack", run_name="__main__")
+except SystemExit:
+    pass
+print("heavy:", sorted({"torch", "transformers"} & set(sys.modules)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(args: list[str]) -> None:
+    """`python3 -m vlpack [train] --help` prints its text (the preset list included) without
+    importing torch or transformers, so it answers in well under a second."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HELP, *args], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.startswith(f"usage: vlpack {args[0] if len(args) > 1 else ''}".rstrip())
+    assert done.stderr.splitlines()[-1] == "heavy: []"
+    if args[0] == "train":
+        assert "tiny-qwen3_vl" in done.stdout
