@@ -12,10 +12,10 @@ into the marker, written last. A resume checks every file's size and digest befo
 (`resume_point`; the ranks split the files) and refuses a damaged, truncated or missing one with
 a `CheckpointIntegrityError` naming the file and the newest intact checkpoint beside it;
 `train.resume_fallback=true` resumes from that one instead. Hashing reads what was just written,
-mostly from the page cache: sha256 runs at about 1 GiB/s per rank on a CPU with SHA extensions,
-so a LoRA checkpoint (0.1 GiB) adds a tenth of a second, a full fine-tune's shards seconds per
-rank per GiB. A checkpoint whose marker records no digests resumes with a warning that it is not
-verified.
+mostly from the page cache, at about 0.7 GiB/s per rank (sha256 on one Xeon core, measured in
+docs/training.md): a LoRA checkpoint (0.1 GiB) adds about 0.15 s to a save and to a resume, a
+full fine-tune about 1.4 s per GiB each rank wrote. A checkpoint whose marker records no digests
+resumes with a warning that it is not verified.
 Rotation deletes only checkpoints of the same run id: a run never deletes another run's. It runs
 after the new checkpoint is written, or before it when the disk is too full for it: then the
 checkpoints rotation would delete anyway go first, never the latest (the resume point).
@@ -196,7 +196,7 @@ def frozen_dtypes_fingerprint(model: torch.nn.Module) -> str:
 
 
 def file_digest(file: Path) -> str:
-    """The sha256 of `file`, read in CHUNK-byte pieces (about 1 GiB/s with SHA extensions)."""
+    """The sha256 of `file`, read in CHUNK-byte pieces (about 0.7 GiB/s on one core)."""
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
