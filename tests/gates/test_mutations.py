@@ -102,6 +102,21 @@ MUTATIONS = [
              'kwargs.update({**self.__dict__.setdefault("_first", bounds.vision.tables), '
              '"cu_seqlens": bounds.vision.full.cu})',
              check="tiny-qwen3_vl"),
+    Mutation("vision tables (positions, window index and windows) reused from the first forward",
+             "model/vision.py", "kwargs.update(bounds.vision.tables)",
+             'kwargs.update({**self.__dict__.setdefault("_first", bounds.vision.tables), '
+             '"cu_seqlens": bounds.vision.full.cu})',
+             check="tiny-qwen2_5_vl"),
+    Mutation("vision rotary positions reused from the first forward", "model/vision.py",
+             "kwargs.update(bounds.vision.tables)",
+             'kwargs.update({**bounds.vision.tables, "position_ids": self.__dict__.setdefault('
+             '"_first", bounds.vision.tables["position_ids"])})',
+             check="tiny-qwen2_vl"),
+    Mutation("vision rotary positions all zero on the packed path", "model/vision.py",
+             "kwargs.update(bounds.vision.tables)",
+             'kwargs.update({**bounds.vision.tables, '
+             '"position_ids": 0 * bounds.vision.tables["position_ids"]})',
+             check="tiny-qwen3_5"),
     Mutation("Gated-DeltaNet recurrent state not reset at boundaries", "model/gdn.py",
              GDN_PER_SEGMENT, GDN_CARRIES_STATE, check="tiny-qwen3_5"),
     Mutation("context-parallel gather's backward keeps only this rank's gradient",
