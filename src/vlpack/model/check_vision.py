@@ -156,11 +156,13 @@ def position_sensitivity(model: nn.Module, samples: list[EncodedSample], merge: 
 
 
 def sensitivity_failures(sens: dict) -> list[str]:
-    """A failure when the self-test's smallest shift is below `SENSITIVITY` × `VISION_TOL`."""
+    """A line when the self-test's smallest shift is below `SENSITIVITY` × `VISION_TOL`: a
+    failure on the check's synthetic samples, a warning on `--data` samples (images with
+    large flat areas, such as receipts, barely depend on position on a small random model)."""
     if not sens or sens["min"] >= SENSITIVITY * VISION_TOL:
         return []
     worst = min((k for k in sens if k != "min"), key=sens.__getitem__)
     return [f"vision position self-test: the stock tower's rotary positions {worst} move its "
             f"features by only {sens['min']:.2e} of their scale (< {SENSITIVITY:.0f} × "
             f"{VISION_TOL:.0e}): on these samples and weights the check cannot see a vision "
-            "position error; check with larger images (--data) or trained weights"]
+            "position error; run it on its synthetic samples (no --data) or trained weights"]
