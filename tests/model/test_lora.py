@@ -4,6 +4,7 @@ in peft and the merged export in transformers with the trained model's logits, e
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,40 @@ def test_lora_on_routed_experts(tmp_path: Path):
         lora.apply_lora(dense, LoraConfig(rank=4, experts=True))
     with pytest.raises(ValueError, match=r"lora\.dropout=0"):
         LoraConfig(rank=4, experts=True, dropout=0.1)
+
+
+@pytest.mark.parametrize(("family", "cfg"), [
+    ("tiny-qwen3_vl", LoraConfig(rank=4, vision=True)),
+    ("tiny-qwen3_5", LoraConfig(rank=8)),
+    ("tiny-qwen3_vl_moe", LoraConfig(rank=4, experts=True)),
+])
+def test_shape_adapters_count_what_peft_adds(family: str, cfg: LoraConfig):
+    """The stand-ins the memory plan uses without peft hold peft's trainable weights exactly
+    (rank·(in + out) per linear, rank·E·(a + b) per expert weight) and freeze the same rest."""
+    from vlpack.model.build import meta_model
+
+    counts = []
+    for adapt in (lora.apply_lora, lora.shape_adapters):
+        model = meta_model(family)
+        n = adapt(model, cfg)
+        params = list(model.parameters())
+        counts.append((n, sum(p.numel() for p in params if p.requires_grad),
+                       sum(p.numel() for p in params)))
+    assert counts[0] == counts[1] and counts[0][1] > 0, counts
+
+
+def test_dry_run_of_a_lora_recipe_without_peft(monkeypatch, capsys):
+    """`vlpack train qwen3-vl-8b-lora --dry-run` plans the same memory with peft made
+    unimportable as with peft; building the LoRA model without peft says how to install it."""
+    from vlpack.cli import main
+
+    args = ["train", "qwen3-vl-8b-lora", "--dry-run", "--device-memory", "79.2GiB"]
+    assert main(args) == 0
+    with_peft = capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "peft", None)
+    assert main(args) == 0
+    assert capsys.readouterr().out == with_peft
+    assert "(8.81 B parameters, 0.044 B trainable;" in with_peft
+    model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match=r"needs peft: pip install 'vlpack\[lora\]'"):
+        lora.apply_lora(model, LoraConfig(rank=4))

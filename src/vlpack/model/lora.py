@@ -79,9 +79,9 @@ def _text_linear_names(model: nn.Module) -> set[str]:
             if isinstance(m, nn.Linear) and ".visual." not in f".{n}." and not n.endswith("lm_head")}
 
 
-def expert_parameters(model: nn.Module, cfg: VlpackLora) -> list[str]:
-    """The `target_parameters` of `cfg` on `model`: the routed experts' weights with
-    `cfg.experts`, else none; a ValueError for a dense model or a peft without them."""
+def _expert_targets(model: nn.Module, cfg: VlpackLora) -> list[str]:
+    """The routed experts' weights `cfg` adapts on `model` (`experts.gate_up_proj`, ...): none
+    without `cfg.experts`, a ValueError for a dense model."""
     if not cfg.experts:
         return []
     names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]
@@ -90,6 +90,15 @@ def expert_parameters(model: nn.Module, cfg: VlpackLora) -> list[str]:
     if not found:
         raise ValueError(f"model.lora.experts=true but {type(model).__name__} has no routed "
                          "experts (a dense family): leave model.lora.experts off")
+    return found
+
+
+def expert_parameters(model: nn.Module, cfg: VlpackLora) -> list[str]:
+    """The `target_parameters` of `cfg` on `model`: the routed experts' weights with
+    `cfg.experts`, else none; a ValueError for a dense model or a peft without them."""
+    found = _expert_targets(model, cfg)
+    if not found:
+        return []
     peft = _peft()
     if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
         raise ValueError(f"model.lora.experts=true needs peft >= 0.17 (LoRA on weight tensors); "
@@ -123,6 +132,45 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
         m.cast_input_dtype_enabled = False
     model._vlpack_lora = pc
     return len(adapted)
+
+
+def plan_lora(model: nn.Module, cfg: VlpackLora) -> int:
+    """LoRA on the meta model the memory plan reads: peft's layers (`apply_lora`) where peft is
+    installed, else `shape_adapters` (the same trainable shapes without peft, so `vlpack train
+    --dry-run` plans a LoRA recipe on a machine without it); returns the adapted modules."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return shape_adapters(model, cfg)
+    return apply_lora(model, cfg)
+
+
+def shape_adapters(model: nn.Module, cfg: VlpackLora) -> int:
+    """Register on `model` trainable stand-ins of the LoRA weights `apply_lora` adds, in their
+    shapes, and freeze everything else; returns the number of adapted modules. For the memory
+    plan only (the forward ignores them). An adapted linear [out, in] gets A [r, in] and
+    B [out, r], rank·(in + out) weights; an adapted expert weight [E, a, b] gets peft's
+    `ParamWrapper` factors A [E·r, a] and B [b, r·E], rank·E·(a + b)."""
+    r, adapted = cfg.rank, 0
+
+    def stand_in(module: nn.Module, leaf: str, a: tuple[int, ...], b: tuple[int, ...]) -> None:
+        for part, shape in (("A", a), ("B", b)):
+            module.register_parameter(f"lora_{part}{leaf}", nn.Parameter(
+                torch.empty(shape, device="meta", dtype=torch.float32)))
+
+    model.requires_grad_(False)
+    for name in target_names(model, cfg):
+        m = model.get_submodule(name)
+        stand_in(m, "", (r, m.in_features), (m.out_features, r))
+        adapted += 1
+    experts = set(_expert_targets(model, cfg))
+    for name, p in list(model.named_parameters()):
+        owner, leaf = name.rsplit(".", 1)
+        if routed_expert(name) and f"{owner.rsplit('.', 1)[-1]}.{leaf}" in experts:
+            e, a, b = p.shape
+            stand_in(model.get_submodule(owner), f"_{leaf}", (e * r, a), (b, r * e))
+            adapted += 1
+    return adapted
 
 
 def _clean(name: str) -> str:

@@ -103,7 +103,7 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
     if m.lora.rank:  # only the adapters keep gradients and optimizer state
         from vlpack.model import lora
 
-        lora.apply_lora(shapes, m.lora)
+        lora.plan_lora(shapes, m.lora)
     precision.hold_parameters(shapes, low)
     if m.frozen_dtype == "int8":
         from vlpack.model.quant import quantize_experts
