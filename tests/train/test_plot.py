@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -68,3 +70,30 @@ def test_plot_overlays_runs(tmp_path: Path) -> None:
     assert main(["plot", str(tmp_path / "missing")]) == 2
     # a dense model records no aux loss: refused with the metrics it does record
     assert main(["plot", str(tmp_path / "packed"), "--metrics", "aux_loss"]) == 2
+
+
+# --- without matplotlib (an extra: vlpack[plot]) -----------------------------------------------------
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    run = _run(tmp_path / "a", ROWS)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ValueError, match=r"needs matplotlib: pip install 'vlpack\[plot\]'"):
+        plot_runs([run], tmp_path / "p.png")
+    assert main(["plot", str(run)]) == 2
+    assert "pip install 'vlpack[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_training_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A run ends without loss.png, with one log line and the summary's plot line saying how
+    to get it."""
+    from vlpack.train.metrics import format_summary
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with caplog.at_level(logging.INFO, logger="vlpack"):
+        summary = Trainer(small_cfg(tmp_path / "run", "train.max_steps=1"), CPU).fit()
+    assert summary["plot"] is None and not (tmp_path / "run" / "loss.png").exists()
+    said = [r.getMessage() for r in caplog.records if "vlpack[plot]" in r.getMessage()]
+    assert said == ["no loss.png: matplotlib is not installed: pip install 'vlpack[plot]'"]
+    plot_line = [ln for ln in format_summary(summary).splitlines() if ln.strip().startswith("plot")]
+    assert plot_line == ["  plot        no loss.png: matplotlib is not installed: "
+                         "pip install 'vlpack[plot]'"]

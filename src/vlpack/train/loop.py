@@ -46,7 +46,7 @@ from vlpack.train.parallel import (
     per_replica,
     shutdown,
 )
-from vlpack.train.plot import plot_runs
+from vlpack.train.plot import missing_matplotlib, plot_runs
 from vlpack.train.profile import StepProfiler
 from vlpack.train.progress import Eta, Progress
 from vlpack.train.runlock import claim_output_dir
@@ -480,7 +480,10 @@ class Trainer:
             hf = export_live(self.model, out_dir / "hf", self.info, self.cfg,
                              dtype=self.cfg.train.export_dtype)
             summary["hf_export"] = str(hf)
-        if self.info.is_main:
+        if self.info.is_main and (why := missing_matplotlib()):
+            summary["plot_skipped"] = f"no loss.png: {why}"
+            log.info(summary["plot_skipped"])
+        elif self.info.is_main:
             self._say(f"plotting {out_dir / 'loss.png'}")
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary

@@ -114,7 +114,7 @@ def format_summary(s: dict[str, Any]) -> str:
         *([("adapter", s["adapter"])] if s.get("adapter") else []),
         *([("hf export", s["hf_export"])] if s.get("hf_export") else []),
         ("metrics", s["metrics"]),
-        ("plot", s.get("plot") or "—"),
+        ("plot", s.get("plot") or s.get("plot_skipped") or "—"),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

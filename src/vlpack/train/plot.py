@@ -14,12 +14,26 @@ LABELS = {"loss": "loss (token mean)", "aux_loss": "MoE aux loss", "grad_norm": 
           "peak_mem_gib": "peak allocated (GiB)", "peak_reserved_gib": "peak reserved (GiB)"}
 PANELS = {"memory": ("peak_mem_gib", "peak_reserved_gib")}
 """Panels that draw several keys: `memory` = allocated (solid) and reserved (dotted)."""
+PLOT_EXTRA = "pip install 'vlpack[plot]'"
+"""How to get matplotlib, which draws the plots (an extra, not a core dependency)."""
+
+
+def missing_matplotlib() -> str | None:
+    """None where matplotlib imports, else a sentence saying how to get it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"matplotlib is not installed: {PLOT_EXTRA}"
+    return None
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, x: str = "samples",
               metrics: Sequence[str] = ("loss",)) -> Path:
     """Overlay `metrics` of runs, one panel each, against samples seen (or `step`); the eval
-    loss dashed on the loss panel. ValueError naming the metric when no run recorded it."""
+    loss dashed on the loss panel. ValueError naming the metric when no run recorded it, or
+    saying how to get matplotlib when it is missing."""
+    if missing_matplotlib():
+        raise ValueError(f"vlpack plot needs matplotlib: {PLOT_EXTRA} (or pip install matplotlib)")
     import matplotlib
 
     matplotlib.use("Agg")
