@@ -461,6 +461,10 @@ class TrainConfig:
     """Experiment trackers that mirror every metrics row on rank 0, with the run's config
     (train/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
     metrics.jsonl is written either way."""
+    report_to_errors: Literal["error", "warn"] = "error"
+    """A tracker that cannot start (its extra missing, its server unreachable, its login absent;
+    tried on rank 0 before the model is built): `error` ends the run with a message naming the
+    tracker, the error and the fix; `warn` logs it and trains without that tracker."""
     eval_every: int = 0
     """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
     progress: bool = True

@@ -1,5 +1,6 @@
 """train.report_to: every metrics row mirrored to the trackers with the run's config, read back
-from what each tracker wrote (TensorBoard's event file, W&B's offline run file)."""
+from what each tracker wrote (TensorBoard's event file, W&B's offline run file, MLflow's default
+SQLite store); a tracker that cannot start ends the run before the model is built."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from vlpack.train import tracking
+from tests.helpers import CPU, small_cfg
+from vlpack.train import checkpoint as ckpt
+from vlpack.train import loop, tracking
+from vlpack.train.loop import Trainer
 from vlpack.train.metrics import MetricsWriter
-from vlpack.train.tracking import build_trackers, numbers
+from vlpack.train.tracking import numbers, start_trackers
 
 CONFIG = {"optim": {"lr": 1e-5}, "train": {"report_to": ["tensorboard"]}}
 ROWS = [{"step": 1, "loss": 2.5, "lr": 1e-5, "aux_loss": None, "time": 1.0e9, "samples": 4},
@@ -21,7 +25,9 @@ ROWS = [{"step": 1, "loss": 2.5, "lr": 1e-5, "aux_loss": None, "time": 1.0e9, "s
 
 def _write(out: Path, names: list[str], rows: list[dict], *, resume_step: int = 0, run_id="r1") -> None:
     out.mkdir(exist_ok=True)
-    trackers = build_trackers(names, out_dir=out, config=CONFIG, run_id=run_id, resume_step=resume_step)
+    trackers = start_trackers(names, out_dir=out, run_id=run_id)
+    for t in trackers:
+        t.begin(CONFIG, resume_step)
     writer = MetricsWriter(out / "metrics.jsonl", resume_step=resume_step, mirrors=tuple(trackers))
     for row in rows:
         writer.write(row)
@@ -96,7 +102,8 @@ def test_wandb_offline_run_reads_back(tmp_path: Path, monkeypatch) -> None:
     records = _wandb_records(path)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.run_id, run.project, run.display_name) == ("run123", "vlpack-test", tmp_path.name)
-    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    config = {u.key: json.loads(u.value_json) for r in records
+              if r.WhichOneof("record_type") == "config" for u in r.config.update}
     assert config["optim"] == {"lr": 1e-5} and config["train"] == {"report_to": ["tensorboard"]}
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
@@ -105,25 +112,90 @@ def test_wandb_offline_run_reads_back(tmp_path: Path, monkeypatch) -> None:
                    {"_step": 2, "loss": 2.25, "lr": 2e-5, "samples": 8, "eval_loss": 2.75, "eval_s": 0.5}]
 
 
-def test_a_missing_tracker_names_its_extra(monkeypatch) -> None:
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match=r'report_to lists mlflow, which is not installed .*'
-                                         r'pip install "vlpack\[mlflow\]" or drop mlflow'):
-        tracking.check_installed(["tensorboard", "mlflow"][1:])
+def test_a_missing_tracker_names_its_extra(monkeypatch, caplog) -> None:
+    real = tracking.importlib.import_module
+    monkeypatch.setattr(tracking.importlib, "import_module", lambda name: (
+        (_ for _ in ()).throw(ImportError("No module named 'trackio'")) if name == "trackio"
+        else real(name)))
+    with pytest.raises(ValueError, match=r'report_to lists trackio, which is not installed .*'
+                                         r'pip install "vlpack\[trackio\]" or drop trackio'):
+        start_trackers(["trackio"], out_dir=".")
+    assert start_trackers(["trackio"], out_dir=".", errors="warn") == []
+    assert "report_to lists trackio, which is not installed" in caplog.text
+    assert "training without it (train.report_to_errors=warn)" in caplog.text
 
 
-def test_mlflow_run_reads_back(tmp_path: Path, monkeypatch) -> None:
+def test_mlflow_default_store_reads_back(tmp_path: Path, monkeypatch) -> None:
+    """No MLFLOW_TRACKING_URI: a SQLite store in the output folder, nothing in the cwd."""
     pytest.importorskip("mlflow")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3: the file store needs it
-    _write(tmp_path / "run", ["mlflow"], ROWS, run_id="run123")
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient()
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert (run.info.run_name, run.data.tags["vlpack.run_id"]) == ("run", "run123")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "run", ["mlflow"], ROWS, run_id="run123")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("vlpack").experiment_id])
+    assert (run.info.run_name, run.data.tags["vlpack.run_id"], run.info.status) == (
+        "run", "run123", "FINISHED")
     assert run.data.params == {"optim.lr": "1e-05", "train.report_to": "['tensorboard']"}
     history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
                for k in ("loss", "eval_loss", "samples")}
     assert history == {"loss": [(1, 2.5), (2, 2.25)], "eval_loss": [(2, 2.75)],
                        "samples": [(1, 4.0), (2, 8.0), (2, 8.0)]}
+
+
+def _no_build(*args, **kwargs):
+    raise AssertionError("the model was built although a tracker could not start")
+
+
+def test_a_tracker_that_cannot_start_ends_the_run_before_the_model_is_built(
+        tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    monkeypatch.setattr(loop, "build_stack", _no_build)
+    cfg = small_cfg(tmp_path, "train.report_to=[tensorboard,mlflow]")
+    with pytest.raises(ValueError, match=r"train\.report_to: mlflow could not start \(.*bogus.*\)\. "
+                                         r"Fix: point MLFLOW_TRACKING_URI at .*; or drop mlflow from "
+                                         r"train\.report_to \(train\.report_to_errors=warn trains "
+                                         r"without it\)"):
+        Trainer(cfg, CPU)
+
+
+def test_report_to_errors_warn_trains_without_the_tracker(tmp_path: Path, monkeypatch, caplog) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    summary = Trainer(small_cfg(tmp_path, "train.max_steps=2", "train.report_to=[mlflow,tensorboard]",
+                                "train.report_to_errors=warn"), CPU).fit()
+    assert summary["steps"] == 2
+    assert "train.report_to: mlflow could not start" in caplog.text
+    assert "training without it (train.report_to_errors=warn)" in caplog.text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+
+
+def test_mlflow_end_to_end_with_resume(tmp_path: Path, monkeypatch) -> None:
+    """vlpack train with report_to=[mlflow] and no MLflow settings: OUTPUT_DIR/mlflow.db holds
+    every metrics row; the resumed run is a second MLflow run tagged with the same run id, with
+    the config as trained."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    for steps in (2, 3):
+        Trainer(small_cfg(tmp_path, f"train.max_steps={steps}", "train.report_to=[mlflow]"), CPU).fit()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run_id = ckpt.marker(ckpt.latest_checkpoint(tmp_path))["run_id"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("vlpack").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert [r.data.tags["vlpack.run_id"] for r in runs] == [run_id, run_id]
+    assert [r.data.params["train.max_steps"] for r in runs] == ["2", "3"]
+    got = [(m.step, m.value) for r in runs for m in client.get_metric_history(r.info.run_id, "loss")]
+    assert got == [(r["step"], pytest.approx(r["loss"])) for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]

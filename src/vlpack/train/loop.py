@@ -52,7 +52,7 @@ from vlpack.train.progress import Eta, Progress
 from vlpack.train.runlock import claim_output_dir
 from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
 from vlpack.train.step import StepResult, optimizer_step
-from vlpack.train.tracking import build_trackers, check_installed
+from vlpack.train.tracking import Tracker, start_trackers
 
 log = logging.getLogger("vlpack.train")
 
@@ -79,8 +79,12 @@ class Trainer:
         self.context = context_group(self.info)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
-        check_installed(cfg.train.report_to)  # before the model is built, on every rank
         claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
+        self.run_id: str | None = _run_id(cfg)
+        # before the model is built: a tracker that cannot start ends the run in seconds
+        self.trackers: list[Tracker] = start_trackers(
+            cfg.train.report_to, out_dir=cfg.train.output_dir, run_id=self.run_id,
+            errors=cfg.train.report_to_errors, info=self.info)
         stack = build_stack(cfg, self.info, context=self.context)
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
         self.flops, self.autocast = stack.flops, stack.autocast
@@ -112,7 +116,6 @@ class Trainer:
         self.last_loss: float | None = None
         self.eval_loss: float | None = None
         self.last_checkpoint: Path | None = None
-        self.run_id: str | None = None
         self.stop_signal: int | None = None  # the signal that stopped the run
         self._signal_at = 0.0
         self._grace_timer: threading.Timer | None = None
@@ -317,8 +320,6 @@ class Trainer:
         cfg, info = self.cfg, self.info
         out_dir = Path(cfg.train.output_dir)
         resumed = self.maybe_resume()
-        if resumed is None:
-            self.run_id = uuid.uuid4().hex[:12]
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
@@ -331,8 +332,9 @@ class Trainer:
                           ": nothing to train (raise train.max_steps to continue it)")
         handled = (signal.SIGINT, signal.SIGTERM)
         old = {s: signal.signal(s, self._on_signal) for s in handled}
-        trackers = build_trackers(cfg.train.report_to, out_dir=out_dir, config=cfg.to_dict(),
-                                  run_id=self.run_id, resume_step=self.step) if info.is_main else []
+        trackers = self.trackers  # started in __init__; the config and resume point known now
+        for tracker in trackers:
+            tracker.begin(cfg.to_dict(), self.step)
         writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main,
                                mirrors=tuple(trackers))
         peak = peak_flops(info.device)
@@ -548,6 +550,20 @@ def _grace_expired(grace: float) -> None:
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_ABORTED)
+
+
+def _run_id(cfg: Config) -> str | None:
+    """The run's id, read before the model is built: that of the checkpoint train.resume
+    continues (None where it records none; its files are verified when it loads), else a new one."""
+    r = cfg.train.resume
+    path = (None if r == "none" else ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto"
+            else Path(r))
+    if path is None:
+        return uuid.uuid4().hex[:12]
+    try:
+        return ckpt.marker(path).get("run_id")
+    except (OSError, ValueError):  # no readable marker: maybe_resume names the problem
+        return None
 
 
 def _check_writable(out: Path) -> None:
