@@ -119,3 +119,18 @@ def test_run_reports_samples_per_source(tmp_path: Path) -> None:
     assert summary["sources"] and set(summary["sources"]) <= {"receipts", "more"}
     assert sum(summary["sources"].values()) == summary["samples"]
     assert "sources" in format_summary({**summary, "metrics": "m", "plot": None})
+
+
+def test_a_down_weighted_source_cycles_through_its_rows() -> None:
+    """Weights 9 : 11 over 60 + 20 rows: the big source gives 36 entries an epoch, the small
+    one 44 (each row twice and 4 draws). Over two epochs the big source gives all 60 rows (36,
+    then the other 24 and 12 of its next permutation) and the small one's draws are 8 distinct
+    rows, where a fixed draw would repeat 36 rows and 4 rows."""
+    big, small = dataset(60, seed=1), dataset(80, seed=2)[60:]  # distinct keys
+    mix = Mixture([big, small], ["big", "small"], [9, 11], seed=5)
+    run = loader(mix, seq_len=1024, epochs=2)
+    keys = Counter(k for b in run for k in b.sample_keys)
+    big_keys = {s.key for s in big}
+    assert run.accounting["sources"] == {"big": 72, "small": 88}
+    assert sorted(n for k, n in keys.items() if k in big_keys) == [1] * 48 + [2] * 12
+    assert sorted(n for k, n in keys.items() if k not in big_keys) == [4] * 12 + [5] * 8

@@ -21,7 +21,7 @@ from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch, build_thd_batch
-from vlpack.data.mixture import Mixture
+from vlpack.data.mixture import EntrySizes, Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.size_cache import measure_one, measuring_bar
 from vlpack.data.stream import BinStream, PlannedBin, SizeOrError, rank_bins
@@ -118,7 +118,7 @@ def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int 
     if isinstance(items, Mixture):
         per_source = [one(rows, m.source, m.path) for rows, m in zip(items.sources, d.mix,
                                                                      strict=True)]
-        return [per_source[s][row] for s, row in items.index.tolist()]
+        return EntrySizes(items, per_source)
     return one(items, d.source, d.path)
 
 
@@ -149,7 +149,7 @@ class _BinBuilder(torch.utils.data.Dataset):
         failed: list[Skip] = []
         for i, epoch in zip(work.plan.items, work.plan.epochs, strict=True):
             try:
-                item = self.items[i]
+                item = item_at(self.items, i, epoch)
                 if isinstance(item, BadSampleError):  # good when measured, bad when read again
                     raise item
                 sample = self.encoder.encode(item, caps.get(i))  # a cut decodes what it keeps
@@ -168,6 +168,11 @@ class _BinBuilder(torch.utils.data.Dataset):
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
         return batch, work.plan, failed
+
+
+def item_at(items: Sequence[Item], i: int, epoch: int) -> Item:
+    """Sample i of `items` in `epoch` (a mixture's entry i may be another row each epoch)."""
+    return items.at(i, epoch) if isinstance(items, Mixture) else items[i]
 
 
 def _identity(x):
@@ -215,7 +220,9 @@ class PackedLoader:
         self.items = items
         self.encoder = encoder
         self.data = d
-        self.sizes = sizes if sizes is not None else measure_all(items, encoder, progress=progress)
+        self.sizes = sizes if sizes is not None else (
+            items.measure(lambda rows: measure_all(rows, encoder, progress=progress))
+            if isinstance(items, Mixture) else measure_all(items, encoder, progress=progress))
         self.packed = d.packing != "none"
         self.stream_kw = dict(data=d, seed=seed, epochs=epochs, truncate_fn=self._truncated_size)
         self.rank, self.world_size, self.per_round = rank, world_size, per_round
@@ -231,11 +238,15 @@ class PackedLoader:
             else (lambda skip: None)  # another rank with the same data prints them
         self.stream: BinStream | None = None
 
+    def _item(self, i: int) -> Item:
+        """Sample i of the epoch the stream plans (a mixture's row can change per epoch)."""
+        return item_at(self.items, i, self.stream.epoch if self.stream is not None else 0)
+
     def _truncated_size(self, i: int, max_tokens: int):
-        return self.encoder.truncated_size(self.items[i], max_tokens)
+        return self.encoder.truncated_size(self._item(i), max_tokens)
 
     def _describe(self, i: int) -> str:
-        return describe(self.items[i], i)
+        return describe(self._item(i), i)
 
     def _works(self, skip: int) -> Iterator[BinWork]:
         self.stream = BinStream(sizes=self.sizes, describe=self._describe, **self.stream_kw)

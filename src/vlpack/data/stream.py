@@ -107,6 +107,8 @@ class BinStream:
     """
 
     sizes: Sequence[SizeOrError]
+    """Per-sample sizes; where they have `of_epoch(epoch)` (a mixture's `EntrySizes`), each
+    epoch plans with that epoch's."""
     data: DataConfig
     """The packing settings: `packing` (a planner, or `none` for fixed groups of `batch_size`
     consecutive samples), seq_len, buffer_size, max_patches, pad_to_multiple_of, overlong,
@@ -121,14 +123,21 @@ class BinStream:
     _admission: Admission = field(init=False, repr=False)
     _limits: BadLimits = field(init=False, repr=False)
     _epoch: int = field(default=0, init=False, repr=False)
+    _sizes: Sequence[SizeOrError] = field(default=(), init=False, repr=False)
     _pending: list[Skip] = field(default_factory=list, init=False, repr=False)
     """Skips not yet attached to an emitted bin."""
 
     def __post_init__(self) -> None:
         self._admission = Admission.of(self.data)
         self._limits = BadLimits.of(self.data, len(self.sizes))
+        self._sizes = self.sizes
         if self.data.overlong == "truncate" and self.truncate_fn is None:
             raise ValueError("overlong='truncate' needs a truncate_fn (the encoder's)")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being planned."""
+        return self._epoch
 
     def _name(self, i: int) -> str:
         return self.describe(i) if self.describe is not None else f"sample #{i + 1}"
@@ -146,7 +155,7 @@ class BinStream:
         return admitted
 
     def _admit_one(self, i: int) -> tuple[SampleSize, int | None] | None:
-        size = self.sizes[i]
+        size = self._sizes[i]
         self.account.seen += 1
         if isinstance(size, BadSampleError):
             self._skip(i, size.reason, str(size))
@@ -195,6 +204,8 @@ class BinStream:
         epoch = self._epoch = 0
         while self.epochs is None or epoch < self.epochs:
             self._epoch = epoch
+            of_epoch = getattr(self.sizes, "of_epoch", None)
+            self._sizes = of_epoch(epoch) if of_epoch is not None else self.sizes
             for i in epoch_order(len(self.sizes), epoch, self.seed, d.shuffle).tolist():
                 admitted = self._admit(i)
                 if admitted is None:
