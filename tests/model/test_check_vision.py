@@ -11,8 +11,9 @@ import torch
 from vlpack.cli import main
 from vlpack.data.types import TOKEN_TYPE_IMAGE, TOKEN_TYPE_VIDEO
 from vlpack.model import check_vision as cv
+from vlpack.model.bounds import StaleVisionTablesError
 from vlpack.model.synthetic import default_mix
-from vlpack.model.vision import StaleVisionTablesError, VisionTower, attend_row, vision_tables
+from vlpack.model.vision import VisionTower, attend_row, vision_tables
 
 VISION_PRESETS = ["tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-qwen3_5"]
 
@@ -64,9 +65,10 @@ def test_the_self_test_sees_a_vision_position_error_on_every_family(name):
 
 
 def test_stale_vlpack_boundaries_are_named_as_vlpacks():
-    """A vision block handed boundaries vlpack built for another row raises
-    `StaleVisionTablesError` (a vlpack bug, the check's exit 1); a tensor vlpack never built
-    is the unsupported-transformers error (exit 2)."""
+    """A vision block handed boundaries of another row (tables vlpack kept from an earlier
+    forward) raises `StaleVisionTablesError` (a vlpack bug, the check's exit 1); a tensor of
+    this row's values that vlpack did not build (a tower computing its own) is the
+    unsupported-transformers error (exit 2)."""
     from vlpack.model.bounds import Boundaries
 
     model, spec = _model("tiny-qwen2_5_vl")
@@ -75,7 +77,7 @@ def test_stale_vlpack_boundaries_are_named_as_vlpacks():
     now = vision_tables(tower, spec.family, ((1, 8, 8), (1, 16, 16)), cpu)
     bounds = Boundaries(None, now)
     q = torch.zeros(now.full.host[-1], 2, 4)
-    with pytest.raises(StaleVisionTablesError, match="vlpack built for another row"):
+    with pytest.raises(StaleVisionTablesError, match="not this row's"):
         attend_row("sdpa", q, q, q, bounds, first.window.cu, 1.0)
     with pytest.raises(ValueError, match="did not build"):
         attend_row("sdpa", q, q, q, bounds, now.full.cu.clone(), 1.0)

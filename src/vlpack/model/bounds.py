@@ -71,12 +71,26 @@ class VisionTables:
     grid: torch.Tensor  # the grids, int64 [I, 3] on the host
 
     def segments(self, cu: torch.Tensor) -> Segments:
-        """The `Segments` whose device tensor `cu` is (the tower passes one of ours per block)."""
+        """The `Segments` whose device tensor `cu` is (the tower passes one of ours per block).
+        Boundaries of other values than this row's are a vlpack bug (tables kept from another
+        forward: StaleVisionTablesError); equal values that are not our tensor, a tower that
+        computes its own (a transformers version vlpack does not support)."""
         for s in (self.full, self.window):
             if s is not None and cu is s.cu:
                 return s
+        own = [s.cu.cpu() for s in (self.full, self.window) if s is not None]
+        if not any(c.shape == cu.shape and torch.equal(c, cu.cpu()) for c in own):
+            raise StaleVisionTablesError(
+                "the vision attention got image boundaries that are not this row's: vlpack's "
+                "vision tables (model/vision.py, built per forward from the row's grids) were "
+                "kept from another forward; this is a vlpack bug")
         raise ValueError("the vision attention got boundaries that vlpack did not build: this "
                          "transformers version's vision tower is not supported (tested: 5.17, 5.24)")
+
+
+class StaleVisionTablesError(RuntimeError):
+    """A vision block got image boundaries other than its row's (vision tables kept from another
+    forward: a vlpack bug, which `vlpack check` reports as a failure)."""
 
 
 class Boundaries:

@@ -47,6 +47,7 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import check_vision as cv
 from vlpack.model import loss
+from vlpack.model.bounds import StaleVisionTablesError
 from vlpack.model.build import ModelSpec
 from vlpack.model.check_data import CheckUnsupportedError, format_data, load_samples
 from vlpack.model.check_parallel import format_replicas
@@ -56,7 +57,6 @@ from vlpack.model.moe import RouterCapture
 from vlpack.model.reference import stock_reference
 from vlpack.model.seams import classes_of
 from vlpack.model.synthetic import special_ids, text_id_range
-from vlpack.model.vision import StaleVisionTablesError
 
 TOLERANCES = {
     "float32": dict(logits=1e-4, loss=1e-5, grad=1e-4, aux=1e-5),

@@ -31,7 +31,6 @@ Legend: P = patches of the row, H = heads, D = head dim.
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 from torch import nn
@@ -40,15 +39,6 @@ from vlpack.families import family as family_of
 from vlpack.model import attention
 from vlpack.model.attention import TEXT_VARLEN_KWARGS
 from vlpack.model.bounds import BOUNDS_KWARG, Segments, VisionTables, to_device
-
-_BUILT: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-"""Every vision boundary tensor `vision_tables` built that is still alive, by id: an attention
-block handed one that is not its own forward's got stale tables (a vlpack bug), not a
-transformers tower that builds its own."""
-
-
-class StaleVisionTablesError(RuntimeError):
-    """A vision block got vision boundaries vlpack built for another forward's row."""
 
 
 def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.device) -> VisionTables:
@@ -69,7 +59,6 @@ def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.dev
     full = Segments.from_host(tuple(cu.tolist()), device)
     tables = {k: to_device(v, device) for k, v in host.items()}
     tables.update(cu_seqlens=full.cu, max_seqlen=full.max_len)
-    _BUILT[id(full.cu)] = full.cu
     window = None
     if kind == "qwen2_5":
         index, cu_window = vu.get_vision_window_index(
@@ -78,7 +67,6 @@ def vision_tables(tower: nn.Module, family: str, grids: tuple, device: torch.dev
         window = Segments.from_host(tuple(cu_window.tolist()), device)
         tables.update(window_index=to_device(index, device), cu_window_seqlens=window.cu,
                       max_window_seqlen=window.max_len)
-        _BUILT[id(window.cu)] = window.cu
     return VisionTables(tables, full, window, grid)
 
 
@@ -137,11 +125,6 @@ def attend_row(name: str, q_PHD, k_PHD, v_PHD, bounds, cu_seqlens, scale: float)
         raise ValueError("the vision attention got a packed forward's Boundaries without the "
                          "row's vision tables: vision blocks are run through the tower "
                          "(VisionTower.forward), which hands them over or drops the Boundaries")
-    own = (bounds.vision.full.cu, getattr(bounds.vision.window, "cu", None))
-    if _BUILT.get(id(cu_seqlens)) is cu_seqlens and not any(cu_seqlens is c for c in own):
-        raise StaleVisionTablesError(
-            "the vision attention got vision boundaries vlpack built for another row: the "
-            "tables VisionTower hands the tower (vision.py) are kept from an earlier forward")
     segs = bounds.vision.segments(cu_seqlens)
     return attention.attend(name, q_PHD, k_PHD, v_PHD, segs, causal=False, scale=scale,
                             paths=bounds.paths, stream="vision")
