@@ -18,6 +18,11 @@ its forward once and its backward twice (3×), or once where no gradient flows.
 
 MFU = FLOPs / (step time × peak). Gated-DeltaNet layers count as linear projections (their
 recurrence is O(T·d_k·d_v), small next to the projections).
+
+Recomputation (activation checkpointing) performs a recomputed layer's forward a second time in
+backward. MFU does not count it; `recomputed_flops` does, read from the layers'
+`gradient_checkpointing` flags, so a run can say which share of the FLOPs it performed went
+into recomputing (the metrics' `recompute_flops_share`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ class FlopModel:
     vision_depth: int
     vision_attn_passes: int = 3
     """3 when a gradient flows through the vision attention, else 1 (forward only)."""
+    recomputed_per_token: float = 0.0
+    """Forward FLOPs per token of the text layers that recompute in backward (not counted)."""
+    recomputed_attn_layers: int = 0
+    """Full-attention text layers among them."""
+    recomputed_per_patch: float = 0.0
+    """The same for recomputed vision blocks (only where a gradient flows through them)."""
+    recomputed_vision_blocks: int = 0
 
     def batch_flops(self, seg_lengths: list[int], patches: int, frame_patches: list[int]) -> float:
         T = sum(seg_lengths)
@@ -54,10 +66,30 @@ class FlopModel:
                  * sum(f * f for f in frame_patches))
         return text + vision + attn
 
+    def recomputed_flops(self, seg_lengths: list[int], patches: int,
+                         frame_patches: list[int]) -> float:
+        """FLOPs the step performs again in backward for its recomputed layers (their forward:
+        2 per weight and token, attention's two matmuls once): performed, not counted in MFU."""
+        attn = 2 * 2 * self.text_attn_dim * self.recomputed_attn_layers * sum(
+            n * n for n in seg_lengths) / 2
+        attn += 2 * 2 * self.vision_attn_dim * self.recomputed_vision_blocks * sum(
+            f * f for f in frame_patches)
+        return (self.recomputed_per_token * sum(seg_lengths) + self.recomputed_per_patch * patches
+                + attn)
+
     def of_batch(self, batch) -> float:
         """FLOPs of a ThdBatch or PaddedBatch (host tensors: no device sync)."""
-        frames = [h * w for t, h, w in batch.image_grid_thw.tolist() for _ in range(t)]
-        return self.batch_flops(batch.seq_lengths, sum(frames), frames)
+        return self.batch_flops(*_shape(batch))
+
+    def recomputed_of_batch(self, batch) -> float:
+        """`recomputed_flops` of a ThdBatch or PaddedBatch."""
+        return self.recomputed_flops(*_shape(batch))
+
+
+def _shape(batch) -> tuple[list[int], int, list[int]]:
+    """A batch's segment lengths, patches and patches per frame (host tensors)."""
+    frames = [h * w for t, h, w in batch.image_grid_thw.tolist() for _ in range(t)]
+    return batch.seq_lengths, sum(frames), frames
 
 
 def _factor(p: torch.nn.Parameter, grad_flows: bool) -> int:
@@ -99,7 +131,15 @@ def flop_model(model: torch.nn.Module) -> FlopModel:
         sum(t == "full_attention" for t in layer_types) if layer_types else text_cfg.num_hidden_layers
     )
     vis_hidden = getattr(vis_cfg, "hidden_size", None) or vis_cfg.embed_dim
+    share = text_cfg.num_experts_per_tok / n_experts if n_experts else 0.0
+    recomputed = [layer for layer in lm.layers if getattr(layer, "gradient_checkpointing", False)]
+    blocks = [b for b in getattr(visual, "blocks", []) if getattr(b, "gradient_checkpointing", False)
+              ] if vision_trains else []
     return FlopModel(
+        recomputed_per_token=sum(_forward_flops(layer, share) for layer in recomputed),
+        recomputed_attn_layers=sum(hasattr(layer, "self_attn") for layer in recomputed),
+        recomputed_per_patch=sum(_forward_flops(b, 0.0) for b in blocks),
+        recomputed_vision_blocks=len(blocks),
         text_per_token=text,
         vision_per_patch=_matmul_flops(visual, vision_trains),
         text_attn_dim=heads * head_dim,
@@ -108,6 +148,18 @@ def flop_model(model: torch.nn.Module) -> FlopModel:
         vision_depth=vis_cfg.depth,
         vision_attn_passes=3 if vision_trains else 1,
     )
+
+
+def _forward_flops(module: torch.nn.Module, expert_share: float) -> float:
+    """Forward FLOPs per token of `module`'s weights: 2 per linear weight, its routed experts'
+    weights by the share of experts a token reaches."""
+    dense = sum(2 * m.weight.numel() for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Linear) and not routed_expert(n))
+    experts = sum(2 * m.weight.numel() for n, m in module.named_modules()
+                  if isinstance(m, torch.nn.Linear) and routed_expert(n))
+    experts += sum(2 * p.numel() for n, p in module.named_parameters()
+                   if routed_expert(n) and p.ndim == 3)
+    return dense + experts * expert_share
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -1,7 +1,9 @@
 """Per-step metrics: one JSON line per step in `output_dir/metrics.jsonl`, plus the end summary.
 
 A training row (`step_row`) holds the step's figures (loss, aux_loss, lr, grad_norm, tokens,
-tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s), the memory of the step's busiest
+tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s; `recompute_flops_share`: the share
+of the FLOPs the step performed that went into recomputing checkpointed layers, which MFU does not
+count, train/flops.py), the memory of the step's busiest
 moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
 allocator: what other processes cannot use), and where the run stands: `time` (Unix seconds),
 `elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier
@@ -37,6 +39,7 @@ def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], pea
         "tokens_per_s": r.real_tokens / (r.seconds + data_wait),
         "packing_efficiency": r.real_tokens / max(r.tokens, 1),
         "mfu": (r.flops / r.seconds / (peak_flops * world_size)) if peak_flops else None,
+        "recompute_flops_share": r.flops_recomputed / max(r.flops + r.flops_recomputed, 1.0),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
         "step_s": r.seconds, "data_wait_s": data_wait,

@@ -28,6 +28,8 @@ class StepResult:
     samples: int
     flops: float
     seconds: float
+    flops_recomputed: float = 0.0
+    """FLOPs performed again for recomputed layers (not in `flops`, which MFU counts)."""
 
 
 def optimizer_step(
