@@ -263,6 +263,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run's memory plan per device (weights, gradients, optimizer "
                         "state, activations) and whether it fits, without building or training")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="with --dry-run: plan for one GPU of this much memory instead of this "
+                        "machine's device (e.g. 80GiB; an H100 80GB shows torch 79.2GiB, an "
+                        "H200 139.7GiB), one vlpack keeps fla kernel configurations for, and "
+                        "print what the run would choose there")
     p.add_argument("--quiet", action="store_true",
                    help="show warnings and errors only (rank 0 shows INFO messages by default)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
@@ -302,7 +307,26 @@ def _run_train(args: argparse.Namespace) -> int:
     from vlpack.train.progress import setup_logging
 
     setup_logging(args.log_level, quiet=args.quiet)
-    return train(_run_config_of(args), dry_run=args.dry_run)
+    if args.device_memory is not None and not args.dry_run:
+        raise ValueError("--device-memory plans a card this machine does not have: add --dry-run")
+    size = None if args.device_memory is None else parse_size(args.device_memory, "--device-memory")
+    return train(_run_config_of(args), dry_run=args.dry_run, device_memory=size)
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str, what: str) -> int:
+    """Bytes of a size such as `80GiB`, `79.2gib` or `80GB` (GB = 10⁹ bytes, GiB = 2³⁰)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{what} {text!r}: give a size such as 80GiB (2^30 bytes) or 80GB "
+                         "(10^9 bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -390,7 +414,7 @@ def _train_flags_first(argv: list[str]) -> list[str]:
     return ["train", *flags, *positional]
 
 
-VALUED_TRAIN_FLAGS = ("--log-level",)
+VALUED_TRAIN_FLAGS = ("--log-level", "--device-memory")
 """`vlpack train` flags written with a separate value."""
 
 

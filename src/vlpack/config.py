@@ -475,9 +475,13 @@ class TrainConfig:
     """The dtype of that folder's weights (and of its config.json's `dtype`)."""
     keep_checkpoints: int = 2
     """Checkpoints of this run kept in output_dir/checkpoints (the newest; 0 keeps all)."""
-    memory_check: Literal["refuse", "warn", "skip"] = "refuse"
+    memory_check: Literal["refuse", "shorten", "warn", "skip"] = "refuse"
     """Before building: `refuse` a run whose memory plan (train/memory.py, `vlpack train
-    --dry-run`) exceeds the free memory, `warn` and start it anyway, or `skip` the check."""
+    --dry-run`) exceeds the free memory (the message names the bin length that fits);
+    `shorten` trains instead at the longest halving of data.seq_len whose plan fits, with
+    train.micro_batches multiplied so a step's tokens and the schedule stay (a sample longer
+    than the shorter bins meets data.overlong), and refuses where none fits; `warn` starts it
+    anyway; `skip` checks nothing."""
     fsdp: Literal["auto", "always"] = "auto"
     """`auto`: FSDP2 when torchrun starts more than one process; `always`: FSDP2 on one process
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's

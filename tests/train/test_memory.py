@@ -127,7 +127,6 @@ def test_dry_run_prints_the_plan_and_refuses_what_does_not_fit(tmp_path: Path) -
                          text=True, timeout=300)
     assert big.returncode == 1, big.stdout + big.stderr[-2000:]
     assert "does not fit" in big.stdout and "model.lora.rank=16" in big.stdout, big.stdout
-    assert "recomputed share of each layer stack 1.0 (model.checkpoint_share=auto)" in big.stdout
     assert "40 of 40 text layers recompute (share 1.0)" in big.stderr, big.stderr[-2000:]
     assert "which no share fits" in big.stderr
 
@@ -179,7 +178,8 @@ def _cut_lora(*extra: str):
     from vlpack.config import load_config
 
     return load_config("qwen3.5-35b-a3b-lora", ["model.name=qwen3.5-35b-a3b-8L",
-                                                "data.seq_len=32768", *extra])
+                                                "data.seq_len=32768", "train.memory_check=refuse",
+                                                *extra])
 
 
 def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog, monkeypatch) -> None:
@@ -304,3 +304,110 @@ def test_ways_out_offer_more_recomputation_only_where_some_layers_keep() -> None
 
     assert "recompute more of each layer stack" in ways(0.0) and "checkpoint_share=1.0" in ways(0.5)
     assert "recompute more" not in ways(1.0) and "parallel.cp=2" in ways(1.0)
+
+
+# --- train.memory_check=shorten -----------------------------------------------------------------
+def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
+    """The 35B-A3B cut to 8 layers, LoRA, every layer recomputed, 32k bins: with just enough
+    room for the plan at 8,192 tokens (the reference: the plan at each fixed data.seq_len),
+    `shorten` plans 8,192-token bins and 4 micro-batches per step, and `refuse` names that
+    length in its ways out; just below, 4,096 and 8 micro-batches; where even MIN_BIN-token bins
+    do not fit, none is named and the run is refused."""
+    from vlpack.train.stack import MIN_BIN, check_plan, plan_memory, shorten_to_plan
+
+    ac = ("model.activation_checkpointing=true", "model.checkpoint_share=1.0",
+          "train.memory_check=refuse")
+    at = {n: plan_memory(_cut_lora(*ac, f"data.seq_len={n}"), CPU, sharded=False,
+                         free=2**50)[0].train_bytes for n in (32768, 16384, 8192, 4096)}
+    assert at[32768] > at[16384] > at[8192] > at[4096]
+    for room, fitting in ((at[8192], 8192), (at[8192] - 2**20, 4096)):
+        free = -(-room // (1 - memory.HEADROOM)) + 8
+        cfg = _cut_lora(*ac, "train.memory_check=shorten")
+        plan, _ = plan_memory(cfg, CPU, sharded=False, free=free)
+        assert (plan.seq_len, plan.train_bytes) == (fitting, at[fitting])
+        check_plan(plan, cfg, CPU, False, [], setting="shorten", free=free)
+        shorten_to_plan(cfg, plan, CPU, free)
+        assert (cfg.data.seq_len, cfg.train.micro_batches) == (fitting, 32768 // fitting)
+        refused, ways = plan_memory(_cut_lora(*ac), CPU, sharded=False, free=free)
+        assert (refused.seq_len, refused.fitting_seq_len) == (32768, fitting)
+        assert f"data.seq_len={fitting} train.micro_batches={32768 // fitting} fits" in " ".join(ways)
+        with pytest.raises(ValueError, match=f"data.seq_len={fitting} train.micro_batches"):
+            check_plan(refused, _cut_lora(*ac), CPU, False, ways, free=free)
+    budget = _cut_lora(*ac, "train.memory_check=shorten", "train.tokens_per_step=20000")
+    plan, _ = plan_memory(budget, CPU, sharded=False, free=free)
+    shorten_to_plan(budget, plan, CPU, free)
+    assert (budget.data.seq_len, budget.train.micro_batches) == (4096, 1)  # the budget sets them
+    cfg = _cut_lora(*ac, "train.memory_check=shorten")
+    plan, ways = plan_memory(cfg, CPU, sharded=False, free=1)
+    assert MIN_BIN == 1024 and plan.seq_len == 32768 and plan.fitting_seq_len is None
+    assert "shorter bins (data.seq_len)" in ways
+    with pytest.raises(ValueError, match="training it would take about"):
+        check_plan(plan, cfg, CPU, False, ways, setting="shorten", free=1)
+
+
+def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> None:
+    """tiny in bins of 2,048 tokens that do not fit and 1,024 that do: the trainer
+    says what it chose, trains 1,024-token bins, 2 of them a step, and its saved config says so."""
+    import logging
+
+    import yaml
+
+    from vlpack.train.stack import plan_memory
+
+    fits = plan_memory(small_cfg(tmp_path / "p", "data.seq_len=1024"), CPU, sharded=False)[0]
+    free = int(fits.train_bytes / (1 - memory.HEADROOM)) + 64
+    assert plan_memory(small_cfg(tmp_path / "p", "data.seq_len=2048"), CPU, sharded=False,
+                       free=free)[0].fitting_seq_len == 1024
+    monkeypatch.setattr(memory, "available_bytes", lambda device: free)
+    caplog.set_level(logging.INFO, logger="vlpack.train")
+    out = tmp_path / "run"
+    trainer = Trainer(small_cfg(out, "data.seq_len=2048", "train.memory_check=shorten",
+                                "train.max_steps=1"), CPU)
+    assert "training with 1,024-token bins (2,048 did not fit: train.memory_check=shorten), " \
+           "2 per step" in caplog.text
+    trainer.fit()
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["data"]["seq_len"], saved["train"]["micro_batches"]) == (1024, 2)
+    import json
+
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["real_tokens"] + row["padded_tokens"] <= 2 * 1024
+
+
+def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
+    """`--dry-run --device-memory SIZE` plans one GPU of that size from a CPU machine: the
+    35B-A3B LoRA recipe as shipped chooses 8k bins × 4 on an 80 GB H100 (79.2 GiB as torch
+    reports it) and its 32k bins × 1 on an H200 (139.7 GiB); --device-memory alone, or a size
+    that is not one, is refused."""
+    from vlpack.cli import main, parse_size
+
+    assert main(["train", "qwen3.5-35b-a3b-lora", "--dry-run", "--device-memory", "79.2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "on one GPU of 79.2 GiB (78.7 GiB free)" in out
+    assert "chooses: 8,192-token bins (32,768 did not fit: train.memory_check=shorten), 4 per " \
+           "step;" in out and "(model.checkpoint_share=auto); compiled (layers)" in out
+    assert main(["train", "qwen3.5-35b-a3b-lora", "--device-memory=139.7GiB", "--dry-run"]) == 0
+    assert "chooses: 32,768-token bins, 1 per step;" in capsys.readouterr().out
+    assert main(["train", "qwen3.5-35b-a3b-lora", "--device-memory", "80GiB"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    assert main(["train", "tiny", "--dry-run", "--device-memory", "eighty"]) == 2
+    assert "give a size such as 80GiB" in capsys.readouterr().err
+    assert (parse_size("80GiB", "x"), parse_size("80 GB", "x"), parse_size("1.5gib", "x")) == (
+        80 * 2**30, 80 * 10**9, 3 * 2**29)
+    assert memory.usable_bytes(100 * memory.GIB, torch.device("cuda")) == int(
+        95 * memory.GIB) - memory.GPU_RESERVE
+    assert memory.usable_bytes(100 * memory.GIB, CPU.device) == int(95 * memory.GIB)
+
+
+def test_a_first_step_that_autotunes_fla_is_planned(tmp_path: Path) -> None:
+    """On a GPU vlpack keeps no fla kernel configurations for, Triton autotunes the
+    Gated-DeltaNet kernels in step 1: a model with such layers plans AUTOTUNE_RESERVE more (a
+    line of its own), one without them nothing."""
+    from vlpack.train.stack import plan_memory
+
+    for model, gdn in (("tiny-qwen3_5", True), ("tiny-qwen3_vl", False)):
+        cfg = small_cfg(tmp_path, f"model.name={model}")
+        plain = plan_memory(cfg, CPU, sharded=False, free=2**50)[0]
+        tuning = plan_memory(cfg, CPU, sharded=False, free=2**50, autotunes=True)[0]
+        assert tuning.train_bytes - plain.train_bytes == memory.AUTOTUNE_RESERVE * gdn
+        assert any("first step: fla autotuning" in line for line in tuning.lines()) == gdn

@@ -71,6 +71,11 @@ def gpu_folder(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
+def keeps_configurations(device_name: str) -> bool:
+    """Whether vlpack keeps fla kernel configurations for `device_name`'s GPU."""
+    return (FLA_CONFIGS / gpu_folder(device_name)).is_dir()
+
+
 def use_tuned_kernels(device_name: str, *, environ: dict[str, str] | None = None,
                       modules=None) -> Path | None:
     """Point fla at the kernel configurations vlpack measured on `device_name`'s GPU
@@ -79,7 +84,7 @@ def use_tuned_kernels(device_name: str, *, environ: dict[str, str] | None = None
     already (it reads both when it is imported)."""
     env = os.environ if environ is None else environ
     folder = FLA_CONFIGS / gpu_folder(device_name)
-    if not folder.is_dir():
+    if not keeps_configurations(device_name):
         return None
     if FLA_MODE in env or FLA_DIR in env:
         log.info("%s/%s set in the environment: train.tuned_kernels leaves them", FLA_MODE, FLA_DIR)

@@ -33,6 +33,7 @@ from vlpack.train import memory
 from vlpack.train.epochs import steps_for_epochs
 from vlpack.train.export import export_live, export_live_adapter
 from vlpack.train.flops import peak_flops
+from vlpack.train.kernel_cache import keeps_configurations
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
@@ -50,7 +51,14 @@ from vlpack.train.plot import missing_matplotlib, plot_runs
 from vlpack.train.profile import StepProfiler
 from vlpack.train.progress import Eta, Progress
 from vlpack.train.runlock import claim_output_dir
-from vlpack.train.stack import build_stack, check_plan, is_sharded, plan_memory
+from vlpack.train.stack import (
+    build_stack,
+    check_plan,
+    describe_choice,
+    is_sharded,
+    plan_memory,
+    shorten_to_plan,
+)
 from vlpack.train.step import StepResult, optimizer_step
 from vlpack.train.tracking import Tracker, start_trackers
 
@@ -162,6 +170,7 @@ class Trainer:
             sum(b.num_real_tokens for b in mbs),
             sum(b.num_tokens for b in mbs),
             sum(self.flops.of_batch(b) for b in mbs),
+            sum(self.flops.recomputed_of_batch(b) for b in mbs),
         ]
         # Pinned host batches (DataLoader pin_memory) copy asynchronously, overlapping compute.
         mbs = [b.to(self.info.device, non_blocking=True) for b in mbs]
@@ -179,10 +188,11 @@ class Trainer:
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        real, tokens, flops = all_reduce(stats, self.info, axis="dp")
+        real, tokens, flops, recomputed = all_reduce(stats, self.info, axis="dp")
         # no wait for the optimizer's kernels here: the step's one host wait (after the backward,
         # optimizer_step) bounds each step, and the update's GPU time counts in the next step
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
+        r.flops_recomputed = recomputed
         r.seconds = time.perf_counter() - t0
         return r
 
@@ -497,6 +507,10 @@ UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.
              "train.memory_check",
              "train.profile_steps", "train.profile_from")
 """Settings a resumed run may change without a warning: none changes what is trained."""
+ORDER_NEUTRAL = ("data.num_workers", "data.pad_to_seq_len", "data.mrope_after_video",
+                 "data.max_consecutive_bad", "data.max_bad_fraction")
+"""Data settings that change no sample's place in the stream (the resume warning lists them
+without saying which samples come next changes)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -522,7 +536,8 @@ def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
     shutil.copyfile(path, kept)
     diff = ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in changed)
     data = (" The data stream continues by position, so the changed data settings change which "
-            "samples come next." if any(k.startswith("data.") for k in changed) else "")
+            "samples come next." if any(k.startswith("data.") and k not in ORDER_NEUTRAL
+                                        for k in changed) else "")
     log.warning("resuming at step %d with changed settings: %s.%s The settings up to step %d "
                 "are kept in %s", step, diff, data, step, kept)
 
@@ -606,42 +621,60 @@ def run(cfg: Config) -> dict[str, Any]:
         shutdown()
 
 
-def print_plan(cfg: Config) -> int:
-    """Print the memory plan of `cfg` on this machine (no model is built) and whether it fits."""
-    info = init_distributed(cfg.parallel.cp)
+def print_plan(cfg: Config, device_memory: int | None = None) -> int:
+    """Print the memory plan of `cfg` on this machine (no model is built), the configuration it
+    chooses and whether it fits; with `device_memory`, for one GPU of that many bytes (less
+    `memory.CUDA_CONTEXT`) in place of this machine's device."""
+    if device_memory is not None:
+        if cfg.parallel.cp != 1:
+            raise ValueError("--device-memory plans one GPU: drop parallel.cp")
+        info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+        free = device_memory - memory.CUDA_CONTEXT
+        where = f"one GPU of {device_memory / memory.GIB:.1f} GiB ({free / memory.GIB:.1f} GiB free)"
+    else:
+        info = init_distributed(cfg.parallel.cp)
+        free = memory.available_bytes(info.device)
+        where = f"{info.world_size} {info.device.type} rank(s)"
     try:
         sharded = is_sharded(cfg, info)
-        plan, ways = plan_memory(cfg, info, sharded=sharded)
+        asked = cfg.data.seq_len
+        # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
+        # named by --device-memory is planned as one it keeps them for (the H100, the H200)
+        autotunes = (device_memory is None and info.device.type == "cuda" and not (
+            cfg.train.tuned_kernels and keeps_configurations(torch.cuda.get_device_name(info.device))))
+        plan, ways = plan_memory(cfg, info, sharded=sharded, free=free, autotunes=autotunes)
         if not info.is_main:
             return 0
-        free = memory.available_bytes(info.device)
-        print(f"vlpack: memory plan of {cfg.model.name} on {info.world_size} {info.device.type} "
-              f"rank(s), per device ({plan.params / 1e9:.2f} B parameters, "
-              f"{plan.trainable / 1e9:.3f} B trainable; data.seq_len={cfg.data.seq_len}, "
-              f"parallel.cp={cfg.parallel.cp}):")
-        if cfg.model.activation_checkpointing:
-            print(f"  recomputed share of each layer stack {plan.recompute_share!r}"
-                  + (" (model.checkpoint_share=auto)"
-                     if cfg.model.checkpoint_share == "auto" else ""))
+        print(f"vlpack: memory plan of {cfg.model.name} on {where}, per device "
+              f"({plan.params / 1e9:.2f} B parameters, {plan.trainable / 1e9:.3f} B trainable; "
+              f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            check_plan(plan, cfg, info, sharded, ways)
+            check_plan(plan, cfg, info, sharded, ways, free=free)
         except ValueError:
             print(f"does not fit: {free / memory.GIB:.1f} GiB free. Ways out: " + "; ".join(ways))
             return 1
+        shorten_to_plan(cfg, plan, info, free)
+        print(f"chooses: {describe_choice(cfg, plan, asked_seq_len=asked)}")
         if free is not None:
             print(f"fits: {free / memory.GIB:.1f} GiB free")
         return 0
     finally:
-        shutdown()
+        if device_memory is None:
+            shutdown()
 
 
-def train(cfg: Config, *, dry_run: bool = False) -> int:
+def train(cfg: Config, *, dry_run: bool = False, device_memory: int | None = None) -> int:
     """`vlpack train`: train with `cfg` (or, with `dry_run`, only print its memory plan); the
     exit status: 0 done, 1 the plan does not fit or the run stopped on a non-finite loss or out
     of memory (one message printed), EXIT_STOPPED stopped by a signal after saving."""
     if dry_run:
-        return print_plan(cfg)
+        return print_plan(cfg, device_memory)
+    if not any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        # before the first CUDA allocation: segments that grow in place instead of a new block
+        # per size, so the allocator's fragmentation stays small next to the memory plan's
+        # headroom (docs/training.md, "What fits on one GPU")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     try:
         summary = run(cfg)
     except (NonFiniteLossError, RunOutOfMemoryError) as e:

@@ -49,8 +49,24 @@ GIB = 2**30
 ACTIVATION_SCALE = 0.85
 """Measured peak activation memory over the formula's: 0.76-0.87 on the H200 for the 2B, 8B and
 35B-A3B recipes (docs/training.md, "What fits on one GPU")."""
+CUDA_CONTEXT = int(0.5 * GIB)
+"""What a GPU's CUDA context takes before PyTorch allocates: an H100 80GB reports 79.2 GiB in
+`torch.cuda.mem_get_info`'s total and 78.7 GiB free once the context exists (`vlpack train
+--dry-run --device-memory` subtracts it)."""
 HEADROOM = 0.05
-"""Share of the free memory left for the allocator's fragmentation and kernels' workspaces."""
+"""Share of the free memory left for the plan's error (the measured peaks lie within -4% to +1.5%
+of it, docs/training.md) and kernels' workspaces."""
+AUTOTUNE_RESERVE = 8 * GIB
+"""What a first step in which Triton autotunes fla's Gated-DeltaNet kernels takes beyond the
+plan's tensors (on a GPU vlpack keeps no kernel configurations for, train/kernel_cache.py): the
+Qwen3.5-35B-A3B recipe on an H100 ran out of memory there twice with 71.8 and 72.1 GiB
+allocated of 78.7 GiB free, where the same runs served from kept configurations peaked at 73.2
+and 75.7 GiB."""
+GPU_RESERVE = 2 * GIB
+"""Bytes of a GPU's free memory the plan never counts on: what the caching allocator holds
+beyond the tensors (0.9 GiB at the peak of the Qwen3.5-35B-A3B recipe on an H100, under the
+expandable segments `vlpack train` sets) and what a first step takes besides (Triton autotuning
+fla's kernels, torch.compile)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +99,8 @@ class MemoryPlan:
     optimizer: int
     activations: dict[str, int] = field(default_factory=dict)
     """Bytes per device by part: text layers, recompute, vision, loss."""
+    transient: dict[str, int] = field(default_factory=dict)
+    """Bytes the first step takes besides (`AUTOTUNE_RESERVE`)."""
     build_bytes: int = 0
     """Peak on one device while building (the whole model; 0 when sharded)."""
     host_bytes: int = 0
@@ -94,18 +112,26 @@ class MemoryPlan:
     """The dtype the model is built in (train/precision.build_dtype)."""
     recompute_share: float = 0.0
     """The share of each layer stack that recomputes in this plan (0: none)."""
+    seq_len: int = 0
+    """The bin length (data.seq_len, over all context ranks) whose activations it counts."""
+    text_layers: int = 0
+    """The model's decoder layers (`recompute_share` of them recompute)."""
+    fitting_seq_len: int | None = None
+    """Where this plan does not fit: the longest halving of `seq_len` whose plan does (None: it
+    fits, or no halving does; train/stack.py `shorter_bins`)."""
 
     @property
     def train_bytes(self) -> int:
         """Per device in training: weights, gradients, optimizer state and activations."""
         return (sum(self.weights.values()) + self.grads + self.optimizer
-                + sum(self.activations.values()))
+                + sum(self.activations.values()) + sum(self.transient.values()))
 
     def lines(self) -> list[str]:
         """The plan as aligned lines, GiB per device."""
         rows = [(f"weights ({k})", v) for k, v in self.weights.items()]
         rows += [("gradients (float32)", self.grads), ("AdamW moments (float32)", self.optimizer)]
         rows += [(f"activations: {k}", v) for k, v in self.activations.items()]
+        rows += [(f"first step: {k}", v) for k, v in self.transient.items()]
         rows += [("total in training", self.train_bytes)]
         if self.build_bytes:
             rows.append(("while building", self.build_bytes))
@@ -211,12 +237,13 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
 
 def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
          sharded: bool = False, build_dtype: torch.dtype = torch.float32,
-         host_build: bool = False) -> MemoryPlan:
+         host_build: bool = False, data_seq_len: int = 0) -> MemoryPlan:
     """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
     `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
     FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory. `host_build`: one
     process reads the whole model into host memory and moves it to its device as it quantizes
-    (`model.frozen_dtype=int8` from a folder), so the device never holds it at the build dtype."""
+    (`model.frozen_dtype=int8` from a folder), so the device never holds it at the build dtype.
+    `data_seq_len`: the bin length over all context ranks, recorded in the plan."""
     world = max(world_size, 1) if sharded or world_size > 1 else 1
     weights: dict[str, int] = {}
     params = trainable = whole = 0
@@ -240,6 +267,8 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         host_bytes=sum(weights.values()) if sharded else whole if host_build else 0,
         shard_bytes=sum(shard.values()) if sharded else 0,
         build_dtype=build_dtype, recompute_share=run.recompute_share if run is not None else 0.0,
+        seq_len=data_seq_len,
+        text_layers=_cfg(model)[0].num_hidden_layers if run is not None else 0,
     )
 
 
@@ -262,8 +291,11 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True) -> list[str]:
-    """The settings that shrink the largest parts of `p`, most effective first."""
+def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True,
+             micro_batches: int | None = 1) -> list[str]:
+    """The settings that shrink the largest parts of `p`, most effective first. `micro_batches`:
+    train.micro_batches (None: train.tokens_per_step sets a step's bins), which shorter bins
+    multiply to keep the tokens per step."""
     acts = sum(p.activations.values())
     state = p.grads + p.optimizer
     out = []
@@ -277,17 +309,35 @@ def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True) 
         if p.recompute_share < 1.0:
             out.append("recompute more of each layer stack (model.activation_checkpointing=true "
                        "model.checkpoint_share=1.0)")
-        out.append("shorter bins (data.seq_len)")
+        out.append(shorter_bins_way(p, micro_batches))
         out.append(f"split each row over more GPUs (parallel.cp={2 * cp})")
     out.append("more GPUs (FSDP2 shards weights, gradients and optimizer state)")
     return out
 
 
+def shorter_bins_way(p: MemoryPlan, micro_batches: int | None) -> str:
+    """The way out through shorter bins: the fitting length and the micro-batches that keep a
+    step's tokens, where the plan found one."""
+    n = p.fitting_seq_len
+    if not n or not p.seq_len:
+        return "shorter bins (data.seq_len)"
+    keep = ("" if micro_batches is None else
+            f" train.micro_batches={micro_batches * p.seq_len // n}")
+    return (f"shorter bins: data.seq_len={n}{keep} fits and keeps the tokens per step "
+            "(train.memory_check=shorten chooses it)")
+
+
 def fits(p: MemoryPlan, device: torch.device, free: int | None, *,
          holds_copy: bool = False) -> bool:
-    """Whether `p` fits `free` bytes of `device` less HEADROOM (`check_fits` says why not);
+    """Whether `p` fits `free` bytes of `device` (`usable_bytes`; `check_fits` says why not);
     True where the free memory cannot be read."""
-    return free is None or _need(p, device, holds_copy)[0] <= int(free * (1 - HEADROOM))
+    return free is None or _need(p, device, holds_copy)[0] <= usable_bytes(free, device)
+
+
+def usable_bytes(free: int, device: torch.device) -> int:
+    """What a plan may take of `free` bytes on `device`: less HEADROOM, and on a GPU less
+    GPU_RESERVE."""
+    return int(free * (1 - HEADROOM)) - (GPU_RESERVE if device.type == "cuda" else 0)
 
 
 def _need(p: MemoryPlan, device: torch.device, holds_copy: bool) -> tuple[int, int]:
@@ -298,13 +348,13 @@ def _need(p: MemoryPlan, device: torch.device, holds_copy: bool) -> tuple[int, i
 
 def check_fits(p: MemoryPlan, device: torch.device, free: int | None, *, model: str,
                holds_copy: bool = False, ways: list[str] | None = None) -> None:
-    """ValueError with the plan and the ways out when it exceeds `free` bytes (less HEADROOM).
+    """ValueError with the plan and the ways out when it exceeds `usable_bytes` of `free`.
     `holds_copy`: this CPU device also holds rank 0's whole copy while the shards load (the copy
     is freed before gradients and optimizer state exist)."""
     if fits(p, device, free, holds_copy=holds_copy):
         return
     need, loading = _need(p, device, holds_copy)
-    usable = int(free * (1 - HEADROOM))
+    usable = usable_bytes(free, device)
     what = ("building it would" if p.build_bytes == need else
             "rank 0's whole copy and the parameter shards would" if loading == need else
             "training it would")

@@ -14,6 +14,7 @@ or activations of `data.seq_len`) and freezing, checkpointing, compile and FSDP2
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,12 +88,17 @@ def builds_on_host(cfg: Config, info: Topology) -> bool:
             and folder.is_dir() and folder_has_weights(folder))
 
 
-def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
-                free: int | None = None) -> tuple[memory.MemoryPlan, list[str]]:
+def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None = None,
+                autotunes: bool = False) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
     apply to it. With `model.checkpoint_share=auto`, the plan of the least share that fits
-    `free` bytes (None: this device's free memory), the same on every rank (`auto_share`)."""
+    `free` bytes (None: this device's free memory), the same on every rank (`auto_share`).
+    Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
+    `plan.fitting_seq_len` (`shorter_bins`), which the ways out name; under
+    `train.memory_check=shorten` the plan is that length's (`shorten_to_plan` applies it).
+    `autotunes`: fla's kernels autotune in the first step (no kept configurations for this GPU),
+    which a model with Gated-DeltaNet layers plans as `memory.AUTOTUNE_RESERVE` more."""
     from vlpack.model.build import meta_model
 
     m, d = cfg.model, cfg.data
@@ -110,35 +116,78 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool,
 
         quantize_experts(shapes, torch.device("meta"), model_name=m.name)
     merge = shapes.config.vision_config.spatial_merge_size
-    tokens = d.seq_len // cfg.parallel.cp
+    layers = shapes.config.text_config.num_hidden_layers
+    gdn = "linear_attention" in (getattr(shapes.config.text_config, "layer_types", None) or ())
+    transient = {"fla autotuning": memory.AUTOTUNE_RESERVE} if autotunes and gdn else {}
+    if m.checkpoint_share == "auto" and m.activation_checkpointing and free is None:
+        free = memory.available_bytes(info.device)
 
-    def plan_at(share: float) -> memory.MemoryPlan:
-        run = memory.RunShape(seq_len=tokens, patches=d.max_patches or d.seq_len * merge**2,
+    def plan_at(seq_len: int, share: float) -> memory.MemoryPlan:
+        run = memory.RunShape(seq_len=seq_len // cfg.parallel.cp,
+                              patches=d.max_patches or seq_len * merge**2,
                               recompute_share=share, act_bytes=2 if autocast else 4,
                               loss_chunk=1024 if m.chunked_loss else 0, compiled=m.compile)
-        return memory.plan(shapes, run, world_size=info.world_size,
-                           sharing=memory.local_ranks() if info.device.type == "cpu" else 1,
-                           sharded=sharded, build_dtype=precision.build_dtype(m.name, low),
-                           host_build=builds_on_host(cfg, info))
+        return dataclasses.replace(memory.plan(
+            shapes, run, world_size=info.world_size,
+            sharing=memory.local_ranks() if info.device.type == "cpu" else 1, sharded=sharded,
+            build_dtype=precision.build_dtype(m.name, low), host_build=builds_on_host(cfg, info),
+            data_seq_len=seq_len), transient=transient)
 
-    if not m.activation_checkpointing:
-        if m.checkpoint_share == "auto" and info.is_main:
-            log.warning("model.checkpoint_share=auto has no effect without "
-                        "model.activation_checkpointing=true: nothing recomputes")
-        plan = plan_at(0.0)
-    elif m.checkpoint_share == "auto":
-        free = memory.available_bytes(info.device) if free is None else free
-        plan = auto_share(plan_at, shapes.config.text_config.num_hidden_layers, info, free,
-                          holds_copy=sharded and info.is_main)
-    else:
-        plan = plan_at(m.checkpoint_share)
+    def plan_of(seq_len: int, *, announce: bool) -> memory.MemoryPlan:
+        if not m.activation_checkpointing:
+            return plan_at(seq_len, 0.0)
+        if m.checkpoint_share == "auto":
+            return auto_share(lambda share: plan_at(seq_len, share), layers, info, free,
+                              holds_copy=sharded and info.is_main, announce=announce)
+        return plan_at(seq_len, m.checkpoint_share)
+
+    if not m.activation_checkpointing and m.checkpoint_share == "auto" and info.is_main:
+        log.warning("model.checkpoint_share=auto has no effect without "
+                    "model.activation_checkpointing=true: nothing recomputes")
+    plan = plan_of(d.seq_len, announce=True)
+    room = free if free is not None else memory.available_bytes(info.device)
+
+    def fits(p: memory.MemoryPlan) -> bool:
+        return memory.fits(p, info.device, room, holds_copy=sharded and info.is_main)
+
+    if not all_fit([fits(plan)], info)[0]:
+        fitting = shorter_bins(lambda n: plan_of(n, announce=False), d.seq_len,
+                               multiple=d.pad_to_multiple_of * cfg.parallel.cp, info=info,
+                               fits=fits)
+        plan = dataclasses.replace(plan, fitting_seq_len=fitting)
+        if cfg.train.memory_check == "shorten" and fitting:
+            plan = plan_of(fitting, announce=True)
     ways = memory.ways_out(plan, lora=bool(m.lora.rank), cp=cfg.parallel.cp,
-                           vision_capped=d.max_patches is not None)
+                           vision_capped=d.max_patches is not None,
+                           micro_batches=None if cfg.train.tokens_per_step else cfg.train.micro_batches)
     return plan, ways
 
 
+MIN_BIN = 1024
+"""The shortest bins `shorter_bins` tries (tokens)."""
+
+
+def all_fit(flags: list[bool], info: Topology) -> list[bool]:
+    """Each flag, true where it is true on every rank (one collective)."""
+    return [bool(x) for x in all_reduce([float(f) for f in flags], info, op="min")]
+
+
+def shorter_bins(plan_of: Callable[[int], memory.MemoryPlan], seq_len: int, *, multiple: int,
+                 info: Topology, fits: Callable[[memory.MemoryPlan], bool]) -> int | None:
+    """The longest of seq_len / 2, / 4, ... (multiples of `multiple`, at least MIN_BIN tokens)
+    whose plan fits on every rank; None where none does. Every rank plans every length, so the
+    collectives inside `plan_of` (`auto_share`) run alike on all of them."""
+    lengths = []
+    n = seq_len // 2
+    while n >= max(MIN_BIN, multiple) and n % multiple == 0:
+        lengths.append(n)
+        n //= 2
+    ok = all_fit([fits(plan_of(n)) for n in lengths], info)
+    return next((n for n, good in zip(lengths, ok, strict=True) if good), None)
+
+
 def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info: Topology,
-               free: int | None, *, holds_copy: bool) -> memory.MemoryPlan:
+               free: int | None, *, holds_copy: bool, announce: bool = True) -> memory.MemoryPlan:
     """`model.checkpoint_share=auto`: the plan of the least share k / `layers` (k recomputed
     text layers, 0 to all) that fits `free` bytes on this rank (`memory.fits`), the largest k of
     all ranks so every rank recomputes alike; all layers where the free memory is unknown or
@@ -160,7 +209,7 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
             lo = mid + 1
     k = int(all_reduce([float(lo)], info, op="max")[0])
     p = at(k)
-    if info.is_main:
+    if info.is_main and announce:
         room = ("the free memory unknown" if free is None else f"{free / memory.GIB:.1f} GiB free"
                 + ("" if memory.fits(p, info.device, free, holds_copy=holds_copy)
                    else ", which no share fits"))
@@ -171,15 +220,68 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
     return p
 
 
+def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
+                    free: int | None = None) -> None:
+    """Train at the plan's bin length where `train.memory_check=shorten` chose a shorter one:
+    data.seq_len becomes it and train.micro_batches grows by the same factor (unless
+    train.tokens_per_step sets a step's bins), so a step's tokens and the schedule stay.
+    `free`: the bytes the plan was fitted to, for the log (None: the device's now)."""
+    d, t = cfg.data, cfg.train
+    if not plan.seq_len or plan.seq_len == d.seq_len:
+        return
+    factor = d.seq_len // plan.seq_len
+    if info.is_main:
+        steps = ("train.tokens_per_step sets each step's bins" if t.tokens_per_step else
+                 f"train.micro_batches {t.micro_batches} → {t.micro_batches * factor} keeps "
+                 "the tokens per step")
+        log.info("train.memory_check=shorten: data.seq_len %d does not fit the device's %s; "
+                 "training in %d-token bins (%s; samples longer than that meet "
+                 "data.overlong=%s)", d.seq_len, _room_text(info, free), plan.seq_len, steps,
+                 d.overlong)
+    d.seq_len = plan.seq_len
+    if not t.tokens_per_step:
+        t.micro_batches *= factor
+
+
+def _room_text(info: Topology, free: int | None) -> str:
+    free = memory.available_bytes(info.device) if free is None else free
+    return "free memory" if free is None else f"{free / memory.GIB:.1f} GiB free"
+
+
+def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int) -> str:
+    """One line: the configuration the run trains with and what chose it (bins, recomputed
+    layers, compile, frozen weights' dtype, the plan's total)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    bins = f"{d.seq_len:,}-token bins"
+    if d.seq_len != asked_seq_len:
+        bins += f" ({asked_seq_len:,} did not fit: train.memory_check=shorten)"
+    per_step = (f"until {t.tokens_per_step:,} real tokens per step" if t.tokens_per_step
+                else f"{t.micro_batches} per step")
+    from vlpack.model.recompute import recomputed_layers
+
+    layers = plan.text_layers
+    k = recomputed_layers(plan.recompute_share, layers)
+    recompute = (f"{k} of {layers} text layers recompute"
+                 + (" (model.checkpoint_share=auto)" if m.checkpoint_share == "auto" else ""))
+    if not m.activation_checkpointing:
+        recompute = "no layer recomputes"
+    compiled = (f"compiled ({m.compile_scope})" if m.compile else "eager")
+    frozen = "" if not (m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm) else (
+        f", frozen weights {m.frozen_dtype if m.frozen_dtype != 'auto' else 'in the compute dtype'}")
+    return (f"{bins}, {per_step}; {recompute}; {compiled}{frozen}; "
+            f"{plan.train_bytes / memory.GIB:.1f} GiB planned per device")
+
+
 def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
-               ways: list[str], *, setting: str = "refuse") -> None:
-    """Refuse a run whose plan exceeds the free memory, before building it (`setting`:
-    train.memory_check; `warn` logs the refusal and goes on)."""
+               ways: list[str], *, setting: str = "refuse", free: int | None = None) -> None:
+    """Refuse a run whose plan exceeds the free memory (`free` bytes; None: the device's now),
+    before building it (`setting`: train.memory_check; `warn` logs the refusal and goes on)."""
     if setting == "skip":
         return
     device = info.device
+    free = memory.available_bytes(device) if free is None else free
     try:
-        memory.check_fits(plan, device, memory.available_bytes(device), model=cfg.model.name,
+        memory.check_fits(plan, device, free, model=cfg.model.name,
                           holds_copy=sharded and info.is_main,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
         if ((sharded and info.is_main) or builds_on_host(cfg, info)) and device.type != "cpu":
@@ -254,8 +356,13 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
         if t.tuned_kernels:
             tuned = use_tuned_kernels(torch.cuda.get_device_name(info.device))
-    plan, ways = plan_memory(cfg, info, sharded=sharded)
+    plan, ways = plan_memory(cfg, info, sharded=sharded,
+                             autotunes=info.device.type == "cuda" and tuned is None)
     check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
+    asked = cfg.data.seq_len
+    shorten_to_plan(cfg, plan, info)
+    if info.is_main:
+        log.info("training with %s", describe_choice(cfg, plan, asked_seq_len=asked))
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
