@@ -216,6 +216,24 @@ def test_unwritable_output_folder_is_named(tmp_path: Path) -> None:
         Trainer(small_cfg(out), CPU)
 
 
+
+@pytest.mark.parametrize(("change", "order_changes"), [
+    ("data.num_workers=2", False), ("data.pad_to_seq_len=true", False),
+    ("data.max_bad_fraction=0.5", False), ("data.seq_len=1024", True),
+])
+def test_resume_warning_names_an_order_change_only_where_there_is_one(
+        tmp_path: Path, caplog, change: str, order_changes: bool) -> None:
+    """The worker count, padding and bad-sample limits change no sample's place in the stream:
+    the resume warning lists them without saying which samples come next changes."""
+    from vlpack.train.loop import _keep_changed_config
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(small_cfg(tmp_path).to_dict()))
+    caplog.set_level(logging.WARNING, logger="vlpack.train")
+    _keep_changed_config(small_cfg(tmp_path, change), tmp_path / "config.yaml", 3)
+    (text,) = [r.getMessage() for r in caplog.records]
+    assert f"{change.split('=')[0]} " in text
+    assert ("which samples come next" in text) is order_changes, text
+
 def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: Path,
                                                                       caplog, capfd) -> None:
     Trainer(small_cfg(tmp_path, "train.max_steps=1", "optim.lr=1e-4", "train.progress=true"),
