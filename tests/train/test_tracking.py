@@ -5,7 +5,10 @@ SQLite store); a tracker that cannot start ends the run before the model is buil
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,6 +147,33 @@ def test_mlflow_default_store_reads_back(tmp_path: Path, monkeypatch) -> None:
                for k in ("loss", "eval_loss", "samples")}
     assert history == {"loss": [(1, 2.5), (2, 2.25)], "eval_loss": [(2, 2.75)],
                        "samples": [(1, 4.0), (2, 8.0), (2, 8.0)]}
+
+
+TRACKIO_RUN = """
+import json, sys
+from pathlib import Path
+from tests.train.test_tracking import CONFIG, ROWS, _write
+from trackio.sqlite_storage import SQLiteStorage
+
+_write(Path(sys.argv[1]), ["trackio"], ROWS)
+print(json.dumps([SQLiteStorage.get_logs("vlpack-test", "run"),
+                  SQLiteStorage.get_run_config("vlpack-test", "run")]))
+"""
+
+
+def test_trackio_local_project_reads_back(tmp_path: Path) -> None:
+    """trackio's local store (its folder is read at import: a fresh process with TRACKIO_DIR)."""
+    pytest.importorskip("trackio")
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "vlpack-test"}
+    done = subprocess.run([sys.executable, "-c", TRACKIO_RUN, str(tmp_path / "run")], env=env,
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    logs, config = json.loads(done.stdout.splitlines()[-1])
+    assert [{k: v for k, v in r.items() if k != "timestamp"} for r in logs] == [
+        {"step": 1, "loss": 2.5, "lr": 1e-5, "samples": 4},
+        {"step": 2, "loss": 2.25, "lr": 2e-5, "samples": 8},
+        {"step": 2, "samples": 8, "eval_loss": 2.75, "eval_s": 0.5}]
+    assert config["optim"] == {"lr": 1e-5} and config["train"] == {"report_to": ["tensorboard"]}
 
 
 def _no_build(*args, **kwargs):
