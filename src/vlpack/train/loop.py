@@ -504,7 +504,7 @@ class Trainer:
 UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.progress", "train.max_steps",
              "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
              "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
-             "train.memory_check",
+             "train.memory_check", "train.report_to_errors",
              "train.profile_steps", "train.profile_from")
 """Settings a resumed run may change without a warning: none changes what is trained."""
 ORDER_NEUTRAL = ("data.num_workers", "data.pad_to_seq_len", "data.mrope_after_video",
