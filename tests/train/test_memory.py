@@ -376,12 +376,12 @@ def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> Non
 
 def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
     """`--dry-run --device-memory SIZE` plans one GPU of that size from a CPU machine: the
-    35B-A3B LoRA recipe as shipped chooses 8k bins × 4 on an 80 GB H100 (79.2 GiB as torch
+    35B-A3B LoRA recipe as shipped chooses 8k bins × 4 on an 80 GB H100 (79.18 GiB as torch
     reports it) and its 32k bins × 1 on an H200 (139.7 GiB); --device-memory alone, or a size
     that is not one, is refused."""
     from vlpack.cli import main, parse_size
 
-    assert main(["train", "qwen3.5-35b-a3b-lora", "--dry-run", "--device-memory", "79.2GiB"]) == 0
+    assert main(["train", "qwen3.5-35b-a3b-lora", "--dry-run", "--device-memory", "79.18GiB"]) == 0
     out = capsys.readouterr().out
     assert "on one GPU of 79.2 GiB (78.7 GiB free)" in out
     assert "chooses: 8,192-token bins (32,768 did not fit: train.memory_check=shorten), 4 per " \

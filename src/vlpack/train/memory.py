@@ -49,9 +49,9 @@ GIB = 2**30
 ACTIVATION_SCALE = 0.85
 """Measured peak activation memory over the formula's: 0.76-0.87 on the H200 for the 2B, 8B and
 35B-A3B recipes (docs/training.md, "What fits on one GPU")."""
-CUDA_CONTEXT = int(0.5 * GIB)
-"""What a GPU's CUDA context takes before PyTorch allocates: an H100 80GB reports 79.2 GiB in
-`torch.cuda.mem_get_info`'s total and 78.7 GiB free once the context exists (`vlpack train
+CUDA_CONTEXT = int(0.52 * GIB)
+"""What a GPU's CUDA context takes before PyTorch allocates: an H100 80GB reports 79.18 GiB in
+`torch.cuda.mem_get_info`'s total and 78.66 GiB free once the context exists (`vlpack train
 --dry-run --device-memory` subtracts it)."""
 HEADROOM = 0.05
 """Share of the free memory left for the plan's error (the measured peaks lie within -4% to +1.5%
