@@ -48,6 +48,20 @@ def test_mix_and_sizes(tmp_path):
     assert answer  # the assistant answer is JSON
 
 
+def test_videos_cycle_frame_rates(tmp_path):
+    """Videos come at 1, 2 or 3 fps by sample index (Qwen2.5-VL's second_per_grid = 2 / fps
+    then takes several values), each a frame list."""
+    from vlpack.data.synth import FPS
+    from vlpack.data.types import VideoRef
+
+    convs = read_jsonl(write_synthetic(tmp_path, n=48, seed=0))
+    videos = {i: v for i, c in enumerate(convs) for m in c.messages for v in m.content
+              if isinstance(v, VideoRef)}
+    assert len(videos) >= 2 and all(v.frames and 4 <= len(v.frames) <= 8 for v in videos.values())
+    assert {i: v.fps for i, v in videos.items()} == {i: FPS[i % 3] for i in videos}
+    assert len({v.fps for v in videos.values()}) >= 2
+
+
 def test_default_dataset_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("VLPACK_CACHE", str(tmp_path))
     path = default_dataset(n=6, seed=1)

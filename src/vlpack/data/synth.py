@@ -6,8 +6,9 @@ quantity and price, subtotal, tax, total) and asks for the receipt as JSON. Size
 15% each are multi-turn, two-receipt and text-only samples, ~30% carry a system prompt, and
 ~20% are written in the ShareGPT shape (the rest in the messages shape). About 10% of the
 single-receipt samples are short videos instead: the receipt revealed line by line over 4-8
-frames (a frame folder, 2 fps, at most 320 px wide), asking for the receipt as it ends. Output
-for a seed is byte-identical: the JSONL, the image and the frame files.
+frames (a frame folder at 1, 2 or 3 fps by the sample's index, so videos of several frame rates
+exercise Qwen2.5-VL's `second_per_grid`; at most 320 px wide), asking for the receipt as it
+ends. Output for a seed is byte-identical: the JSONL, the image and the frame files.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-SYNTH_VERSION = "2"
+SYNTH_VERSION = "3"
 _SHOP_A = ("Golden", "Happy", "Blue", "Corner", "Sunny", "Little", "Royal", "Green", "Lucky",
            "Urban", "Old Town", "Maple")  # fmt: skip
 _SHOP_B = ("Bakery", "Cafe", "Noodle House", "Grill", "Mart", "Deli", "Kitchen", "Tea Room",
@@ -38,6 +39,8 @@ _ITEMS = ("Americano", "Latte", "Croissant", "Bagel", "Green Tea", "Fried Rice",
           "Dumplings", "Caesar Salad", "Cheeseburger", "Fries", "Iced Tea", "Muffin", "Pad Thai",
           "Margherita", "Espresso", "Cola", "Miso Soup", "Salmon Roll", "Brownie", "Pancakes",
           "Orange Juice", "Club Sandwich", "Tomato Soup")  # fmt: skip
+FPS = (1, 2, 3)
+"""The frame rates of the videos, cycled by sample index."""
 _SYSTEM = ("You are a meticulous assistant that reads receipts.",
            "You extract structured data from documents. Answer with JSON only.",
            "You are a helpful bookkeeping assistant.")  # fmt: skip
@@ -204,7 +207,8 @@ def _sample(out: Path, seed: int, i: int) -> dict[str, Any]:
 
 
 def _video_sample(out: Path, seed: int, i: int, rng: random.Random) -> dict[str, Any]:
-    """A receipt revealed line by line: 4-8 frames in `videos/{i}/`, asked about at the end."""
+    """A receipt revealed line by line: 4-8 frames in `videos/{i}/` at `FPS[i % 3]`, asked
+    about at the end."""
     receipt = _receipt(rng)
     n_frames = rng.randint(4, 8)
     total_lines = len(_lines(receipt))
@@ -222,7 +226,7 @@ def _video_sample(out: Path, seed: int, i: int, rng: random.Random) -> dict[str,
         frames.append(name)
     ask = "Watch the receipt being written and return it as JSON once it is complete."
     return {"id": f"synth-s{seed}-{i:06d}", "messages": [
-        {"role": "user", "content": [{"type": "video", "video": frames, "fps": 2},
+        {"role": "user", "content": [{"type": "video", "video": frames, "fps": FPS[i % len(FPS)]},
                                      {"type": "text", "text": ask}]},
         {"role": "assistant", "content": json.dumps(receipt, ensure_ascii=False)}]}
 
