@@ -313,19 +313,20 @@ def _run_train(args: argparse.Namespace) -> int:
     return train(_run_config_of(args), dry_run=args.dry_run, device_memory=size)
 
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 def parse_size(text: str, what: str) -> int:
-    """Bytes of a size such as `80GiB`, `79.2gib` or `80GB` (GB = 10⁹ bytes, GiB = 2³⁰)."""
+    """Bytes of a size such as `80GiB`, `79.2gib` or `80GB` (GB = 10⁹ bytes, GiB = 2³⁰); a unit
+    is required."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"{what} {text!r}: give a size such as 80GiB (2^30 bytes) or 80GB "
-                         "(10^9 bytes)")
+        raise ValueError(f"{what} {text!r}: give a size with its unit, such as 80GiB (2^30 "
+                         "bytes) or 80GB (10^9 bytes)")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -356,6 +357,37 @@ def _run_export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     export_checkpoint(args.source, args.out, mode="adapter" if args.adapter else "hf",
                       dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="generate the answers of held-out conversations and score "
+                                    "them (exact match, token F1, JSON fields)")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                   help="a run folder (its latest checkpoint, else its hf/ export), "
+                        "OUTPUT_DIR/checkpoints/step_N, or an exported folder")
+    p.add_argument("--data", required=True,
+                   help="DATA.jsonl in the messages or ShareGPT shape; every supervised "
+                        "assistant turn is generated from the conversation before it")
+    p.add_argument("--out", default=None,
+                   help="folder for predictions.jsonl and metrics.json (default: SOURCE/eval)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="longest answer generated (default 256)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts generated together, left-padded (default 8)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    _add_media_root(p)
+    p.set_defaults(func=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import logging
+
+    from vlpack.train.generate import evaluate
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    evaluate(args.source, args.data, args.out, max_new_tokens=args.max_new_tokens,
+             batch_size=args.batch_size, limit=args.limit, media_root=args.media_root)
     return 0
 
 
@@ -394,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_config(sub)
     _add_export(sub)
+    _add_eval(sub)
     _add_plot(sub)
     return parser
 

@@ -297,6 +297,13 @@ class LoraConfig:
     experts: bool = False
     """Also adapt the routed experts' weights (MoE families): a low-rank update per expert of
     `gate_up_proj` and `down_proj`, through peft's `target_parameters` (needs lora.dropout 0)."""
+    use_dora: bool = False
+    """DoRA (peft `use_dora`): each adapted linear's weight is split into a direction, which the
+    low-rank update adapts, and a trained magnitude per output feature (`out_features` more
+    trainable weights per linear). Linears only: not with `experts`."""
+    use_rslora: bool = False
+    """rsLoRA (peft `use_rslora`): the update is scaled by alpha / sqrt(rank) instead of
+    alpha / rank, so a higher rank does not shrink it."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -306,6 +313,10 @@ class LoraConfig:
         if self.experts and self.dropout:
             raise ValueError("model.lora.experts=true needs model.lora.dropout=0: peft cannot "
                              "drop out the input of a LoRA update on a weight tensor")
+        if self.experts and self.use_dora:
+            raise ValueError("model.lora.use_dora=true adapts linear layers, and peft's LoRA on "
+                             "the routed experts' weight tensors has no DoRA: set "
+                             "model.lora.experts=false, or model.lora.use_dora=false")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -467,6 +478,12 @@ class TrainConfig:
     tracker, the error and the fix; `warn` logs it and trains without that tracker."""
     eval_every: int = 0
     """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
+    eval_generate_every: int = 0
+    """Every N steps, generate the answers of the first held-out samples (data.eval_samples)
+    and log `gen_exact_match`, `gen_token_f1` and `gen_field_accuracy` (train/generate.py,
+    as `vlpack eval` scores them); 0: never."""
+    eval_generate_samples: int = 8
+    """How many held-out samples train.eval_generate_every generates."""
     progress: bool = True
     """Show a progress bar."""
     export_hf: bool = False
@@ -533,6 +550,8 @@ class TrainConfig:
         _positive("train.tokens_per_step", self.tokens_per_step)
         _positive("train.log_every", self.log_every)
         _positive("train.eval_every", self.eval_every, allow_zero=True)
+        _positive("train.eval_generate_every", self.eval_generate_every, allow_zero=True)
+        _positive("train.eval_generate_samples", self.eval_generate_samples)
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.profile_from", self.profile_from)
@@ -577,6 +596,11 @@ class Config:
             from vlpack.model.presets import random_weights_refusal
 
             raise ValueError(random_weights_refusal(self.model.name, source))
+        if self.train.memory_check == "shorten" and self.data.packing == "none":
+            raise ValueError("train.memory_check=shorten halves packed bins and doubles "
+                             "train.micro_batches to keep a step's tokens, but data.packing=none "
+                             "trains padded batches of data.batch_size samples: set "
+                             "train.memory_check=refuse and a smaller data.batch_size")
         if self.model.checkpoint_share == "auto" and self.data.packing == "none":
             raise ValueError("model.checkpoint_share=auto plans packed rows of data.seq_len "
                              "tokens, and data.packing=none pads batches of data.batch_size "
@@ -594,6 +618,13 @@ class Config:
             raise ValueError(f"parallel.cp={cp} cuts every sample into {2 * cp} equal chunks: "
                              f"set data.pad_to_multiple_of to a multiple of {2 * cp} (e.g. "
                              f"data.pad_to_multiple_of={unit})")
+        if cp > 1 and self.train.eval_generate_every:
+            raise ValueError("train.eval_generate_every generates whole rows, and parallel.cp > 1 "
+                             "splits every row over ranks: set train.eval_generate_every=0 and "
+                             "score the checkpoints with `vlpack eval`")
+        if self.train.eval_generate_every and not self.data.eval_samples:
+            raise ValueError("train.eval_generate_every generates held-out samples: set "
+                             "data.eval_samples (e.g. data.eval_samples=16)")
 
         if self.model.frozen_dtype == "int8":
             if self.data.packing == "none":

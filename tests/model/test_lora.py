@@ -241,10 +241,12 @@ def test_lora_on_routed_experts(tmp_path: Path):
     ("tiny-qwen3_vl", LoraConfig(rank=4, vision=True)),
     ("tiny-qwen3_5", LoraConfig(rank=8)),
     ("tiny-qwen3_vl_moe", LoraConfig(rank=4, experts=True)),
+    ("tiny-qwen3_5", LoraConfig(rank=8, vision=True, use_dora=True)),
 ])
 def test_shape_adapters_count_what_peft_adds(family: str, cfg: LoraConfig):
     """The stand-ins the memory plan uses without peft hold peft's trainable weights exactly
-    (rank·(in + out) per linear, rank·E·(a + b) per expert weight) and freeze the same rest."""
+    (rank·(in + out) per linear, and `out` more under DoRA; rank·E·(a + b) per expert weight)
+    and freeze the same rest."""
     from vlpack.model.build import meta_model
 
     counts = []
@@ -272,3 +274,62 @@ def test_dry_run_of_a_lora_recipe_without_peft(monkeypatch, capsys):
     model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match=r"needs peft: pip install 'vlpack\[lora\]'"):
         lora.apply_lora(model, LoraConfig(rank=4))
+
+
+def test_rslora_scales_by_alpha_over_sqrt_rank():
+    """alpha 16, rank 4: every adapted linear scales its update by 16 / 4 = 4.0, under rsLoRA
+    by 16 / sqrt(4) = 8.0, and the merged export folds it in with that factor."""
+    for rslora, want in ((False, 4.0), (True, 8.0)):
+        model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+        lora.apply_lora(model, LoraConfig(rank=4, alpha=16, use_rslora=rslora))
+        scales = {m.scaling["default"] for m in model.modules() if hasattr(m, "lora_A")}
+        assert scales == {want} and lora.lora_scale(model._vlpack_lora) == want
+        assert ("rsLoRA" in lora.describe(model)) == rslora
+        _check_merged_export(model)
+
+
+def test_dora_adds_magnitudes_and_starts_as_the_base_model():
+    """DoRA adds one trained magnitude per output feature of each adapted linear (initialised
+    to the base weight's row norms), so the model's logits at init are the base model's; the
+    memory plan counts those magnitudes as trainable; the merged export of a trained adapter
+    gives the adapted model's logits; DoRA on the routed experts is refused."""
+    from vlpack.model.build import meta_model
+    from vlpack.train.memory import plan
+
+    ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(0))
+    base, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    want = _logits(base, ids)
+    model, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    cfg = LoraConfig(rank=4, alpha=8, use_dora=True)
+    lora.apply_lora(model, cfg)
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    mags = {n: p for n, p in model.named_parameters() if "lora_magnitude_vector" in n}
+    assert len(mags) == len(adapted) > 0 and all(p.requires_grad for p in mags.values())
+    assert sorted(p.numel() for p in mags.values()) == sorted(m.out_features for m in adapted)
+    assert (_logits(model, ids) - want).abs().max() <= 1e-5
+    plain = sum(4 * (m.in_features + m.out_features) for m in adapted)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == plain + sum(m.out_features for m in adapted)
+    shapes = meta_model("tiny-qwen3_vl")
+    lora.apply_lora(shapes, cfg)
+    assert plan(shapes, None, world_size=1).trainable == trainable
+    _check_merged_export(model)
+    with pytest.raises(ValueError, match=r"model\.lora\.experts=false, or model\.lora\.use_dora"):
+        LoraConfig(rank=4, experts=True, use_dora=True)
+
+
+def _check_merged_export(model):
+    """With random B and magnitudes (trained adapters), the merged state loads in the plain
+    model and gives the adapted model's logits."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lora_magnitude" in n:
+                p.mul_(1.5) if "lora_magnitude" in n else p.copy_(
+                    0.3 * torch.randn(p.shape, generator=g))
+    ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(1))
+    want = _logits(model, ids)
+    plain, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
+    assert (_logits(plain, ids) - want).abs().max() > 1e-3  # the adapters change the model
+    plain.load_state_dict(lora.merged_state_dict(model, model.state_dict()), strict=True)
+    assert (_logits(plain, ids) - want).abs().max() <= 1e-4

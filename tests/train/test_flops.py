@@ -75,3 +75,17 @@ def test_the_metrics_say_what_share_of_the_flops_recomputes(tmp_path: Path) -> N
         row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         assert (row["recompute_flops_share"] > 0) == positive
         assert row["recompute_flops_share"] < 0.5
+
+
+def test_a_frozen_tower_under_a_training_merger_recomputes_no_block() -> None:
+    """With the tower frozen and its merger training, no gradient flows through the vision
+    blocks: their checkpoints never recompute, and nothing is counted for them."""
+    from vlpack.model.recompute import enable_activation_checkpointing
+    from vlpack.train.module import freeze
+
+    model = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0]
+    freeze(model, vision=True, merger=False, llm=False)
+    enable_activation_checkpointing(model, 1.0)
+    f = flop_model(model)
+    assert (f.recomputed_vision_blocks, f.recomputed_per_patch) == (0, 0.0)
+    assert f.recomputed_attn_layers == 2

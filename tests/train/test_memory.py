@@ -339,8 +339,8 @@ def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
     assert (budget.data.seq_len, budget.train.micro_batches) == (4096, 1)  # the budget sets them
     cfg = _cut_lora(*ac, "train.memory_check=shorten")
     plan, ways = plan_memory(cfg, CPU, sharded=False, free=1)
-    assert MIN_BIN == 1024 and plan.seq_len == 32768 and plan.fitting_seq_len is None
-    assert "shorter bins (data.seq_len)" in ways
+    assert MIN_BIN == 1024 and plan.seq_len == 32768 and plan.fitting_seq_len == 0
+    assert not any("shorter bins" in w for w in ways)  # no halving fits: not offered
     with pytest.raises(ValueError, match="training it would take about"):
         check_plan(plan, cfg, CPU, False, ways, setting="shorten", free=1)
 
@@ -372,6 +372,48 @@ def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> Non
 
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert row["real_tokens"] + row["padded_tokens"] <= 2 * 1024
+    # resumed where 2,048-token bins fit: the run keeps its 1,024 × 2 (the stream's position
+    # counts bins); under refuse it would be the user's own change, warned about on resume
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2**50)
+    caplog.clear()
+    again = Trainer(small_cfg(out, "data.seq_len=2048", "train.memory_check=shorten",
+                              "train.max_steps=2"), CPU)
+    assert (again.cfg.data.seq_len, again.cfg.train.micro_batches) == (1024, 2)
+    assert "the resumed run trained 1024-token bins, 2 per step; it keeps them" in caplog.text
+    fresh = Trainer(small_cfg(tmp_path / "fresh", "data.seq_len=2048",
+                              "train.memory_check=shorten"), CPU)
+    assert (fresh.cfg.data.seq_len, fresh.cfg.train.micro_batches) == (2048, 1)
+
+
+def test_shorten_refuses_padded_batches_and_keeps_resumed_bins_only_under_shorten(
+        tmp_path: Path) -> None:
+    """Padded batches have no bins to halve; a resumed run's bins are kept only where
+    `shorten` could have chosen them (a halving of data.seq_len)."""
+    from vlpack.train.stack import keep_resumed_bins
+
+    with pytest.raises(ValueError, match=r"data\.packing=none trains padded batches"):
+        small_cfg(tmp_path, "data.packing=none", "train.memory_check=shorten")
+    cases = [("shorten", (1024, 2), True), ("refuse", (1024, 2), False),
+             ("shorten", (2048, 1), False), ("shorten", (4096, 1), False),
+             ("shorten", (768, 1), False), ("shorten", None, False)]
+    for check, resumed, kept in cases:
+        cfg = small_cfg(tmp_path, "data.seq_len=2048", f"train.memory_check={check}")
+        assert keep_resumed_bins(cfg, resumed, CPU) == kept
+        assert cfg.data.seq_len == (1024 if kept else 2048)
+
+
+def test_the_first_step_autotunes_only_where_no_configurations_serve() -> None:
+    """vlpack's kept configurations serve the H100 and H200 (train.tuned_kernels); a user's
+    FLA_CONFIG_DIR serves any card; otherwise fla autotunes in step 1."""
+    from vlpack.config import load_config
+    from vlpack.train.stack import fla_autotunes
+
+    cfg, off = load_config("tiny"), load_config("tiny", ["train.tuned_kernels=false"])
+    assert not fla_autotunes(cfg, "NVIDIA H100 80GB HBM3", {})
+    assert not fla_autotunes(cfg, "NVIDIA H200", {})
+    assert fla_autotunes(cfg, "NVIDIA A100-SXM4-80GB", {})
+    assert fla_autotunes(off, "NVIDIA H200", {})
+    assert not fla_autotunes(off, "NVIDIA A100-SXM4-80GB", {"FLA_CONFIG_DIR": "/mine"})
 
 
 def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
@@ -390,8 +432,11 @@ def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
     assert "chooses: 32,768-token bins, 1 per step;" in capsys.readouterr().out
     assert main(["train", "qwen3.5-35b-a3b-lora", "--device-memory", "80GiB"]) == 2
     assert "add --dry-run" in capsys.readouterr().err
-    assert main(["train", "tiny", "--dry-run", "--device-memory", "eighty"]) == 2
-    assert "give a size such as 80GiB" in capsys.readouterr().err
+    for bad in ("eighty", "80"):
+        assert main(["train", "tiny", "--dry-run", "--device-memory", bad]) == 2
+        assert "give a size with its unit, such as 80GiB" in capsys.readouterr().err
+    assert main(["train", "tiny", "--dry-run", "--device-memory", "100MiB"]) == 2
+    assert "less than a GPU's CUDA context" in capsys.readouterr().err
     assert (parse_size("80GiB", "x"), parse_size("80 GB", "x"), parse_size("1.5gib", "x")) == (
         80 * 2**30, 80 * 10**9, 3 * 2**29)
     assert memory.usable_bytes(100 * memory.GIB, torch.device("cuda")) == int(

@@ -78,14 +78,17 @@ class VisionTables:
         for s in (self.full, self.window):
             if s is not None and cu is s.cu:
                 return s
-        own = [s.cu.cpu() for s in (self.full, self.window) if s is not None]
-        if not any(c.shape == cu.shape and torch.equal(c, cu.cpu()) for c in own):
+        got = tuple(cu.tolist())  # the error path only: a host read of a device tensor
+        if not any(s is not None and s.host == got for s in (self.full, self.window)):
             raise StaleVisionTablesError(
                 "the vision attention got image boundaries that are not this row's: vlpack's "
                 "vision tables (model/vision.py, built per forward from the row's grids) were "
-                "kept from another forward; this is a vlpack bug")
-        raise ValueError("the vision attention got boundaries that vlpack did not build: this "
-                         "transformers version's vision tower is not supported (tested: 5.17, 5.24)")
+                "kept from another forward (a vlpack bug), or this transformers version's tower "
+                "computes its own (not supported; tested: 5.17, 5.24)")
+        raise ValueError("the vision attention got boundaries that vlpack did not build, of this "
+                         "row's values: this transformers version's vision tower computes its own "
+                         "(not supported; tested: 5.17, 5.24), or vlpack kept tables of another "
+                         "row of the same image sizes (a vlpack bug)")
 
 
 class StaleVisionTablesError(RuntimeError):

@@ -13,11 +13,16 @@ vision tower and its mergers. `experts=True` adds the routed experts: their weig
 parameters ([experts, ...]), not linears, and peft adapts them through `target_parameters`
 (`ParamWrapper`: one rank-r update per expert, W + B·A applied as a parametrization while the
 experts module runs, so vlpack's experts kernel sees the adapted weight).
+
+Variants, peft's: `use_rslora` scales the update by alpha/sqrt(r) instead of alpha/r; `use_dora`
+adds a trained magnitude per output feature of each adapted linear (DoRA: W' = m · (W + s·BA) /
+‖W + s·BA‖, the norm per output row), linears only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -112,13 +117,14 @@ def peft_config(model: nn.Module, cfg: VlpackLora):
     peft = _peft()
     extra = {"target_parameters": p} if (p := expert_parameters(model, cfg)) else {}
     return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=target_names(model, cfg), bias="none", **extra)
+                           target_modules=target_names(model, cfg), bias="none",
+                           use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, **extra)
 
 
 def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     """Inject LoRA layers into `model` in place and freeze everything else; returns the number
-    of adapted modules. The LoRA weights are initialised by peft (B = 0: the model's function
-    is unchanged until it trains)."""
+    of adapted modules. The LoRA weights are initialised by peft (B = 0, and DoRA's magnitudes
+    the base weights' row norms: the model's function is unchanged until it trains)."""
     peft = _peft()
     pc = peft_config(model, cfg)
     peft.inject_adapter_in_model(pc, model)
@@ -149,8 +155,9 @@ def shape_adapters(model: nn.Module, cfg: VlpackLora) -> int:
     """Register on `model` trainable stand-ins of the LoRA weights `apply_lora` adds, in their
     shapes, and freeze everything else; returns the number of adapted modules. For the memory
     plan only (the forward ignores them). An adapted linear [out, in] gets A [r, in] and
-    B [out, r], rank·(in + out) weights; an adapted expert weight [E, a, b] gets peft's
-    `ParamWrapper` factors A [E·r, a] and B [b, r·E], rank·E·(a + b)."""
+    B [out, r], rank·(in + out) weights, and under DoRA a magnitude [out]; an adapted expert
+    weight [E, a, b] gets peft's `ParamWrapper` factors A [E·r, a] and B [b, r·E],
+    rank·E·(a + b)."""
     r, adapted = cfg.rank, 0
 
     def stand_in(module: nn.Module, leaf: str, a: tuple[int, ...], b: tuple[int, ...]) -> None:
@@ -162,6 +169,9 @@ def shape_adapters(model: nn.Module, cfg: VlpackLora) -> int:
     for name in target_names(model, cfg):
         m = model.get_submodule(name)
         stand_in(m, "", (r, m.in_features), (m.out_features, r))
+        if cfg.use_dora:
+            m.register_parameter("lora_magnitude", nn.Parameter(
+                torch.empty(m.out_features, device="meta", dtype=torch.float32)))
         adapted += 1
     experts = set(_expert_targets(model, cfg))
     for name, p in list(model.named_parameters()):
@@ -195,10 +205,13 @@ def _wrapped_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
 
 def merge_groups(model: nn.Module, keys) -> dict[str, list[str]]:
     """{key of the plain model's state: the keys of `keys` (a LoRA model's state) it is made
-    from}: a base weight with its adapter's A and B, every other tensor alone; adapter-only
-    keys belong to their base weight's group. A model without LoRA maps each key to itself."""
+    from}: a base weight with its adapter's A and B (and DoRA's magnitude), every other tensor
+    alone; adapter-only keys belong to their base weight's group. A model without LoRA maps each
+    key to itself."""
     if getattr(model, "_vlpack_lora", None) is None:
         return {k: [k] for k in keys}
+    keys = list(keys)
+    present = set(keys)
     wrapped = {key: prefix for prefix, (key, _) in _wrapped_parameters(model).items()}
     groups = {}
     for key in keys:
@@ -212,6 +225,8 @@ def merge_groups(model: nn.Module, keys) -> dict[str, list[str]]:
             prefix, leaf = key.split(".base_layer.")
             adapter = ([f"{prefix}.lora_A.default.weight", f"{prefix}.lora_B.default.weight"]
                        if leaf == "weight" else [])
+            magnitude = f"{prefix}.lora_magnitude_vector.default.weight"
+            adapter += [magnitude] if adapter and magnitude in present else []
             groups[f"{prefix}.{leaf}"] = [key, *adapter]
         else:
             groups[key] = [key]
@@ -249,23 +264,32 @@ def save_adapter(model: nn.Module, out_dir: str | Path, state_dict: dict | None 
     return out
 
 
+def lora_scale(pc) -> float:
+    """The factor of a linear's update B·A under peft config `pc`: alpha / r, or alpha / sqrt(r)
+    with rsLoRA."""
+    return pc.lora_alpha / (math.sqrt(pc.r) if pc.use_rslora else pc.r)
+
+
 def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
     """`state_dict` (the state of a LoRA model, or whole groups of `merge_groups` of it) with
     each adapter folded into its base weight (W + scale · B A; per expert for the routed
-    experts' weights) under the base layer's own name: the state of the plain model. A merged
+    experts' weights; under DoRA m · (W + scale · B A) / ‖W + scale · B A‖, the norm per
+    output row) under the base layer's own name: the state of the plain model. A merged
     weight is float32 whatever the base's dtype (a base held in bf16 plus a float32 update is
     not a bf16 number); every other tensor keeps its dtype."""
-    pc = model._vlpack_lora
-    scale = pc.lora_alpha / pc.r
+    scale = lora_scale(model._vlpack_lora)
     wrappers = {key: w for key, w in _wrapped_parameters(model).values()}
     out = {}
     for plain, sources in merge_groups(model, state_dict).items():
         value = state_dict[sources[0]]
-        if len(sources) == 3:
-            a, b = (state_dict[k].to(torch.float32) for k in sources[1:])
+        if len(sources) >= 3:
+            a, b = (state_dict[k].to(torch.float32) for k in sources[1:3])
             delta = (_expert_delta(wrappers[sources[0]], a, b) if sources[0] in wrappers
                      else scale * (b @ a))
             value = value.to(torch.float32) + delta
+        if len(sources) == 4:  # DoRA: the trained magnitude over the adapted row's norm
+            magnitude = state_dict[sources[3]].to(torch.float32)
+            value = value * (magnitude / torch.linalg.norm(value, dim=1))[:, None]
         out[plain] = value
     return out
 
@@ -278,7 +302,9 @@ def describe(model: nn.Module) -> str:
     adapted = sum(1 for m in model.modules() if hasattr(m, "lora_A")
                   and not hasattr(m, "parameter_name"))
     experts = sum(1 for m in model.modules() if hasattr(m, "parameter_name"))
-    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}, {adapted} linears"
+    variant = "".join(f", {v}" for v, on in (("DoRA", pc.use_dora), ("rsLoRA", pc.use_rslora))
+                      if on)
+    return (f"LoRA rank {pc.r}, alpha {pc.lora_alpha}{variant}, {adapted} linears"
             + (f" and {experts} expert weights" if experts else "") + ": "
             f"{train:,} of {total:,} parameters train ({100 * train / total:.2f}%)")
 

@@ -133,8 +133,12 @@ def flop_model(model: torch.nn.Module) -> FlopModel:
     vis_hidden = getattr(vis_cfg, "hidden_size", None) or vis_cfg.embed_dim
     share = text_cfg.num_experts_per_tok / n_experts if n_experts else 0.0
     recomputed = [layer for layer in lm.layers if getattr(layer, "gradient_checkpointing", False)]
+    # a block recomputes only where a gradient flows through it: something in or below the
+    # blocks trains (a training merger alone above a frozen tower needs no block's backward)
+    blocks_backward = any(p.requires_grad for n, p in visual.named_parameters()
+                          if not n.startswith(("merger", "deepstack")))
     blocks = [b for b in getattr(visual, "blocks", []) if getattr(b, "gradient_checkpointing", False)
-              ] if vision_trains else []
+              ] if blocks_backward else []
     return FlopModel(
         recomputed_per_token=sum(_forward_flops(layer, share) for layer in recomputed),
         recomputed_attn_layers=sum(hasattr(layer, "self_attn") for layer in recomputed),

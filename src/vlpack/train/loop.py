@@ -27,13 +27,13 @@ import torch
 
 from vlpack.config import Config, save_config
 from vlpack.data.accounting import Tally
-from vlpack.data.loader import build_loaders
+from vlpack.data.loader import build_loaders, data_fingerprints
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
 from vlpack.train.epochs import steps_for_epochs
 from vlpack.train.export import export_live, export_live_adapter
 from vlpack.train.flops import peak_flops
-from vlpack.train.kernel_cache import keeps_configurations
+from vlpack.train.generate import HeldOutGeneration
 from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
 from vlpack.train.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
@@ -55,6 +55,7 @@ from vlpack.train.stack import (
     build_stack,
     check_plan,
     describe_choice,
+    fla_autotunes,
     is_sharded,
     plan_memory,
     shorten_to_plan,
@@ -93,7 +94,7 @@ class Trainer:
         self.trackers: list[Tracker] = start_trackers(
             cfg.train.report_to, out_dir=cfg.train.output_dir, run_id=self.run_id,
             errors=cfg.train.report_to_errors, info=self.info)
-        stack = build_stack(cfg, self.info, context=self.context)
+        stack = build_stack(cfg, self.info, context=self.context, resumed_bins=_resumed_bins(cfg))
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
         self.flops, self.autocast = stack.flops, stack.autocast
         self.plan, self.ways_out = stack.plan, stack.ways_out
@@ -105,6 +106,11 @@ class Trainer:
         self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,
                                      announce=self.info.is_main)
         self.train_loader, self.eval_loader = self._loaders()
+        self.data_files = data_fingerprints(cfg.data)
+        """Fingerprint of each data file by path, kept in checkpoints to notice edited data."""
+        self.held_out_generation = HeldOutGeneration(
+            self.eval_loader, self.encoder, cfg.train.eval_generate_samples
+        ) if cfg.train.eval_generate_every else None
         if cfg.train.epochs is not None:  # the steps of that many passes, before the schedule
             cfg.train.max_steps, bins = steps_for_epochs(
                 self.train_loader, cfg.train.epochs, dp=self.info.dp, micro_batches=cfg.train.micro_batches)
@@ -232,6 +238,7 @@ class Trainer:
             "elapsed_s": self.elapsed(),
             "first_loss": self.first_loss,
             "last_loss": self.last_loss,
+            "data_files": self.data_files,
         }
 
     def save(self) -> Path:
@@ -294,6 +301,7 @@ class Trainer:
         self._elapsed_before = st.get("elapsed_s", self.totals["seconds"])  # else its step time
         self.first_loss, self.last_loss = st["first_loss"], st["last_loss"]
         self.last_checkpoint = path
+        _warn_changed_data(st.get("data_files", {}), self.data_files, path)
         return path
 
     # ------------------------------------------------------------------ loop
@@ -388,6 +396,8 @@ class Trainer:
                     self._stop, self.stop_signal = True, int(flag)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._eval(writer)
+                if cfg.train.eval_generate_every and self.step % cfg.train.eval_generate_every == 0:
+                    self._eval_generate(writer)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                     self.save()
                 if stop:
@@ -436,6 +446,16 @@ class Trainer:
             done["detail"] = f": eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         writer.write({"step": self.step, "samples": self.totals["samples"], "eval_loss": self.eval_loss,
                       "eval_s": done["seconds"]})
+
+    def _eval_generate(self, writer: MetricsWriter) -> None:
+        """Generate and score held-out answers (train.eval_generate_every; every rank)."""
+        assert self.held_out_generation is not None
+        with self.progress.phase(f"generating step {self.step}", f"generated step {self.step}") as done, \
+                self._autocast():
+            row = self.held_out_generation(self.model, self.spec, self.info.world_size)
+            done["detail"] = f": token F1 {row['gen_token_f1']:.3f}"
+        writer.write({"step": self.step, "samples": self.totals["samples"], **row,
+                      "eval_generate_s": done["seconds"]})
 
     def _record(self, r: StepResult, data_wait: float, peak, writer, eta_s: float | None) -> None:
         t = self.totals
@@ -504,7 +524,8 @@ class Trainer:
 UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.progress", "train.max_steps",
              "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
              "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
-             "train.memory_check", "train.report_to_errors",
+             "train.memory_check", "train.report_to_errors", "train.eval_generate_every",
+             "train.eval_generate_samples",
              "train.profile_steps", "train.profile_from")
 """Settings a resumed run may change without a warning: none changes what is trained."""
 ORDER_NEUTRAL = ("data.num_workers", "data.pad_to_seq_len", "data.mrope_after_video",
@@ -518,6 +539,17 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
+
+
+def _warn_changed_data(saved: dict[str, str], now: dict[str, str], path: Path) -> None:
+    """On resume: warn about each data file whose content differs from what the checkpoint
+    `path` recorded (the stream continues by position, over the edited rows)."""
+    for file in sorted(saved.keys() & now.keys()):
+        if saved[file] != now[file]:
+            log.warning("the data file %s changed since the checkpoint %s was saved: the stream "
+                        "continues by position, so the samples after it differ from those the "
+                        "run would have read; resume with the file as it was, or start anew "
+                        "(train.resume=none)", file, path)
 
 
 def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
@@ -581,6 +613,24 @@ def _run_id(cfg: Config) -> str | None:
         return None
 
 
+def _resumed_bins(cfg: Config) -> tuple[int, int] | None:
+    """(data.seq_len, train.micro_batches) of the run train.resume continues, from the
+    config.yaml of its folder; None for a fresh run or where that file is missing."""
+    r = cfg.train.resume
+    path = (None if r == "none" else ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto"
+            else Path(r))
+    saved = None if path is None else path.parent.parent / "config.yaml"
+    if saved is None or not saved.is_file():
+        return None
+    import yaml
+
+    old = yaml.safe_load(saved.read_text()) or {}
+    try:
+        return int(old["data"]["seq_len"]), int(old["train"]["micro_batches"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _check_writable(out: Path) -> None:
     """ValueError naming the folder when the run cannot write its outputs there."""
     try:
@@ -630,6 +680,9 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
             raise ValueError("--device-memory plans one GPU: drop parallel.cp")
         info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
         free = device_memory - memory.CUDA_CONTEXT
+        if free <= 0:
+            raise ValueError(f"--device-memory {device_memory / memory.GIB:.2f} GiB is less than a "
+                             "GPU's CUDA context takes: give the card's size, e.g. 80GiB")
         where = f"one GPU of {device_memory / memory.GIB:.1f} GiB ({free / memory.GIB:.1f} GiB free)"
     else:
         info = init_distributed(cfg.parallel.cp)
@@ -640,8 +693,11 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         asked = cfg.data.seq_len
         # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
         # named by --device-memory is planned as one it keeps them for (the H100, the H200)
-        autotunes = (device_memory is None and info.device.type == "cuda" and not (
-            cfg.train.tuned_kernels and keeps_configurations(torch.cuda.get_device_name(info.device))))
+        if device_memory is not None:
+            autotunes = not cfg.train.tuned_kernels
+        else:
+            autotunes = info.device.type == "cuda" and fla_autotunes(
+                cfg, torch.cuda.get_device_name(info.device))
         plan, ways = plan_memory(cfg, info, sharded=sharded, free=free, autotunes=autotunes)
         if not info.is_main:
             return 0
@@ -650,9 +706,9 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
               f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            check_plan(plan, cfg, info, sharded, ways, free=free)
-        except ValueError:
-            print(f"does not fit: {free / memory.GIB:.1f} GiB free. Ways out: " + "; ".join(ways))
+            check_plan(plan, cfg, info, sharded, ways, free=free, host=device_memory is None)
+        except ValueError as e:
+            print(f"does not fit: {e}")
             return 1
         shorten_to_plan(cfg, plan, info, free)
         print(f"chooses: {describe_choice(cfg, plan, asked_seq_len=asked)}")

@@ -8,7 +8,8 @@ Per device, in training:
   weights      every parameter at the dtype it is held in (train/precision.py: frozen matmul
                weights in bf16 on a GPU, the rest float32; frozen routed experts in int8 with
                float32 row scales under model.frozen_dtype=int8), 1/world of them under FSDP2
-  gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2
+  gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2 (a LoRA run's
+               trainable parameters: the adapters, DoRA's magnitudes included)
   optimizer    AdamW's two float32 moments: 8 bytes per trainable parameter, 1/world
   activations  one micro-batch at a time (accumulation frees each backward's activations):
                T = data.seq_len / parallel.cp tokens per rank and up to P vision patches
@@ -64,9 +65,8 @@ allocated of 78.7 GiB free, where the same runs served from kept configurations 
 and 75.7 GiB."""
 GPU_RESERVE = 2 * GIB
 """Bytes of a GPU's free memory the plan never counts on: what the caching allocator holds
-beyond the tensors (0.9 GiB at the peak of the Qwen3.5-35B-A3B recipe on an H100, under the
-expandable segments `vlpack train` sets) and what a first step takes besides (Triton autotuning
-fla's kernels, torch.compile)."""
+beyond the tensors (0.6-0.9 GiB at the peak of the Qwen3.5-35B-A3B recipe on an H100, under the
+expandable segments `vlpack train` sets) and kernels' and torch.compile's workspaces."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,8 @@ class MemoryPlan:
     text_layers: int = 0
     """The model's decoder layers (`recompute_share` of them recompute)."""
     fitting_seq_len: int | None = None
-    """Where this plan does not fit: the longest halving of `seq_len` whose plan does (None: it
-    fits, or no halving does; train/stack.py `shorter_bins`)."""
+    """Where this plan does not fit: the longest halving of `seq_len` whose plan does, 0 where
+    none does (train/stack.py `shorter_bins`); None where no halving was planned."""
 
     @property
     def train_bytes(self) -> int:
@@ -309,7 +309,8 @@ def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True,
         if p.recompute_share < 1.0:
             out.append("recompute more of each layer stack (model.activation_checkpointing=true "
                        "model.checkpoint_share=1.0)")
-        out.append(shorter_bins_way(p, micro_batches))
+        if p.fitting_seq_len != 0:  # 0: no halving of the bins fits
+            out.append(shorter_bins_way(p, micro_batches))
         out.append(f"split each row over more GPUs (parallel.cp={2 * cp})")
     out.append("more GPUs (FSDP2 shards weights, gradients and optimizer state)")
     return out

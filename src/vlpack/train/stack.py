@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,14 +90,16 @@ def builds_on_host(cfg: Config, info: Topology) -> bool:
 
 
 def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None = None,
-                autotunes: bool = False) -> tuple[memory.MemoryPlan, list[str]]:
+                autotunes: bool = False, shorten: bool | None = None,
+                ) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
     apply to it. With `model.checkpoint_share=auto`, the plan of the least share that fits
     `free` bytes (None: this device's free memory), the same on every rank (`auto_share`).
     Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
     `plan.fitting_seq_len` (`shorter_bins`), which the ways out name; under
-    `train.memory_check=shorten` the plan is that length's (`shorten_to_plan` applies it).
+    `train.memory_check=shorten` (`shorten`: None reads it from the config) the plan is that
+    length's (`shorten_to_plan` applies it).
     `autotunes`: fla's kernels autotune in the first step (no kept configurations for this GPU),
     which a model with Gated-DeltaNet layers plans as `memory.AUTOTUNE_RESERVE` more."""
     from vlpack.model.build import meta_model
@@ -144,7 +147,7 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
     if not m.activation_checkpointing and m.checkpoint_share == "auto" and info.is_main:
         log.warning("model.checkpoint_share=auto has no effect without "
                     "model.activation_checkpointing=true: nothing recomputes")
-    plan = plan_of(d.seq_len, announce=True)
+    plan = plan_of(d.seq_len, announce=False)
     room = free if free is not None else memory.available_bytes(info.device)
 
     def fits(p: memory.MemoryPlan) -> bool:
@@ -154,9 +157,12 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
         fitting = shorter_bins(lambda n: plan_of(n, announce=False), d.seq_len,
                                multiple=d.pad_to_multiple_of * cfg.parallel.cp, info=info,
                                fits=fits)
-        plan = dataclasses.replace(plan, fitting_seq_len=fitting)
-        if cfg.train.memory_check == "shorten" and fitting:
-            plan = plan_of(fitting, announce=True)
+        plan = dataclasses.replace(plan, fitting_seq_len=fitting or 0)
+        if fitting and (cfg.train.memory_check == "shorten" if shorten is None else shorten):
+            plan = plan_of(fitting, announce=False)
+    if m.activation_checkpointing and m.checkpoint_share == "auto":  # the share of the plan chosen
+        auto_share(lambda share: plan_at(plan.seq_len, share), layers, info, free,
+                   holds_copy=sharded and info.is_main, announce=True)
     ways = memory.ways_out(plan, lora=bool(m.lora.rank), cp=cfg.parallel.cp,
                            vision_capped=d.max_patches is not None,
                            micro_batches=None if cfg.train.tokens_per_step else cfg.train.micro_batches)
@@ -220,6 +226,34 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
     return p
 
 
+def fla_autotunes(cfg: Config, device_name: str, environ: dict[str, str] | None = None) -> bool:
+    """Whether fla's kernels autotune in the first step on `device_name`'s GPU: neither the
+    configurations vlpack keeps for it (`train.tuned_kernels`) nor the user's own (FLA_CONFIG_DIR
+    set in the environment) serve them."""
+    from vlpack.train.kernel_cache import FLA_DIR, keeps_configurations
+
+    env = os.environ if environ is None else environ
+    return FLA_DIR not in env and not (cfg.train.tuned_kernels and keeps_configurations(device_name))
+
+
+def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, info: Topology) -> bool:
+    """A run resumed under `train.memory_check=shorten` keeps the bins it trained (a halving of
+    data.seq_len chosen on its first device): the data stream continues by bin position, so
+    other bins would skip or repeat samples. Sets them in `cfg` and says so; True where it did
+    (the plan then refuses what does not fit rather than shortening again)."""
+    d, t = cfg.data, cfg.train
+    if (t.memory_check != "shorten" or resumed is None or resumed[0] == d.seq_len
+            or resumed[0] > d.seq_len or d.seq_len % resumed[0]):
+        return False
+    if info.is_main:
+        log.info("train.memory_check=shorten: the resumed run trained %d-token bins, %d per step; "
+                 "it keeps them (other bins would move the data stream's position)", *resumed)
+    d.seq_len = resumed[0]
+    if not t.tokens_per_step:
+        t.micro_batches = resumed[1]
+    return True
+
+
 def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
                     free: int | None = None) -> None:
     """Train at the plan's bin length where `train.memory_check=shorten` chose a shorter one:
@@ -238,6 +272,10 @@ def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
                  "training in %d-token bins (%s; samples longer than that meet "
                  "data.overlong=%s)", d.seq_len, _room_text(info, free), plan.seq_len, steps,
                  d.overlong)
+    if d.overlong == "error" and info.is_main:
+        log.warning("train.memory_check=shorten: a sample longer than %d tokens now stops the run "
+                    "(data.overlong=error); set data.overlong=truncate or skip to train past such "
+                    "samples", plan.seq_len)
     d.seq_len = plan.seq_len
     if not t.tokens_per_step:
         t.micro_batches *= factor
@@ -273,9 +311,12 @@ def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int)
 
 
 def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
-               ways: list[str], *, setting: str = "refuse", free: int | None = None) -> None:
+               ways: list[str], *, setting: str = "refuse", free: int | None = None,
+               host: bool = True) -> None:
     """Refuse a run whose plan exceeds the free memory (`free` bytes; None: the device's now),
-    before building it (`setting`: train.memory_check; `warn` logs the refusal and goes on)."""
+    before building it (`setting`: train.memory_check; `warn` logs the refusal and goes on).
+    `host`: also check this host's memory for a whole copy the run builds there (not for a
+    card planned from another machine)."""
     if setting == "skip":
         return
     device = info.device
@@ -284,7 +325,8 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         memory.check_fits(plan, device, free, model=cfg.model.name,
                           holds_copy=sharded and info.is_main,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
-        if ((sharded and info.is_main) or builds_on_host(cfg, info)) and device.type != "cpu":
+        if host and ((sharded and info.is_main) or builds_on_host(cfg, info)) \
+                and device.type != "cpu":
             memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
                                    model=cfg.model.name)
     except ValueError as e:
@@ -336,11 +378,13 @@ def build_check_model(cfg: Config, device: torch.device) -> tuple[nn.Module, obj
 
 
 def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str | None = None,
-                trace_vision_attention: bool = False) -> Stack:
+                trace_vision_attention: bool = False,
+                resumed_bins: tuple[int, int] | None = None) -> Stack:
     """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
-    context-parallel group, None without CP). Benchmarks' levers beyond the config:
-    `loss_method` (`liger`, `plain`; None: the config's) and `trace_vision_attention` (with
-    whole layers compiled, docs/benchmarks/levers.md)."""
+    context-parallel group, None without CP). `resumed_bins`: (data.seq_len,
+    train.micro_batches) of the run this one resumes (`keep_resumed_bins`). Benchmarks' levers
+    beyond the config: `loss_method` (`liger`, `plain`; None: the config's) and
+    `trace_vision_attention` (with whole layers compiled, docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
     sharded = is_sharded(cfg, info)
     if sharded and m.frozen_dtype == "int8":
@@ -356,8 +400,11 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
         if t.tuned_kernels:
             tuned = use_tuned_kernels(torch.cuda.get_device_name(info.device))
-    plan, ways = plan_memory(cfg, info, sharded=sharded,
-                             autotunes=info.device.type == "cuda" and tuned is None)
+    kept = keep_resumed_bins(cfg, resumed_bins, info)
+    plan, ways = plan_memory(
+        cfg, info, sharded=sharded, shorten=False if kept else None,
+        autotunes=info.device.type == "cuda" and fla_autotunes(
+            cfg, torch.cuda.get_device_name(info.device)))
     check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
     asked = cfg.data.seq_len
     shorten_to_plan(cfg, plan, info)
