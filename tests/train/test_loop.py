@@ -253,6 +253,27 @@ def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: P
     assert (old["optim"]["lr"], new["optim"]["lr"]) == (1e-4, 2e-4)
 
 
+@pytest.mark.parametrize("edit", [True, False])
+def test_resume_warns_when_the_data_file_changed(tmp_path: Path, caplog, edit: bool) -> None:
+    """A data file edited between runs is named on resume; an unchanged one is not."""
+    import shutil
+
+    from vlpack.data.synth import default_dataset
+
+    data = tmp_path / "data" / "data.jsonl"
+    shutil.copytree(default_dataset(n=24).parent, data.parent)
+    args = ["data.source=jsonl", f"data.path={data}", "data.shuffle=false", "model.init=random"]
+    Trainer(small_cfg(tmp_path / "run", "train.max_steps=1", *args), CPU).fit()
+    if edit:
+        lines = data.read_text().splitlines()
+        data.write_text("\n".join(lines[1:] + lines[:1]) + "\n")  # the same rows, reordered
+    caplog.set_level(logging.WARNING, logger="vlpack.train")
+    Trainer(small_cfg(tmp_path / "run", "train.max_steps=2", *args), CPU).fit()
+    text = " ".join(r.getMessage() for r in caplog.records if r.name == "vlpack.train")
+    assert (f"the data file {data} changed since the checkpoint "
+            f"{tmp_path / 'run' / 'checkpoints' / 'step_00000001'} was saved" in text) is edit, text
+
+
 def test_the_first_step_says_what_it_waits_for() -> None:
     from vlpack.config import load_config
     from vlpack.train.loop import _first_step_waits

@@ -104,6 +104,17 @@ def source_path(source: str, path: str | None, synthetic_samples: int) -> str | 
     return path if source in ("jsonl", "hf") else None
 
 
+def data_fingerprints(d: DataConfig) -> dict[str, str]:
+    """The content fingerprint of each data file or folder the run reads (`data.path` or each
+    `data.mix` path of a `jsonl` or `hf` source), by path: what a checkpoint records so that a
+    resume notices edited data."""
+    from vlpack.data.size_cache import source_fingerprint
+
+    sources = [(m.source, m.path) for m in d.mix] if d.mix else [(d.source, d.path)]
+    return {path: source_fingerprint(path) for source, path in sources
+            if source in ("jsonl", "hf") and path is not None and Path(path).exists()}
+
+
 def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int = 0,
                     progress: bool = False) -> Sequence[SizeOrError]:
     """`measure_all` of `items` (a source or a `data.mix`), each source's sizes read from the
