@@ -74,12 +74,21 @@ def check_command(model_name: str, *, backend: str, dtype: str | None, samples: 
     CLI); `replicas`: how many data-parallel replicas of it the world holds, each checking its
     own row (`check_parallel`)."""
     replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         r = check(model_name, backend=backend, dtype=dtype, samples=samples, seed=seed,
                   data=data, context=context, init=init, replica=replica, media_root=media_root)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise
+        if context is not None and collective_error(e):
+            # the model was built and a packed forward's collective broke: the contract
+            # failed (e.g. a gather over the world where the context group was meant)
+            print(f"vlpack check FAILED: a collective of the packed forward failed on rank "
+                  f"{os.environ.get('RANK', '0')} under --cp {context.size} with "
+                  f"{replicas} data-parallel replica(s): {str(e).splitlines()[0]} (a collective "
+                  "over another process group than the context group's?)", file=sys.stderr)
+            return EXIT_FAILED
         where = "" if isinstance(e, ValueError) else \
             f" ({type(e).__name__}; VLPACK_TRACEBACK=1 shows where)"
         print(f"vlpack check could not run: {e}{where}", file=sys.stderr)
@@ -89,6 +98,20 @@ def check_command(model_name: str, *, backend: str, dtype: str | None, samples: 
         reports: list[dict] = [{}] * dist.get_world_size()
         dist.all_gather_object(reports, r)
         r = merge_replicas(r, reports)
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same report under --cp
+    if rank0:  # every rank has the same report under --cp
         print(json.dumps(r, default=float) if as_json else format_report(r))
+        if context is not None and replicas == 1 and not as_json:
+            print(f"note: with one replica the context group is every process, so a collective "
+                  f"over the wrong group goes unseen: run {2 * context.size} processes (2 "
+                  "data-parallel replicas) to check that too")
     return EXIT_PASSED if r["passed"] else EXIT_FAILED
+
+
+def collective_error(e: BaseException) -> bool:
+    """Whether `e` is a failed collective (torch.distributed's errors and the backends'
+    messages), as opposed to a check that could not start."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        k in text for k in ("ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error", "Gloo"))
