@@ -109,12 +109,13 @@ def _greedy_loop(model, spec, sample, n: int, stops: set[int]) -> list[int]:
     return out
 
 
-def test_batched_greedy_generate_equals_an_argmax_loop() -> None:
+@pytest.mark.parametrize("preset", ["tiny-qwen3_vl", "tiny-qwen3_5"])
+def test_batched_greedy_generate_equals_an_argmax_loop(preset: str) -> None:
     from vlpack.model.build import build_model
 
-    model, spec = build_model("tiny-qwen3_vl", backend="sdpa", device="cpu", seed=0)
+    model, spec = build_model(preset, backend="sdpa", device="cpu", seed=0)
     model.eval()
-    encoder = Encoder("qwen3_vl", min_pixels=16384, max_pixels=50176)
+    encoder = Encoder(spec.family, min_pixels=16384, max_pixels=50176)
     prompts = all_prompts(_convs(2), encoder)[:3]
     assert len({len(p.sample) for p in prompts}) > 1  # left padding at work
     got = generate_ids(model, spec, encoder, prompts, max_new_tokens=5, batch_size=3)
@@ -137,6 +138,27 @@ def test_vlpack_eval_writes_predictions_and_metrics(run: Path, tmp_path: Path) -
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n"] == len(rows)
     assert {"exact_match", "token_f1", "field_accuracy", "unparsed"} <= set(metrics)
+
+
+def test_an_exported_folder_and_a_runs_hf_folder_answer_as_its_checkpoint(run: Path,
+                                                                         tmp_path: Path) -> None:
+    """The same predictions from the run folder (its checkpoint, exported on the fly), from a
+    float32 export of it, and from a run folder holding only that export as hf/."""
+    import shutil
+
+    from vlpack.train.export import export_checkpoint
+
+    data = default_dataset(n=24)
+    kw = dict(max_new_tokens=4, limit=2)
+    served = export_checkpoint(run, tmp_path / "served", dtype="float32")
+    other = tmp_path / "run_without_checkpoints"
+    other.mkdir()
+    shutil.copyfile(run / "config.yaml", other / "config.yaml")
+    shutil.copytree(served, other / "hf")
+    outs = [evaluate(src, data, tmp_path / f"eval{i}", **kw)
+            for i, src in enumerate((run, served, other))]
+    preds = [(o / "predictions.jsonl").read_text() for o in outs]
+    assert preds[0] == preds[1] == preds[2]
 
 
 def test_vlpack_eval_names_bad_inputs(run: Path, tmp_path: Path, capsys) -> None:
