@@ -134,9 +134,9 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     # disagree on (issue 34 item 4); on 5.17 this comparison names it at the first text token
     rule = [f for f in e["failures"] if name == "qwen2_5_vl" and "MRoPE positions" in f]
     assert [f for f in e["failures"] if f not in rule] == [], e
-    if not has_torchvision:
-        assert e["compared"] == ["mine.jsonl:1"]
-        assert "needs torchvision" in e["not_compared"]["mine.jsonl:2"]
+    if not has_torchvision:  # labels and positions still compared, on vlpack's encoding
+        assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"] and not e["not_compared"]
+        assert "needs torchvision" in e["partly"]["mine.jsonl:2"]
         return
     assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"], e
     items = Encoder._items
@@ -152,3 +152,74 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     monkeypatch.setattr(Encoder, "_items", planted)
     failures = compare_encoding(folder, convs, spec, model)["failures"]
     assert f"encoding vs transformers: sample mine.jsonl:2: {expected}" in failures, failures
+
+
+def test_reference_template_writes_tools_as_the_released_one():
+    """The preset reference's Jinja (model/check_templates.py), rendered by transformers, writes
+    the hand-transcribed released text of tests/data/test_tools.py's agent conversation."""
+    import tempfile
+
+    from tests.data.test_tools import AGENT, EXPECTED
+    from vlpack.data.sources import parse_record
+    from vlpack.data.template import hf_messages
+    from vlpack.data.tokenizer import load_tokenizer
+    from vlpack.model.check_templates import reference_template
+
+    conv = parse_record(AGENT, base_dir=tempfile.gettempdir(), key="k")
+    for family, (text, _) in EXPECTED.items():
+        assert load_tokenizer(family).apply_chat_template(
+            hf_messages(conv.messages), tools=list(conv.tools), tokenize=False,
+            chat_template=reference_template(family)) == text, family
+
+
+def test_qwen_rule_on_literal_positions():
+    """docs/data.md's example: a (3, 4, 4) video at position 3 (merged 3x2x2, temporal 3..5);
+    transformers puts the next text at 5, Qwen's rule at 6."""
+    from vlpack.model.check_encoding import qwen_rule
+
+    types = np.array([0, 0, 0] + [2] * 12 + [0, 0])
+    video = np.stack(np.meshgrid(np.arange(3), np.arange(2), np.arange(2), indexing="ij")
+                     ).reshape(3, -1) + 3
+    tf = np.concatenate([np.tile(np.arange(3), (3, 1)), video, np.tile([5, 6], (3, 1))], axis=1)
+    want = tf.copy()
+    want[:, -2:] = [6, 7]
+    assert np.array_equal(qwen_rule(tf, types), want)
+
+
+def test_check_data_encoding_on_a_preset(tmp_path, monkeypatch):
+    """A preset's samples (the check's encoder: built-in tokenizer and template) against
+    transformers' processor built from vlpack's tokenizer, image processor and the family's
+    template: a Qwen3.5 tool call, a `loss: false` turn and an image compare equal (ids, labels,
+    positions under both rules); a label the ChatML rule does not give fails by name."""
+    from PIL import Image
+
+    from tests.gates.test_mutations import agent_data
+    from vlpack.data.encode import Encoder
+    from vlpack.data.sources import read_jsonl
+    from vlpack.data.types import IGNORE_INDEX
+    from vlpack.model.build import build_model
+    from vlpack.model.check_data import _encoder
+    from vlpack.model.check_encoding import compare_encoding
+
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
+        tmp_path / "a.png")
+    image = _chat([{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}])
+    convs = read_jsonl(agent_data(tmp_path))[:2] + read_jsonl(_rows(tmp_path, [image]))
+    model, spec = build_model("tiny-qwen3_5", device="cpu", dtype="float32")
+    enc = _encoder(spec, tmp_path / "no-folder")
+    e = compare_encoding(None, convs, spec, model, enc=enc)
+    assert e["skipped"] is None and e["failures"] == [], e
+    assert e["compared"] == ["agent.jsonl:1", "agent.jsonl:2", "mine.jsonl:1"]
+
+    encode = Encoder.encode
+
+    def loss_false_labelled(self, conv):
+        s = encode(self, conv)
+        s.labels = np.where(s.labels == IGNORE_INDEX, s.input_ids, s.labels)
+        return s
+
+    monkeypatch.setattr(Encoder, "encode", loss_false_labelled)
+    failures = compare_encoding(None, convs[1:2], spec, model, enc=enc)["failures"]
+    assert len(failures) == 1 and "labels differ at token 0" in failures[0], failures
+    with pytest.raises(ValueError, match="enc="):
+        compare_encoding(None, convs, spec, model)

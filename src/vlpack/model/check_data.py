@@ -62,8 +62,8 @@ def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
                  media_root: str | None = None, model: nn.Module | None = None,
                  ) -> tuple[list[EncodedSample], str, dict]:
     """The check's samples, a description of their source, and what the report says of the
-    data (`data_kinds`, `data_skipped`, and `encoding`: `check_encoding.compare_encoding` when
-    `model_name` is a folder and `model` is given).
+    data (`data_kinds`, `data_skipped`, and `encoding`: `check_encoding.compare_encoding` of
+    the folder `model_name`, or of the preset, when `model` is given).
 
     `samples` to take and the `seed`; `data`: a JSONL file, "synth" or None for the synthetic
     mix, its media inside `media_root` (None: its folder); `model_name`: a folder whose
@@ -181,14 +181,11 @@ def _from_file(path: str, spec: ModelSpec, n: int, *, seed: int, model_name: str
                       data_kinds_left_out=[k for k in KINDS if k in present - covered],
                       data_skipped=skipped)
     if model is not None:
-        if folder.is_dir():
-            from vlpack.model.check_encoding import compare_encoding
+        from vlpack.model.check_encoding import compare_encoding
 
-            info["encoding"] = compare_encoding(folder, convs, spec, model)
-        else:
-            info["encoding"] = dict(compared=[], not_compared={}, failures=[],
-                                    skipped=f"{spec.name} is a preset, not a folder with a "
-                                            "processor")
+        info["encoding"] = compare_encoding(folder if model_name and folder.is_dir() else None,
+                                            convs, spec,
+                                            model, enc=enc)
     return samples, str(path), info
 
 
@@ -211,5 +208,6 @@ def format_data(r: dict) -> list[str]:
         else:
             lines.append(f"encoding vs transformers: {len(e['compared'])} sample(s) compared, "
                          f"{len(e['failures'])} difference(s)")
+        lines += [f"  partly compared: {k}: {why}" for k, why in e.get("partly", {}).items()]
         lines += [f"  not compared: {k}: {why}" for k, why in e["not_compared"].items()]
     return lines
