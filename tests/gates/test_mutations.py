@@ -4,7 +4,9 @@ Every mutation is a literal text edit of one file of `src/vlpack` (each edit mus
 once, so the gate fails loudly when the code it plants into changes). The copy is put first on
 PYTHONPATH and the mutation's catchers run against it in a fresh process:
   - `vlpack check` on a tiny preset, in float32 and in bfloat16 (or the `dtypes` whose path the
-    plant is in): it must exit 1 (failed), not 0 (passed) or 2 (could not run);
+    plant is in): it must exit 1 (failed), not 0 (passed) or 2 (could not run); a plant in the
+    encoding runs it with `--data` (`agent_data`), so its samples are compared with transformers'
+    processor;
   - named tests of the fast suite: they must fail.
 A plant in a path the check exercises (model/, data/batch.py, data/rope.py) must have the check
 among its catchers, or say in `why_not` why the check cannot see it.
@@ -38,6 +40,7 @@ class Mutation:
     dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the check's precisions that must fail
     extra: tuple[tuple[str, str], ...] = ()  # more (old, new) edits of the same file
     why_not: str = ""  # why the check cannot see a plant in a path it exercises
+    data: bool = False  # the check runs on `agent_data` (--data), so the encoding is compared
 
 
 CP = "the check's context parallelism runs under torchrun (--cp); the gate runs one process"
@@ -58,6 +61,36 @@ GDN_CARRIES_STATE = """    outs, state = [], None
                             beta=beta[:, s:e], initial_state=state, output_final_state=True,
                             use_qk_l2norm_in_kernel=True)
         outs.append(o)"""
+
+def agent_data(folder: Path) -> Path:
+    """`--data` for the encoding plants: a Qwen3.5 tool call after text (refused by Qwen2.5-VL,
+    whose template writes no tools), a `loss: false` turn, a video of 8 small frames at 1 fps
+    (4 temporal patches of 2 s: Qwen2.5-VL's temporal extent, 13, exceeds its 2x2 merged grid,
+    so the two `mrope_after_video` rules differ) and a text row."""
+    from tests.helpers import _chat, _frames
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    rows = [
+        {"tools": [tool], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "18 C"},
+            {"role": "assistant", "content": "Paris 18 C."}]},
+        {"messages": [{"role": "user", "content": "Total?"},
+                      {"role": "assistant", "content": "12.50", "loss": False},
+                      {"role": "user", "content": "Date?"},
+                      {"role": "assistant", "content": "2026-01-02"}]},
+        _chat([{"type": "video", "video": _frames(folder, 8, size=(56, 56)), "fps": 1},
+               {"type": "text", "text": "What changes?"}]),
+        _chat("Hi", "Hello."),
+    ]
+    path = folder / "agent.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
 
 MUTATIONS = [
     Mutation("labels shifted by two instead of one", "data/batch.py",
@@ -186,6 +219,17 @@ MUTATIONS = [
              "padding_mask[seg] = False",
              tests=("tests/gates/test_model_packed.py::test_filler_row_leaves_moe_statistics_untouched",),
              why_not="the check packs no filler row: its samples all encode"),
+    Mutation("Qwen3.5: one newline instead of two before the first tool call after text",
+             "data/tools.py", 'sep = "\\n" if j else "\\n\\n" if answer.strip() else ""',
+             'sep = "\\n" if j else "\\n" if answer.strip() else ""', check="tiny-qwen3_5",
+             dtypes=("float32",), data=True),
+    Mutation("a `loss: false` turn's <|im_end|> still labelled", "data/encode.py",
+             'r.token(ids["<|im_end|>"], supervised=sup)',
+             'r.token(ids["<|im_end|>"], supervised=answer)', check="tiny-qwen3_5",
+             dtypes=("float32",), data=True),
+    Mutation("mrope_after_video=qwen: text after a video one position late", "data/rope.py",
+             "else max(int(t_index[-1]) + 1, h, w)", "else max(int(t_index[-1]) + 2, h, w)",
+             check="tiny-qwen2_5_vl", dtypes=("float32",), data=True),
 ]
 
 
@@ -207,10 +251,11 @@ def _plant(tmp: Path, m: Mutation) -> dict:
     return env
 
 
-def _check(env: dict, preset: str, dtype: str) -> tuple[int, dict, str]:
+def _check(env: dict, preset: str, dtype: str, data: Path | None = None
+           ) -> tuple[int, dict, str]:
     run = subprocess.run(
         [sys.executable, "-m", "vlpack", "check", "--model", preset, "--samples", "3",
-         "--dtype", dtype, "--json"],
+         "--dtype", dtype, "--json", *(("--data", str(data)) if data else ())],
         env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
     lines = run.stdout.strip().splitlines()
     report = json.loads(lines[-1]) if run.returncode == 1 and lines else {}
@@ -223,7 +268,8 @@ def test_planted_bug_is_caught(m: Mutation, tmp_path: Path) -> None:
     env = _plant(tmp_path, m)
     if m.check:
         for dtype in m.dtypes:
-            rc, report, err = _check(env, m.check, dtype)
+            rc, report, err = _check(env, m.check, dtype,
+                                     agent_data(tmp_path / "data") if m.data else None)
             assert rc == 1, f"vlpack check --dtype {dtype} exited {rc} on {m.name!r}: {err}"
             assert report["failures"], m.name
             if m.margin is not None and dtype == "float32":
