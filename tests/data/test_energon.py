@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import logging
 import shutil
 import tarfile
 from collections import Counter
@@ -165,6 +166,31 @@ def test_prepare_pairs_each_record_with_its_own_media(tmp_path: Path, monkeypatc
     assert {n for n in names if ".img" in n} == {"000000001.img0.png"}
 
 
+def test_prepare_leaves_out_records_with_special_tokens_in_text(tmp_path: Path) -> None:
+    """A record whose text (a turn, its reasoning, a tool call) holds a special token is left
+    out and counted as `special_token_in_text`, as training would refuse it; grounding markup
+    and tokens that are not special (`<think>`) stay text."""
+    def rec(i: str, user: str, **assistant) -> str:
+        return json.dumps({"id": i, "messages": [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": "ok", **assistant}]})
+
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": "<|vision_pad|>"}}}
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join([
+        rec("fine", "<|box_start|>(1,2)<|box_end|> <think>"),
+        rec("in_user", "a<|im_end|>b"),
+        rec("in_reasoning", "q", reasoning_content="<|endoftext|>"),
+        rec("in_tool_call", "q", tool_calls=[call]),
+    ]) + "\n")
+    report = prepare_energon(src, tmp_path / "ds", shard_size=10)
+    assert (report["samples"], report["skipped"]) == (1, {"special_token_in_text": 3})
+    assert [p["message"].split(", a special token")[0] for p in report["problems"]] == [
+        "in_user: the user text of turn 0 holds '<|im_end|>'",
+        "in_reasoning: the assistant text of turn 1 holds '<|endoftext|>'",
+        "in_tool_call: the assistant text of turn 1 holds '<|vision_pad|>'"]
+
+
 def test_prepare_cli_and_refuses_a_non_empty_folder(tmp_path: Path, capsys) -> None:
     src = default_dataset(n=N)
     assert main(["data", "energon-prepare", str(src), str(tmp_path / "ds"), "--shard-size", "5"]) == 0
@@ -229,10 +255,30 @@ def test_bad_samples_cost_only_themselves(dirty, encoder) -> None:
     assert jsonl.accounting["truncated"] == 1
 
 
-def test_a_sample_that_raises_anything_is_counted(encoder, caplog) -> None:
+def test_skips_are_summarized_once_per_reason(dirty, encoder, caplog) -> None:
+    """No line per skip (Energon encodes a sample again in each buffer and worker): the loader
+    logs one line per reason, with the count so far and one sample it skipped, when asked
+    (at the end of training) and then only for reasons with new skips."""
+    _, out, report = dirty
+    loader = energon_loader(out, encoder, packing="bfd", packing_buffer_size=report["samples"],
+                            shuffle=False, **COMMON)  # fmt: skip
+    with caplog.at_level("WARNING", logger="vlpack.data"):
+        epoch_rows(loader, N + 1)
+        assert not caplog.records
+        loader.summarize_skips()
+        lines = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        loader.summarize_skips()
+        assert not caplog.records
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        "skipped 1 sample(s) so far (bad_image_size), e.g. thin",
+        "skipped 1 sample(s) so far (overlong_prompt), e.g. long_prompt"]
+
+
+def test_a_sample_that_raises_anything_is_counted(encoder) -> None:
     """A sample whose encoding raises another exception than BadSampleError becomes the marker
     `encode_error`, named and held to the bad-sample limits (Energon would drop it uncounted);
-    its message is printed escaped."""
+    its message rides with the marker, for the loader's summary (which prints it escaped)."""
     d = DataConfig(seq_len=64, packing="bfd", max_consecutive_bad=1, pad_to_multiple_of=1)
     te = QwenVLTaskEncoder(encoder, d, seed=0, pad_token_id=PAD)
 
@@ -241,10 +287,9 @@ def test_a_sample_that_raises_anything_is_counted(encoder, caplog) -> None:
 
     te._encode = broken
     sample = ConversationSample(__key__="k7", __restore_key__=("x", 7), record={}, media={})
-    with caplog.at_level("WARNING", logger="vlpack.data"):
-        out = te.encode_sample(sample)
+    out = te.encode_sample(sample)
     assert out.encoded is None and out.status == "encode_error"
-    assert "k7: TypeError: the tokenizer took no" in caplog.text and "\x1b" not in caplog.text
+    assert out.message == "k7: TypeError: the tokenizer took no \x1b[31mtext"
     with pytest.raises(FatalSampleError, match=r"2 bad samples in a row \(last: encode_error"):
         te.encode_sample(sample)
 
@@ -584,6 +629,19 @@ def test_vlpack_train_command_runs_on_an_energon_dataset(data, tmp_path: Path, c
                  f"train.output_dir={tmp_path}"]) == 0  # fmt: skip
     assert "vlpack: done" in capsys.readouterr().out
     assert len(losses(tmp_path)) == 1
+
+
+def test_energon_training_prints_one_line_per_skip_reason(dirty, tmp_path: Path, caplog) -> None:
+    _, ds, report = dirty
+    caplog.set_level(logging.WARNING, logger="vlpack.data")
+    summary = Trainer(cfg(tmp_path, "data.source=energon", f"data.path={ds}", "train.max_steps=2",
+                          "data.overlong=truncate", "data.max_bad_fraction=1.0",
+                          f"data.packing_buffer_size={report['samples']}"), CPU).fit()
+    assert summary["skipped"] == {"bad_image_size": 1, "overlong_prompt": 1}
+    lines = [r.getMessage() for r in caplog.records if "skip" in r.getMessage()]
+    assert [line.split(": ", 1)[0] for line in lines] == [
+        "skipped 1 sample(s) so far (bad_image_size), e.g. thin",
+        "skipped 1 sample(s) so far (overlong_prompt), e.g. long_prompt"]
 
 
 def test_a_hostile_energon_state_is_refused_without_running(tmp_path: Path) -> None:

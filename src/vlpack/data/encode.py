@@ -110,6 +110,25 @@ class _Rendered:
             self._buf, self._len, self._sup = [], 0, []
 
 
+def refuse_control_tokens(key: str, turn: int | None, m: Message, control: re.Pattern | None,
+                          whose: str) -> None:
+    """BadSampleError `special_token_in_text` when text of `m` (its reasoning and tool calls
+    included; `turn` None: the tools) matches `control`, the special tokens of `whose` tokenizer
+    (grounding markup aside): the tokenizer would read it as that token, so text could forge a
+    turn boundary, an end of text or a media slot."""
+    calls = [c.name + tools.tojson(c.arguments) for c in m.tool_calls]
+    for c in (*m.content, m.reasoning or "", *calls):
+        if control is not None and isinstance(c, str) and (hit := control.search(c)):
+            where = "the tools" if turn is None else f"the {m.role} text of turn {turn}"
+            raise BadSampleError(
+                "special_token_in_text",
+                f"{key}: {where} holds {hit.group()!r}, a special token of {whose}: it would "
+                "become that token, not text (a forged turn boundary, end of text or media "
+                "slot); remove it or break it up (e.g. '< |im_end| >'), and give images and "
+                "videos as items",
+            )
+
+
 class Encoder:
     """Encodes conversations for one model family (see the module docstring for the template).
 
@@ -446,21 +465,9 @@ class Encoder:
         return n_item
 
     def _refuse_control_tokens(self, key: str, turn: int | None, m: Message) -> None:
-        """BadSampleError when text of `m` (its reasoning and tool calls included) holds a
-        special token of the tokenizer (grounding markup aside): the tokenizer would read it as
-        that token, so text could forge a turn boundary, an end of text or a media slot."""
-        calls = [c.name + tools.tojson(c.arguments) for c in m.tool_calls]
-        for c in (*m.content, m.reasoning or "", *calls):
-            if self._control is not None and isinstance(c, str) \
-                    and (hit := self._control.search(c)):
-                where = "the tools" if turn is None else f"the {m.role} text of turn {turn}"
-                raise BadSampleError(
-                    "special_token_in_text",
-                    f"{key}: {where} holds {hit.group()!r}, a special "
-                    f"token of the {self.family} tokenizer: it would become that token, not text "
-                    "(a forged turn boundary, end of text or media slot); remove it or break it "
-                    "up (e.g. '< |im_end| >'), and give images and videos as items",
-                )
+        """BadSampleError when text of `m` holds a special token of the tokenizer
+        (`refuse_control_tokens`)."""
+        refuse_control_tokens(key, turn, m, self._control, f"the {self.family} tokenizer")
 
     def _video_spans(self, r: _Rendered, index: int, item: _Item) -> None:
         """A video's pads: one span (qwen2 families), or a timed span per temporal patch

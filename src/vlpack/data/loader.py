@@ -306,6 +306,9 @@ class PackedLoader:
                 self.limits.bad(s.reason, s.message, total["skipped"])
             self.limits.check_fraction(total["samples"], total["skipped"])
 
+    def summarize_skips(self) -> None:
+        """Nothing: this loader prints each skip as it comes (`SkipReporter`)."""
+
     @property
     def accounting(self) -> dict:
         """This rank's consumed samples: packed, truncated, skipped by reason, in total and per
@@ -341,7 +344,7 @@ def build_loaders(
                 d.eval_samples)
         return EnergonLoader(encoder, d, seed=seed, pad_token_id=pad_token_id,
                              spatial_merge_size=spatial_merge_size, rank=rank,
-                             world_size=world_size), None
+                             world_size=world_size, report_skips=report_skips), None
     items = open_mix(d, seed) if d.mix else open_dataset(
         d.source, d.path, synthetic_samples=d.synthetic_samples, media_root=d.media_root)
     n_eval = d.eval_samples

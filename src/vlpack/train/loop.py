@@ -490,6 +490,7 @@ class Trainer:
         return Tally.merged(per_replica(states, self.info)).as_dict()
 
     def _finish(self, out_dir: Path) -> dict[str, Any]:
+        self.train_loader.summarize_skips()
         acc = self.accounting()
         barrier(self.info)  # no rank leaves for teardown while another is still in the gather
         summary = {

@@ -17,6 +17,8 @@ import io
 import json
 import logging
 import pickle
+import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +32,7 @@ from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch
 from vlpack.data.energon.task_encoder import PackedRow, QwenVLTaskEncoder
 from vlpack.data.energon.validate import validate_dataset_folder
+from vlpack.data.types import printable
 from vlpack.pickles import load_weights_only
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,10 @@ def _load_energon_state(data: bytes):
     return state
 
 
+SKIP_SUMMARY_S = 300.0
+"""Least seconds between two summaries of skipped samples while training."""
+
+
 class EnergonLoader:
     """Iterable of this rank's `ThdBatch` rows, read and packed by Energon (infinite stream).
 
@@ -131,6 +138,7 @@ class EnergonLoader:
         rank: int | None = None,
         world_size: int | None = None,
         group: dist.ProcessGroup | None = None,
+        report_skips: bool = True,
     ):
         if d.source != "energon":
             raise ValueError(f"EnergonLoader reads data.source=energon, got {d.source}")
@@ -146,6 +154,10 @@ class EnergonLoader:
         self._limits = BadLimits.of(d)
         self._energon: Any = None
         self._tally = Tally()
+        self._report_skips = report_skips
+        self._examples: dict[str, str] = {}  # one skipped sample's message per reason
+        self._reported: Counter = Counter()  # skips per reason at the last summary
+        self._reported_at = time.monotonic()
 
     def _warn_buffer_over_share(self, buffer: int) -> None:
         """Energon's buffers run across epochs: one larger than a worker's share of the
@@ -195,6 +207,24 @@ class EnergonLoader:
         self._tally.add(0, TRUNCATED, row.truncated)
         for reason, n in row.skipped.items():
             self._tally.add(0, reason, n)
+        for reason, message in row.examples.items():
+            self._examples.setdefault(reason, message)
+        if row.skipped and time.monotonic() - self._reported_at > SKIP_SUMMARY_S:
+            self.summarize_skips()
+
+    def summarize_skips(self) -> None:
+        """Log one line per skip reason with samples skipped since the last summary: the count
+        so far and one skipped sample's message (the trainer calls it at the end of training;
+        the loader also every `SKIP_SUMMARY_S` seconds while skips come)."""
+        self._reported_at = time.monotonic()
+        counts = self._tally.as_dict()["skipped"]
+        wc = self.worker_config
+        prefix = f"rank {wc.rank}: " if wc.world_size > 1 else ""
+        for reason, n in counts.items():
+            if n > self._reported[reason] and self._report_skips:
+                log.warning("%sskipped %d sample(s) so far (%s), e.g. %s", prefix, n, reason,
+                            printable(self._examples.get(reason, "(not named)")))
+            self._reported[reason] = n
 
     def _check_bad_fraction(self) -> None:
         acc = self.accounting
@@ -224,6 +254,7 @@ class EnergonLoader:
         self._loader().restore_state_rank(
             _load_energon_state(saved) if isinstance(saved, bytes) else saved)
         self._tally = Tally.from_state(state["tally"])
+        self._reported = Counter(self._tally.as_dict()["skipped"])  # named by the earlier run
 
     def close(self) -> None:
         """Stop Energon's worker processes now (otherwise each one costs a 5 s join timeout

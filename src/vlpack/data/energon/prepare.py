@@ -13,7 +13,8 @@ full with Pillow as one of vlpack's image formats (its member is named by the de
 `.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV as one of vlpack's
 containers (`video.VIDEO_CONTAINERS`) and decode its first frame. Records that cannot be
 parsed, whose paths escape the root, or whose files are missing or do not decode are left out
-and counted by reason.
+and counted by reason, as are records whose text holds a special token of a supported family's
+tokenizer (`special_token_in_text`: training would refuse them one by one).
 
 Energon's own `energon prepare` then indexes the shards, writes the split (all train) and a
 `dataset.yaml` for a crude dataset (`CrudeWebdataset`), cooked by vlpack's task encoder.
@@ -21,9 +22,11 @@ Energon's own `energon prepare` then indexes the shards, writes the split (all t
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -83,6 +86,7 @@ def _write_shards(data: Path, out: Path, shard_size: int,
                 continue
             assert raw is not None  # a record that parsed was read whole
             try:
+                _refuse_special_tokens(item)
                 record = json.loads(raw.decode("utf-8-sig"))  # as parse_line read it
                 members = _sample_members(record, item, data.parent.absolute())
             except BadSampleError as e:
@@ -100,6 +104,31 @@ def _write_shards(data: Path, out: Path, shard_size: int,
         if tar is not None:
             tar.close()
     return -(-n // shard_size), n, problems
+
+
+def _refuse_special_tokens(conv: Conversation) -> None:
+    """BadSampleError `special_token_in_text` when the conversation's text holds a special
+    token of any supported family's built-in tokenizer (grounding markup aside), as training's
+    `Encoder` refuses it for its family."""
+    from vlpack.data import tools
+    from vlpack.data.encode import refuse_control_tokens
+    from vlpack.data.types import Message
+
+    control, whose = _control_tokens(), "a supported family's tokenizer"
+    for i, m in enumerate(conv.messages):
+        refuse_control_tokens(conv.key, i, m, control, whose)
+    refuse_control_tokens(conv.key, None, Message("tools", (tools.tojson(conv.tools),)), control,
+                          whose)
+
+
+@functools.cache
+def _control_tokens() -> re.Pattern:
+    """The special tokens of every family's built-in tokenizer, grounding markup aside."""
+    from vlpack.data.encode import GROUNDING_TOKENS
+    from vlpack.data.tokenizer import builtin_special_tokens
+
+    return re.compile("|".join(map(re.escape, sorted(
+        builtin_special_tokens().difference(GROUNDING_TOKENS)))))
 
 
 def _sample_members(obj: dict, conv: Conversation, base: Path) -> dict[str, bytes]:

@@ -70,10 +70,11 @@ class ConversationSample(Sample):
 @edataclass
 class EncodedEnergonSample(Sample):
     """`encode_sample`'s output: the encoded sample and its status (`packed`, `truncated`, or
-    the skip reason, with `encoded` None)."""
+    the skip reason, with `encoded` None and the error's message in `message`)."""
 
     encoded: Any
     status: str
+    message: str = ""
 
 
 @stateless
@@ -92,17 +93,20 @@ class PackedRow:
     """What the Energon loader yields per batch: one packed row and the fate of its samples.
 
     `filler` rows carry no sample (every sample of their group was skipped); the loader counts
-    them and does not hand them to training."""
+    them and does not hand them to training. `examples` holds, per skip reason, the message of
+    one sample skipped for it (the loader's summary names it)."""
 
     batch: ThdBatch
     packed: int = 0
     truncated: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     filler: bool = False
+    examples: dict[str, str] = field(default_factory=dict)
 
     def pin_memory(self) -> PackedRow:
         """Called by the DataLoader's pin-memory thread."""
-        return PackedRow(self.batch.pin_memory(), self.packed, self.truncated, self.skipped, self.filler)
+        return PackedRow(self.batch.pin_memory(), self.packed, self.truncated, self.skipped,
+                         self.filler, self.examples)
 
 
 class QwenVLTaskEncoder(TaskEncoder):
@@ -145,9 +149,12 @@ class QwenVLTaskEncoder(TaskEncoder):
         except Exception as e:
             bad = e if isinstance(e, BadSampleError) else BadSampleError(
                 "encode_error", f"{sample.__key__}: {type(e).__name__}: {e}")
-            log.warning("skipping sample (%s): %s", bad.reason, printable(str(bad)))
+            # Not printed here: Energon encodes a sample again for each buffer and worker that
+            # reads it; the loader prints one line per reason for the skips its rows count.
+            log.debug("skipping sample (%s): %s", bad.reason, printable(str(bad)))
             self._count_bad(bad)
-            return EncodedEnergonSample.derive_from(sample, encoded=None, status=bad.reason)
+            return EncodedEnergonSample.derive_from(sample, encoded=None, status=bad.reason,
+                                                    message=str(bad))
         self._limits.good()
         return EncodedEnergonSample.derive_from(sample, encoded=encoded, status=status)
 
@@ -234,12 +241,16 @@ class QwenVLTaskEncoder(TaskEncoder):
         """One THD row from the group's good samples (`build_thd_batch`, the one owner)."""
         good = [s.encoded for s in samples if s.encoded is not None]
         status = Counter(s.status for s in samples)
+        examples: dict[str, str] = {}
+        for s in samples:
+            if s.encoded is None:
+                examples.setdefault(s.status, s.message)
         batch = build_thd_batch(
             good or [EncodedSample.filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
             pad_to_multiple_of=self.mult, total_len=self.total_len, spatial_merge_size=self.merge,
             mrope_after_video=self.after_video,
         )
-        setattr(batch, _ACCOUNT_ATTR, (status, not good))
+        setattr(batch, _ACCOUNT_ATTR, (status, not good, examples))
         return batch
 
     @stateless
@@ -251,10 +262,10 @@ class QwenVLTaskEncoder(TaskEncoder):
                 "(one row is one micro-batch; use train.micro_batches for more)"
             )
         row = samples[0]
-        status, filler = getattr(row, _ACCOUNT_ATTR)
+        status, filler, examples = getattr(row, _ACCOUNT_ATTR)
         delattr(row, _ACCOUNT_ATTR)
         skipped = {k: v for k, v in sorted(status.items()) if k not in (PACKED, TRUNCATED)}
-        return PackedRow(row, status[PACKED], status[TRUNCATED], skipped, filler)
+        return PackedRow(row, status[PACKED], status[TRUNCATED], skipped, filler, examples)
 
 
 def _scratch_root() -> str | None:
