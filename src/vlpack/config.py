@@ -386,6 +386,12 @@ class OptimConfig:
     """AdamW with linear warmup and cosine decay. The defaults are fine-tuning values for
     pretrained weights; a model trained from random weights (the tiny recipe) sets its own."""
 
+    name: Literal["adamw", "adamw8bit"] = "adamw"
+    """`adamw`: torch's AdamW, float32 moments (8 bytes per trainable parameter); `adamw8bit`:
+    torchao's AdamW8bit (`pip install torchao`), both moments in 8 bits with a float32 scale
+    per block of 256 values (about 2 bytes per parameter; tensors under 4,096 values keep
+    float32 moments), at the moments' quantisation error."""
+
     lr: float | None = None
     """None: 1e-5 for full fine-tuning, 2e-4 with model.lora.rank (LoRA's few new weights take
     a higher rate); the run's config.yaml holds the resolved value."""
@@ -411,6 +417,7 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 disables)."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "optim")
         _positive("optim.lr", self.lr)
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)

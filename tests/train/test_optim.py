@@ -86,6 +86,7 @@ def test_warmup_ratio_replaces_warmup_steps() -> None:
 @pytest.mark.parametrize(("override", "message"), [
     ("optim.lr_vision=0", r"optim.lr_vision must be > 0"),
     ("optim.warmup_ratio=1", r"optim.warmup_ratio must be in \[0, 1\), got 1.0"),
+    ("optim.name=adam8", r"optim.name='adam8' is not one of adamw, adamw8bit"),
 ])
 def test_bad_values_are_named(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -106,3 +107,14 @@ def test_a_recipe_with_lora_switched_on_gets_the_lora_rate(recipe: str) -> None:
     one of them trains at LoRA's 2e-4, not at full fine-tuning's 1e-5."""
     assert load_config(recipe).optim.lr == 1e-5
     assert load_config(recipe, ["model.lora.rank=8"]).optim.lr == 2e-4
+
+
+def test_adamw8bit_without_torchao_names_the_install(monkeypatch) -> None:
+    """`optim.name=adamw8bit` where torchao cannot be imported: a ValueError naming
+    `pip install torchao` (tests/train/test_optim8bit.py runs it where torchao is installed)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    with pytest.raises(ValueError, match=r"optim\.name=adamw8bit needs torchao: pip install "):
+        build_optimizer(_model().parameters(), OptimConfig(name="adamw8bit"), device_type="cpu")

@@ -10,7 +10,10 @@ Per device, in training:
                float32 row scales under model.frozen_dtype=int8), 1/world of them under FSDP2
   gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2 (a LoRA run's
                trainable parameters: the adapters, DoRA's magnitudes included)
-  optimizer    AdamW's two float32 moments: 8 bytes per trainable parameter, 1/world
+  optimizer    AdamW's two float32 moments: 8 bytes per trainable parameter, 1/world; under
+               optim.name=adamw8bit 1 byte per value and moment, a float32 scale per 256 values
+               and a 256-entry float32 code table per moment of each tensor of at least 4,096
+               values (`moment_bytes`; smaller tensors keep float32 moments)
   activations  one micro-batch at a time (accumulation frees each backward's activations):
                T = data.seq_len / parallel.cp tokens per rank and up to P vision patches
                (data.max_patches, else every token an image token: T · merge²).
@@ -97,6 +100,8 @@ class MemoryPlan:
     """Bytes per device by the dtype the parameters are held in."""
     grads: int
     optimizer: int
+    moments: str = "float32"
+    """The optimizer moments' format the plan's line names (`8-bit` under optim.name=adamw8bit)."""
     activations: dict[str, int] = field(default_factory=dict)
     """Bytes per device by part: text layers, recompute, vision, loss."""
     transient: dict[str, int] = field(default_factory=dict)
@@ -129,7 +134,7 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         """The plan as aligned lines, GiB per device."""
         rows = [(f"weights ({k})", v) for k, v in self.weights.items()]
-        rows += [("gradients (float32)", self.grads), ("AdamW moments (float32)", self.optimizer)]
+        rows += [("gradients (float32)", self.grads), (f"AdamW moments ({self.moments})", self.optimizer)]
         rows += [(f"activations: {k}", v) for k, v in self.activations.items()]
         rows += [(f"first step: {k}", v) for k, v in self.transient.items()]
         rows += [("total in training", self.train_bytes)]
@@ -235,15 +240,28 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     return out
 
 
+def moment_bytes(numel: int, optimizer: str = "adamw") -> int:
+    """Bytes of the two AdamW moments of one tensor of `numel` values (a rank's shard under
+    FSDP2): float32 for `adamw`; for `adamw8bit` (torchao `AdamW8bit`) a tensor of at least
+    4,096 values in whole 256-value blocks keeps per moment a byte per value, a float32 scale
+    per block and its 256-entry float32 code table, any other tensor float32 moments."""
+    if optimizer == "adamw8bit" and numel >= 4096 and numel % 256 == 0:
+        return 2 * (numel + 4 * (numel // 256) + 4 * 256)
+    return 8 * numel
+
+
 def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
          sharded: bool = False, build_dtype: torch.dtype = torch.float32,
-         host_build: bool = False, data_seq_len: int = 0) -> MemoryPlan:
+         host_build: bool = False, data_seq_len: int = 0, optimizer: str = "adamw"
+         ) -> MemoryPlan:
     """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
     `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
     FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory. `host_build`: one
     process reads the whole model into host memory and moves it to its device as it quantizes
     (`model.frozen_dtype=int8` from a folder), so the device never holds it at the build dtype.
-    `data_seq_len`: the bin length over all context ranks, recorded in the plan."""
+    `data_seq_len`: the bin length over all context ranks, recorded in the plan. `optimizer`:
+    optim.name, whose moments `moment_bytes` counts (per shard: rank 0's, FSDP2 splitting
+    the first dimension)."""
     world = max(world_size, 1) if sharded or world_size > 1 else 1
     weights: dict[str, int] = {}
     params = trainable = whole = 0
@@ -261,7 +279,11 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
     acts = activation_bytes(model, run) if run is not None else {}
     return MemoryPlan(
         params=params, trainable=trainable, weights=shard,
-        grads=4 * trainable * sharing // world, optimizer=8 * trainable * sharing // world,
+        grads=4 * trainable * sharing // world,
+        optimizer=8 * trainable * sharing // world if optimizer == "adamw" else sharing * sum(
+            moment_bytes(_shard_numel(p, world), optimizer) for p in model.parameters()
+            if p.requires_grad),
+        moments="8-bit" if optimizer == "adamw8bit" else "float32",
         activations={k: v * sharing for k, v in acts.items()},
         build_bytes=0 if sharded or host_build else whole * sharing,
         host_bytes=sum(weights.values()) if sharded else whole if host_build else 0,
@@ -270,6 +292,13 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         seq_len=data_seq_len,
         text_layers=_cfg(model)[0].num_hidden_layers if run is not None else 0,
     )
+
+
+def _shard_numel(p: torch.Tensor, world: int) -> int:
+    """Values of rank 0's shard of `p` over `world` ranks (FSDP2 splits dim 0, rounding up)."""
+    if world == 1 or p.ndim == 0:
+        return p.numel()
+    return -(-p.shape[0] // world) * (p.numel() // p.shape[0])
 
 
 def available_bytes(device: torch.device) -> int | None:

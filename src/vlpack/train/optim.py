@@ -1,4 +1,7 @@
-"""AdamW with per-part learning rates and the warmup + cosine learning-rate schedule."""
+"""AdamW with per-part learning rates and the warmup + cosine learning-rate schedule.
+
+`optim.name=adamw8bit` keeps both moments in 8 bits through torchao's `AdamW8bit` (blocks of
+`BLOCK_SIZE` values share a float32 scale; train/memory.py `moment_bytes` counts them)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,9 @@ import math
 import torch
 
 from vlpack.config import OptimConfig
+
+BLOCK_SIZE = 256
+"""Values per float32 scale of torchao's 8-bit moments (`AdamW8bit`'s default block size)."""
 
 PARTS = ("vision", "merger", "llm")
 """The model parts that may have their own learning rate (`optim.lr_vision`, ...)."""
@@ -28,14 +34,17 @@ def own_rates(cfg: OptimConfig, parts: dict[str, list[torch.nn.Parameter]]) -> d
 def describe(cfg: OptimConfig, rates: dict[str, float], total_steps: int) -> str:
     """The start-up line naming the optimizer, every rate (`own_rates`) and the schedule."""
     named = ", ".join([f"lr {cfg.lr:.2e}", *(f"{k} {v:.2e}" for k, v in rates.items())])
-    return (f"vlpack: AdamW {named}; weight decay {cfg.weight_decay:g} (none on norms and "
+    name = "AdamW (8-bit moments, torchao)" if cfg.name == "adamw8bit" else "AdamW"
+    return (f"vlpack: {name} {named}; weight decay {cfg.weight_decay:g} (none on norms and "
             f"biases); warmup {warmup_steps(cfg, total_steps)} steps, then cosine to "
             f"{cfg.min_lr_ratio:g} × each rate at step {total_steps}")
 
 
 def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
-                    parts: dict[str, list[torch.nn.Parameter]] | None = None) -> torch.optim.AdamW:
-    """AdamW over trainable params; fused kernels on GPU. Norms and biases get no decay.
+                    parts: dict[str, list[torch.nn.Parameter]] | None = None
+                    ) -> torch.optim.Optimizer:
+    """AdamW over trainable params (`optim.name`: torch's, fused kernels on GPU; or torchao's
+    AdamW8bit). Norms and biases get no decay.
 
     `parts` (`vlpack.train.module.module_groups`: vision, merger, llm) gives each part's
     parameters `optim.lr_<part>`; parameters outside them keep `optim.lr`. Without per-part rates
@@ -56,14 +65,23 @@ def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
                 lr = lr_of.get(id(p), cfg.lr)
                 if (p.ndim >= 2) == decay and (lr == cfg.lr) == base:
                     groups.setdefault((lr, decay), []).append(p)
-    return torch.optim.AdamW(
-        [{"params": ps, "lr": lr, "weight_decay": cfg.weight_decay if decay else 0.0}
-         for (lr, decay), ps in groups.items()],
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        fused=device_type == "cuda",
-    )
+    param_groups = [{"params": ps, "lr": lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for (lr, decay), ps in groups.items()]
+    if cfg.name == "adamw8bit":
+        return adamw8bit()(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, block_size=BLOCK_SIZE)
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             fused=device_type == "cuda")
+
+
+def adamw8bit() -> type[torch.optim.Optimizer]:
+    """torchao's `AdamW8bit` class; a ValueError naming the install when torchao is missing."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ValueError("optim.name=adamw8bit needs torchao: pip install torchao (or "
+                         "optim.name=adamw)") from e
+    return AdamW8bit
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:

@@ -134,7 +134,7 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
             shapes, run, world_size=info.world_size,
             sharing=memory.local_ranks() if info.device.type == "cpu" else 1, sharded=sharded,
             build_dtype=precision.build_dtype(m.name, low), host_build=builds_on_host(cfg, info),
-            data_seq_len=seq_len), transient=transient)
+            data_seq_len=seq_len, optimizer=cfg.optim.name), transient=transient)
 
     def plan_of(seq_len: int, *, announce: bool) -> memory.MemoryPlan:
         if not m.activation_checkpointing:
