@@ -137,6 +137,7 @@ def test_vlpack_eval_writes_predictions_and_metrics(run: Path, tmp_path: Path) -
     assert rows[0]["reference"] == convs[0].messages[rows[0]["turn"]].content[0]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n"] == len(rows)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl"]
     assert {"exact_match", "token_f1", "field_accuracy", "unparsed"} <= set(metrics)
 
 

@@ -9,9 +9,10 @@ continues the prompts greedily in left-padded batches, stopping at the family's 
 (or `<|endoftext|>`).
 
 The model comes from where `vlpack export` takes it: a run folder or checkpoint is exported
-(`export_checkpoint`, the frozen base rebuilt, LoRA folded in) into a temporary folder, which
-loads as any transformers folder does; a run folder without checkpoints uses its `hf` export; an
-exported folder loads directly. bf16 on a GPU, float32 on the CPU.
+(`export_checkpoint`, the frozen base rebuilt, LoRA folded in) into a temporary folder inside
+the output folder, which loads as any transformers folder does; a run folder without
+checkpoints uses its `hf` export; an exported folder loads directly. bf16 on a GPU, float32 on
+the CPU.
 
 Outputs: `predictions.jsonl` (one row per answer: the sample's `id`, the `turn` (index of
 the assistant message), the `prompt` text, `reference`, `prediction`) and `metrics.json`
@@ -165,6 +166,15 @@ def _hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and folder_has_weights(path)
 
 
+def check_source(source: str | Path) -> Path:
+    """`source` as a Path; a ValueError naming the fix when it is no folder."""
+    path = Path(source)
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist: pass a run folder (OUTPUT_DIR), one of its "
+                         "checkpoints or an exported folder (vlpack export)")
+    return path
+
+
 def load(source: str | Path, export_to: Path, device: torch.device
          ) -> tuple[nn.Module, Any, Any, str]:
     """(model, spec, encoder, what was loaded) of a run folder, a checkpoint or an exported
@@ -175,17 +185,14 @@ def load(source: str | Path, export_to: Path, device: torch.device
     from vlpack.train import checkpoint as ckpt
     from vlpack.train.export import export_checkpoint, resolve, run_config
 
-    path = Path(source)
-    if not path.is_dir():
-        raise ValueError(f"{path} does not exist: pass a run folder (OUTPUT_DIR), one of its "
-                         "checkpoints or an exported folder (vlpack export)")
+    path = check_source(source)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg: Config | None = None
     if (path / ckpt.MARKER).is_file() or ckpt.latest_checkpoint(path) is not None:
         folder = export_checkpoint(path, export_to, dtype=dtype)
         saved, run = resolve(path)
         cfg = run_config(run, int(ckpt.marker(saved)["step"]))
-        what = f"{path} (exported to {folder})"
+        what = str(saved)
     elif _hf_folder(path):
         folder, what = path, str(path)
     elif _hf_folder(path / "hf"):
@@ -216,18 +223,19 @@ def evaluate(source: str | Path, data: str | Path, out: str | Path | None = None
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out_dir = Path(out) if out is not None else Path(source) / "eval"
+    out_dir = Path(out) if out is not None else check_source(source) / "eval"
     convs = read_jsonl(data, media_root)[:limit]
     check_answers(convs, str(data))  # before the model is exported and loaded
-    with tempfile.TemporaryDirectory(prefix="vlpack-eval-") as tmp:
-        model, spec, encoder, what = load(source, Path(tmp) / "hf", dev)
+    check_source(source)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=out_dir) as tmp:  # beside the output
+        model, spec, encoder, what = load(source, Path(tmp), dev)
     prompts = all_prompts(convs, encoder, source=str(data))
     answers = generate(model, spec, encoder, prompts, max_new_tokens=max_new_tokens,
                        batch_size=batch_size)
     rows = predictions(prompts, answers, encoder.tokenizer)
     metrics = {"model": what, "data": str(data), "max_new_tokens": max_new_tokens,
                **answer_metrics.score((r["prediction"], r["reference"]) for r in rows)}
-    out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "predictions.jsonl", "w") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
