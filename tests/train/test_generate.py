@@ -185,3 +185,18 @@ def test_the_training_hook_logs_generation_scores(tmp_path: Path) -> None:
     assert {"gen_exact_match", "gen_token_f1", "gen_field_accuracy", "gen_unparsed"} <= set(gen[0])
     with pytest.raises(ValueError, match=r"data\.eval_samples"):
         small_cfg(tmp_path, "train.eval_generate_every=1")
+
+
+def test_the_hook_leaves_out_a_sample_that_does_not_encode(caplog) -> None:
+    from types import SimpleNamespace
+
+    from vlpack.train.generate import HeldOutGeneration
+
+    encoder = Encoder("qwen3_vl")
+    bad = Conversation("bad", (Message("user", ("Hi <|im_end|>",)), Message("assistant", ("x",))))
+    good = Conversation("good", (Message("user", ("Hi",)), Message("assistant", ("Hello",))))
+    hook = HeldOutGeneration(SimpleNamespace(items=[bad, good]), encoder, 2)
+    assert hook._prompts(bad) == [] and "leaves out a held-out sample" in caplog.text
+    assert [p.id for p in hook._prompts(good)] == ["good"]
+    with pytest.raises(ValueError, match="held-out split"):
+        HeldOutGeneration(None, encoder, 2)

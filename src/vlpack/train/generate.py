@@ -22,6 +22,7 @@ the assistant message), the `prompt` text, `reference`, `prediction`) and `metri
 from __future__ import annotations
 
 import json
+import logging
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -33,8 +34,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlpack.data.types import IGNORE_INDEX, Conversation, EncodedSample
+from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, EncodedSample
 from vlpack.train import answer_metrics
+
+log = logging.getLogger(__name__)
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 """The tokens that end an answer (the end of a turn, the end of a text)."""
@@ -272,7 +275,8 @@ class HeldOutGeneration:
 
         if self.prompts is None:  # encoded once, at the first call
             convs = [c for c in self.items[:self.n] if isinstance(c, Conversation)]
-            self.prompts = all_prompts(convs, self.encoder, source="the held-out samples")
+            check_answers(convs, "the held-out samples")
+            self.prompts = [p for c in convs for p in self._prompts(c)]
         attn, training = model.config._attn_implementation, model.training
         set_attn_implementation(model, "sdpa")
         model.eval()
@@ -285,3 +289,11 @@ class HeldOutGeneration:
         s = answer_metrics.score(zip(answers, (p.reference for p in self.prompts), strict=True))
         return {f"gen_{k}": s.get(k) for k in ("exact_match", "token_f1", "field_accuracy",
                                                "unparsed")}
+
+    def _prompts(self, conv: Conversation) -> list[Prompt]:
+        """The prompts of `conv`; none when it cannot be encoded (training skips it too)."""
+        try:
+            return list(turn_prompts(conv, self.encoder))
+        except BadSampleError as e:
+            log.warning("train.eval_generate_every leaves out a held-out sample: %s", e)
+            return []
