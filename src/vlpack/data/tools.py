@@ -53,6 +53,11 @@ def tojson(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def preamble(fmt: str) -> tuple[str, str]:
+    """The tool preamble of format `fmt`: its text before and after the schemas."""
+    return (_JSON_HEAD, _JSON_TAIL) if fmt == "json" else (_XML_HEAD, _XML_TAIL)
+
+
 def system_text(fmt: str, tools: tuple[dict, ...], system: str | None) -> str:
     """The text of the system turn (between `<|im_start|>system\\n` and `<|im_end|>`) of a
     conversation with `tools`; `system` is the system message's text (trimmed for "xml", as
