@@ -110,7 +110,9 @@ PLANTS = {
 def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     """A frame-list video: compared with transformers' video processor where torchvision
     imports (ids with the qwen3 timestamps, grids, second_per_grid, positions; a planted
-    timing bug fails by name); elsewhere not compared, and the report says why."""
+    timing bug fails by name); elsewhere compared in part, and the report says why: labels and
+    positions on vlpack's encoding, the qwen3 timestamps against the processor's
+    `_calculate_timestamps` (the plant one frame late fails there too)."""
     import importlib.util
     from dataclasses import replace
 
@@ -134,11 +136,9 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     # disagree on (issue 34 item 4); on 5.17 this comparison names it at the first text token
     rule = [f for f in e["failures"] if name == "qwen2_5_vl" and "MRoPE positions" in f]
     assert [f for f in e["failures"] if f not in rule] == [], e
-    if not has_torchvision:  # labels and positions still compared, on vlpack's encoding
-        assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"] and not e["not_compared"]
+    assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"] and not e["not_compared"], e
+    if not has_torchvision:  # labels, positions and the timestamps, on vlpack's encoding
         assert "needs torchvision" in e["partly"]["mine.jsonl:2"]
-        return
-    assert e["compared"] == ["mine.jsonl:1", "mine.jsonl:2"], e
     items = Encoder._items
 
     def bug(plan):
@@ -190,7 +190,8 @@ def test_check_data_encoding_on_a_preset(tmp_path, monkeypatch):
     """A preset's samples (the check's encoder: built-in tokenizer and template) against
     transformers' processor built from vlpack's tokenizer, image processor and the family's
     template: a Qwen3.5 tool call, a `loss: false` turn and an image compare equal (ids, labels,
-    positions under both rules); a label the ChatML rule does not give fails by name."""
+    positions under both rules), a frame-list video in part; a label the ChatML rule does not
+    give fails by name."""
     from PIL import Image
 
     from tests.gates.test_mutations import agent_data
@@ -204,12 +205,13 @@ def test_check_data_encoding_on_a_preset(tmp_path, monkeypatch):
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
         tmp_path / "a.png")
     image = _chat([{"type": "image", "image": "a.png"}, {"type": "text", "text": "What?"}])
-    convs = read_jsonl(agent_data(tmp_path))[:2] + read_jsonl(_rows(tmp_path, [image]))
+    convs = read_jsonl(agent_data(tmp_path))[:3] + read_jsonl(_rows(tmp_path, [image]))
     model, spec = build_model("tiny-qwen3_5", device="cpu", dtype="float32")
     enc = _encoder(spec, tmp_path / "no-folder")
     e = compare_encoding(None, convs, spec, model, enc=enc)
     assert e["skipped"] is None and e["failures"] == [], e
-    assert e["compared"] == ["agent.jsonl:1", "agent.jsonl:2", "mine.jsonl:1"]
+    assert e["compared"] == ["agent.jsonl:1", "agent.jsonl:2", "agent.jsonl:3", "mine.jsonl:1"]
+    assert "_calculate_timestamps" in e["partly"]["agent.jsonl:3"]  # the video, in part
 
     encode = Encoder.encode
 

@@ -16,7 +16,8 @@ the MRoPE positions (vlpack's `mrope_positions`, which the packed row uses) unde
 `data.mrope_after_video` rules: against the model's own `get_rope_index` on the processor's
 output, and that moved to Qwen's rule (`qwen_rule`).
 
-Compared in part (labels and positions on vlpack's own ids and grids; the report says why):
+Compared in part (labels and positions on vlpack's own ids and grids, and the timestamps of
+qwen3-family frame lists against the processor's `_calculate_timestamps`; the report says why):
 video samples where transformers' video processor cannot be built (it needs torchvision), and a
 preset's video samples (its video settings are not handed to transformers' video processor).
 Not compared, with the reason in the report: every sample when a folder has no processor
@@ -239,6 +240,21 @@ def _same_encoding(ours: EncodedSample, hf: dict, tok, spec: ModelSpec) -> list[
     return out
 
 
+def frame_timestamps(proc, conv: Conversation, spec: ModelSpec) -> list[str] | None:
+    """The `<t seconds>` texts transformers' processor writes for a qwen3-family sample whose
+    videos are all frame lists (its `_calculate_timestamps` over the frames, used whole, at
+    their fps; no video processor needed), or None when that does not apply."""
+    refs = _videos(conv)
+    calc = getattr(proc, "_calculate_timestamps", None)
+    if not refs or calc is None or any(v.path is not None for v in refs):
+        return None
+    from vlpack.families import family as family_of
+
+    step = family_of(spec.family).temporal_patch_size
+    return [f"{t:.1f}" for v in refs
+            for t in calc(list(range(len(v.frames))), float(v.fps or 2.0), step)]
+
+
 def differences(ours: EncodedSample, hf: dict | None, tok, spec: ModelSpec, model: nn.Module,
                 losses: list[bool], supervise_empty_think: bool = True) -> list[str]:
     """Each way vlpack's encoding `ours` differs from transformers' `hf` (processor output;
@@ -323,8 +339,15 @@ def compare_encoding(folder: Path | None, convs: list[Conversation], spec: Model
         ours = enc.encode(conv)
         hf = None
         if no_video and _videos(conv):
-            report["partly"][conv.key] = (f"ids, grids and timestamps not compared: {no_video}; "
-                                          "labels and positions compared on vlpack's encoding")
+            stamps = frame_timestamps(proc, conv, spec)
+            report["partly"][conv.key] = (
+                f"ids and grids not compared: {no_video}; labels and positions compared on "
+                "vlpack's encoding" + ("" if stamps is None else ", the timestamps with "
+                                       "transformers' _calculate_timestamps"))
+            mine = _TIMESTAMP.findall(proc.tokenizer.decode(ours.input_ids.tolist()))
+            if stamps is not None and mine != stamps:
+                report["failures"].append(f"encoding vs transformers: sample {conv.name}: video "
+                                          f"timestamps (seconds) {mine} != transformers' {stamps}")
         else:
             try:
                 hf = _hf_inputs(proc, conv)
