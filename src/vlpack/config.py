@@ -540,6 +540,11 @@ class TrainConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 gradient reduce-scatter dtype. `bfloat16` halves its traffic; the sum over ranks is
     then rounded to bf16 before the fp32 optimizer sees it."""
+    cpu_offload: bool = False
+    """FSDP2 keeps the parameter shards, their gradients and the optimizer state in host memory
+    (`CPUOffloadPolicy`): the device holds only the gathered parameters of the units that run
+    and the activations, for a copy to and from the host per unit and an optimizer step on the
+    CPU. FSDP2 runs only (train.fsdp=always, or several processes)."""
 
     def __post_init__(self) -> None:
         _positive("train.max_steps", self.max_steps)

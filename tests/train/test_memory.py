@@ -456,3 +456,28 @@ def test_a_first_step_that_autotunes_fla_is_planned(tmp_path: Path) -> None:
         tuning = plan_memory(cfg, CPU, sharded=False, free=2**50, autotunes=True)[0]
         assert tuning.train_bytes - plain.train_bytes == memory.AUTOTUNE_RESERVE * gdn
         assert any("first step: fla autotuning" in line for line in tuning.lines()) == gdn
+
+
+def test_cpu_offload_moves_the_training_state_to_the_host(capsys) -> None:
+    """train.cpu_offload on _Toy sharded over 2 ranks: 0 bytes of weights, gradients and
+    moments on the device; 40 + 16 (weight shards) + 16 (gradients) + 32 (moments) = 104 on
+    the host, which the host check adds to rank 0's 112-byte copy for each local rank. A
+    dry-run of the 8B LoRA recipe on an 80 GB GPU under train.fsdp=always prints the host
+    line and no device bytes of moments."""
+    from vlpack.cli import main
+
+    p = memory.plan(_Toy(), None, world_size=2, sharded=True, offload=True)
+    assert (p.weights, p.grads, p.optimizer, p.offloaded, p.train_bytes) == ({}, 0, 0, 104, 0)
+    assert any("offloaded to host memory" in line for line in p.lines())
+    memory.check_host_copy(p, 216, model="toy")
+    with pytest.raises(ValueError, match=r"its ranks offload 0\.0 GiB \(train\.cpu_offload\)"):
+        memory.check_host_copy(p, 215, model="toy")
+    args = ["train", "qwen3-vl-8b-lora", "--dry-run", "--device-memory", "79.18GiB",
+            "train.fsdp=always"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "train.cpu_offload=true"]) == 0
+    offloaded = capsys.readouterr().out
+    assert "offloaded to host memory" in offloaded and "offloaded" not in plain
+    moments = [line for line in offloaded.splitlines() if "AdamW moments" in line]
+    assert moments and moments[0].split()[-2] == "0.00", moments

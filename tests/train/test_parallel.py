@@ -414,3 +414,32 @@ def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
         assert losses(tmp_path / "part") == b
     finally:
         shutdown()
+
+
+def test_cpu_offload_on_one_process(tmp_path: Path) -> None:
+    """`train.cpu_offload=true` under `train.fsdp=always` on one CPU process: every FSDP2 unit
+    holds a CPUOffloadPolicy, the run trains to the losses of the same run without offload,
+    and its optimizer state lives on the CPU. Without FSDP2 it is refused with the fix. (On CPU
+    the host is the device: the copies to and from an accelerator are not exercised here.)"""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from vlpack.train.parallel import shutdown
+
+    with pytest.raises(ValueError, match=r"not sharded: set train\.fsdp=always"):
+        Trainer(small_cfg(tmp_path / "plain", "train.cpu_offload=true"), CPU)
+    try:
+        ref = Trainer(small_cfg(tmp_path / "ref", "train.max_steps=3", "train.fsdp=always"), CPU)
+        ref.fit()
+        t = Trainer(small_cfg(tmp_path / "off", "train.max_steps=3", "train.fsdp=always",
+                              "train.cpu_offload=true"), CPU)
+        units = [t.model.model.language_model.layers[0], t.module]
+        assert all(isinstance(u._get_fsdp_state()._fsdp_param_group.offload_policy,
+                              CPUOffloadPolicy) for u in units)
+        t.fit()
+        a, b = losses(tmp_path / "ref"), losses(tmp_path / "off")
+        assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-6, (a, b)
+        state = [v for s in t.optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.ndim]
+        assert state and all(v.device.type == "cpu" for v in state)
+    finally:
+        shutdown()

@@ -100,7 +100,8 @@ class Trainer:
         self.plan, self.ways_out = stack.plan, stack.ways_out
         self.tuned_kernels = stack.tuned_kernels
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
-                                         device_type=self.info.device.type,
+                                         device_type="cpu" if cfg.train.cpu_offload
+                                         else self.info.device.type,
                                          parts=module_groups(self.model))
 
         self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,

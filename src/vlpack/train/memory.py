@@ -14,6 +14,9 @@ Per device, in training:
                optim.name=adamw8bit 1 byte per value and moment, a float32 scale per 256 values
                and a 256-entry float32 code table per moment of each tensor of at least 4,096
                values (`moment_bytes`; smaller tensors keep float32 moments)
+  offloaded    under train.cpu_offload (FSDP2 on an accelerator) the weight shards, gradients
+               and optimizer state live in host memory: 0 on the device, this rank's share on
+               the host (`check_host_copy` counts every local rank's)
   activations  one micro-batch at a time (accumulation frees each backward's activations):
                T = data.seq_len / parallel.cp tokens per rank and up to P vision patches
                (data.max_patches, else every token an image token: T · merge²).
@@ -39,7 +42,7 @@ of one host share its memory (`sharing`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -101,6 +104,9 @@ class MemoryPlan:
     grads: int
     optimizer: int
     moments: str = "float32"
+    offloaded: int = 0
+    """Bytes of this rank's weight shards, gradients and optimizer state in host memory
+    (train.cpu_offload; 0 on the device then)."""
     """The optimizer moments' format the plan's line names (`8-bit` under optim.name=adamw8bit)."""
     activations: dict[str, int] = field(default_factory=dict)
     """Bytes per device by part: text layers, recompute, vision, loss."""
@@ -142,6 +148,8 @@ class MemoryPlan:
             rows.append(("while building", self.build_bytes))
         if self.host_bytes:
             rows.append(("whole copy in host memory", self.host_bytes))
+        if self.offloaded:
+            rows.append(("offloaded to host memory", self.offloaded))
         return [f"  {name:<36} {v / GIB:8.2f} GiB" for name, v in rows]
 
 
@@ -252,8 +260,8 @@ def moment_bytes(numel: int, optimizer: str = "adamw") -> int:
 
 def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: int = 1,
          sharded: bool = False, build_dtype: torch.dtype = torch.float32,
-         host_build: bool = False, data_seq_len: int = 0, optimizer: str = "adamw"
-         ) -> MemoryPlan:
+         host_build: bool = False, data_seq_len: int = 0, optimizer: str = "adamw",
+         offload: bool = False) -> MemoryPlan:
     """The memory plan of `model` (shapes only: a meta model after LoRA, freezing and
     `precision.hold_parameters`) trained as `run` describes (None: activations not planned),
     FSDP2 over `world_size` ranks (`sharded`), `sharing` ranks on one memory. `host_build`: one
@@ -261,7 +269,8 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
     (`model.frozen_dtype=int8` from a folder), so the device never holds it at the build dtype.
     `data_seq_len`: the bin length over all context ranks, recorded in the plan. `optimizer`:
     optim.name, whose moments `moment_bytes` counts (per shard: rank 0's, FSDP2 splitting
-    the first dimension)."""
+    the first dimension). `offload`: FSDP2 keeps weight shards, gradients and optimizer state
+    in host memory (train.cpu_offload on an accelerator)."""
     world = max(world_size, 1) if sharded or world_size > 1 else 1
     weights: dict[str, int] = {}
     params = trainable = whole = 0
@@ -277,7 +286,7 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         whole += s.numel() * s.element_size()
     shard = {k: v * sharing // world for k, v in weights.items()}
     acts = activation_bytes(model, run) if run is not None else {}
-    return MemoryPlan(
+    p = MemoryPlan(
         params=params, trainable=trainable, weights=shard,
         grads=4 * trainable * sharing // world,
         optimizer=8 * trainable * sharing // world if optimizer == "adamw" else sharing * sum(
@@ -292,6 +301,10 @@ def plan(model: nn.Module, run: RunShape | None, *, world_size: int, sharing: in
         seq_len=data_seq_len,
         text_layers=_cfg(model)[0].num_hidden_layers if run is not None else 0,
     )
+    if not offload:
+        return p
+    return replace(p, weights={}, grads=0, optimizer=0,
+                   offloaded=sum(p.weights.values()) + p.grads + p.optimizer)
 
 
 def _shard_numel(p: torch.Tensor, world: int) -> int:
@@ -400,14 +413,18 @@ def check_fits(p: MemoryPlan, device: torch.device, free: int | None, *, model: 
 
 def check_host_copy(p: MemoryPlan, free: int | None, *, model: str) -> None:
     """ValueError when the host cannot hold the whole model that a sharded run (on rank 0) or
-    an int8 run builds there once (accelerator runs; on CPU `check_fits` counts it)."""
-    if free is None or p.host_bytes <= free:
+    an int8 run builds there once, plus what the host's ranks offload (train.cpu_offload;
+    accelerator runs; on CPU `check_fits` counts it)."""
+    offloaded = p.offloaded * local_ranks()
+    if free is None or p.host_bytes + offloaded <= free:
         return
+    also = (f" and its ranks offload {offloaded / GIB:.1f} GiB (train.cpu_offload)"
+            if offloaded else "")
     raise ValueError(
         f"model.name={model}: the run builds the whole model once in host memory (rank 0 of a "
         f"sharded run, or a folder read before model.frozen_dtype=int8 quantizes it), about "
-        f"{p.host_bytes / GIB:.1f} GiB, but {free / GIB:.1f} GiB is free; run on a host with "
-        "more memory"
+        f"{p.host_bytes / GIB:.1f} GiB{also}, but {free / GIB:.1f} GiB is free; run on a host "
+        "with more memory"
     )
 
 

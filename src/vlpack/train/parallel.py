@@ -168,7 +168,7 @@ def all_gather_object(obj, info: Topology) -> list:
 def apply_fsdp(
     root: torch.nn.Module, model: torch.nn.Module, info: Topology, *,
     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool = True, cpu_offload: bool = False,
 ) -> None:
     """FSDP2: shard each decoder block and each vision block of the HF `model`, then `root` (the
     module whose forward runs a whole micro-batch).
@@ -176,6 +176,9 @@ def apply_fsdp(
     With `param_dtype` (bf16 on GPU) parameters are all-gathered in that dtype and gradients are
     reduced in `reduce_dtype`; the master weights stay float32. `reshard_after_forward=False`
     keeps each block's gathered parameters until its backward (no second all-gather).
+    `cpu_offload` (FSDP2's `CPUOffloadPolicy`): the parameter shards, their gradients and so the
+    optimizer state live in host memory; each unit's parameters are copied to the device for its
+    all-gather and its gradients back after the reduce-scatter.
 
     The root always keeps its parameters (embedding, lm_head, final norm, vision merger) gathered
     from forward to backward, FSDP2's own default for a root. It must: FSDP2 re-gathers a module
@@ -185,7 +188,12 @@ def apply_fsdp(
     final norm's backward on 2 H200s (the 8B recipe), a segfault on CPU.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     # FSDP2 casts nothing: by default it casts a module's floating inputs to param_dtype, which
@@ -197,14 +205,18 @@ def apply_fsdp(
     # as on one GPU under autocast.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                               cast_forward_inputs=False)
+    offload = (CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cpu_offload
+               else OffloadPolicy())
     inner = model.model
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(root, mesh=mesh, mp_policy=mp)  # reshard_after_forward unset: see above
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(root, mesh=mesh, mp_policy=mp, offload_policy=offload)  # see above
 
 
-def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: Topology) -> None:
+def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: Topology, *,
+                    cpu_offload: bool = False) -> None:
     """Materialise the meta-built, FSDP2-sharded `model` on `info.device` with the weights and
     buffers of `full`, the same model built whole on rank 0's CPU (None on the other ranks).
 
@@ -212,12 +224,19 @@ def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: 
     (a 35B model in fp32 is 140 GB, more than one H200). Buffers (rotary tables and the like,
     not all in the state dict) are broadcast; parameters and persistent buffers arrive through
     `set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`, each rank keeping
-    its shard. Collective."""
+    its shard. Collective. `cpu_offload`: the parameter shards stay in host memory (FSDP2's
+    `CPUOffloadPolicy`), the buffers go to the device."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     buffers = broadcast_object(
         {n: b.detach().clone() for n, b in full.named_buffers()} if info.is_main else None, info)
-    model.to_empty(device=info.device)
+    model.to_empty(device="cpu" if cpu_offload else info.device)
+    if cpu_offload:  # the shards stay in host memory, the buffers go to the device
+        moved: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = moved.setdefault(id(b), b.to(info.device))
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)

@@ -39,6 +39,9 @@ class Parallelism:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    """FSDP2 keeps the parameter shards, gradients and optimizer state in host memory
+    (`train.cpu_offload`); only with `fsdp`."""
 
 
 def parallelize(model: nn.Module, root: nn.Module, info: Topology, p: Parallelism) -> bool:
@@ -60,8 +63,11 @@ def parallelize(model: nn.Module, root: nn.Module, info: Topology, p: Parallelis
     elif p.compile_scope is not None:
         raise ValueError(f"compile scope {p.compile_scope!r}: use layers, regions or None")
     if not p.fsdp:
+        if p.cpu_offload:
+            raise ValueError("train.cpu_offload=true offloads FSDP2's shards, and this run is "
+                             "not sharded: set train.fsdp=always (or run several processes)")
         return False
     ensure_process_group(info)
     apply_fsdp(root, model, info, param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
-               reshard_after_forward=p.reshard_after_forward)
+               reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload)
     return True

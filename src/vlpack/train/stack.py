@@ -134,7 +134,9 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
             shapes, run, world_size=info.world_size,
             sharing=memory.local_ranks() if info.device.type == "cpu" else 1, sharded=sharded,
             build_dtype=precision.build_dtype(m.name, low), host_build=builds_on_host(cfg, info),
-            data_seq_len=seq_len, optimizer=cfg.optim.name), transient=transient)
+            data_seq_len=seq_len, optimizer=cfg.optim.name,
+            offload=cfg.train.cpu_offload and sharded and info.device.type != "cpu"),
+            transient=transient)
 
     def plan_of(seq_len: int, *, announce: bool) -> memory.MemoryPlan:
         if not m.activation_checkpointing:
@@ -387,6 +389,9 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     `trace_vision_attention` (with whole layers compiled, docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
     sharded = is_sharded(cfg, info)
+    if t.cpu_offload and not sharded:
+        raise ValueError("train.cpu_offload=true offloads FSDP2's shards, and this run is not "
+                         "sharded: set train.fsdp=always (or run several processes)")
     if sharded and m.frozen_dtype == "int8":
         raise ValueError("model.frozen_dtype=int8 runs on one process without FSDP2 (FSDP2 "
                          "shards the bf16 base instead): use model.frozen_dtype=auto with "
@@ -433,7 +438,7 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         recompute_share=plan.recompute_share, compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention,
         fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
-        reshard_after_forward=t.reshard_after_forward))
+        reshard_after_forward=t.reshard_after_forward, cpu_offload=t.cpu_offload))
     flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
     if sharded:
         autocast = None  # FSDP's mixed-precision policy casts instead
@@ -444,7 +449,7 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
             freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
             precision.hold_parameters(whole, low)
-        load_full_state(model, whole, info)
+        load_full_state(model, whole, info, cpu_offload=t.cpu_offload)
         del whole
     return Stack(model=model, spec=spec, module=module, flops=flops, plan=plan, ways_out=ways,
                  autocast=autocast, sharded=sharded, tuned_kernels=tuned)
