@@ -230,6 +230,10 @@ MUTATIONS = [
     Mutation("mrope_after_video=qwen: text after a video one position late", "data/rope.py",
              "else max(int(t_index[-1]) + 1, h, w)", "else max(int(t_index[-1]) + 2, h, w)",
              check="tiny-qwen2_5_vl", dtypes=("float32",), data=True),
+    Mutation("qwen3-family video timestamps one frame late", "data/video.py",
+             "times = [i / meta.fps for i in padded]",
+             "times = [(i + 1) / meta.fps for i in padded]", check="tiny-qwen3_5",
+             dtypes=("float32",), data=True),
 ]
 
 
