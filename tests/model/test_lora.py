@@ -292,9 +292,11 @@ def test_dora_adds_magnitudes_and_starts_as_the_base_model():
     """DoRA adds one trained magnitude per output feature of each adapted linear (initialised
     to the base weight's row norms), so the model's logits at init are the base model's; the
     memory plan counts those magnitudes as trainable; the merged export of a trained adapter
-    gives the adapted model's logits; DoRA on the routed experts is refused."""
+    gives the adapted model's logits; DoRA on the routed experts is refused. The plan adds the
+    norm's working memory of the widest adapted linear, the MLP's 64 × 128: 16 · 8,192 bytes
+    (peft's layers or the stand-ins without peft)."""
     from vlpack.model.build import meta_model
-    from vlpack.train.memory import plan
+    from vlpack.train.memory import RunShape, activation_bytes, plan
 
     ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(0))
     base, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
@@ -313,6 +315,13 @@ def test_dora_adds_magnitudes_and_starts_as_the_base_model():
     shapes = meta_model("tiny-qwen3_vl")
     lora.apply_lora(shapes, cfg)
     assert plan(shapes, None, world_size=1).trainable == trainable
+    run = RunShape(seq_len=16, patches=0)
+    assert activation_bytes(shapes, run)["DoRA weight norm"] == 16 * 8192
+    stand_ins = meta_model("tiny-qwen3_vl")
+    lora.shape_adapters(stand_ins, cfg)
+    assert activation_bytes(stand_ins, run)["DoRA weight norm"] == 16 * 8192
+    lora.apply_lora(lora_only := meta_model("tiny-qwen3_vl"), LoraConfig(rank=4))
+    assert "DoRA weight norm" not in activation_bytes(lora_only, run)
     _check_merged_export(model)
     with pytest.raises(ValueError, match=r"model\.lora\.experts=false, or model\.lora\.use_dora"):
         LoraConfig(rank=4, experts=True, use_dora=True)

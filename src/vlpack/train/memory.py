@@ -31,7 +31,8 @@ Per device, in training:
                the lm_head trains, a float32 copy of its gradient.
                The sum is scaled by ACTIVATION_SCALE, calibrated on the H200 against measured
                peaks (docs/training.md gives the error on the 2B, 8B and 35B shapes). int8
-               experts add one expert weight dequantized to the compute dtype (not scaled).
+               experts add one expert weight dequantized to the compute dtype (not scaled);
+               DoRA adds what its norm of the widest adapted linear takes (`dora_bytes`).
 
 One process builds the model on its device (at the build dtype: bf16 when frozen weights are held
 in bf16, else float32; `build_bytes`). An FSDP2 run builds shapes only on every device, and rank
@@ -245,6 +246,8 @@ def activation_bytes(model: nn.Module, run: RunShape) -> dict[str, int]:
     int8 = [p.numel() for p in model.parameters() if p.dtype == torch.int8]
     if int8:  # one expert weight dequantized at a time (model/quant.py): exact, not scaled
         out["int8 weight dequantized"] = b * max(int8)
+    if dora := dora_bytes(model):  # one layer's DoRA norm at a time: not scaled
+        out["DoRA weight norm"] = dora
     return out
 
 
@@ -312,6 +315,16 @@ def _shard_numel(p: torch.Tensor, world: int) -> int:
     if world == 1 or p.ndim == 0:
         return p.numel()
     return -(-p.shape[0] // world) * (p.numel() // p.shape[0])
+
+
+def dora_bytes(model: nn.Module) -> int:
+    """Bytes DoRA's forward takes besides for the widest adapted linear [out, in] of `model`:
+    to take the norm of W + s·B·A it forms B·A, casts W and adds them (peft
+    `DoraLinearLayer`), up to four float32 [out, in] tensors at once, freed before the next
+    layer (0 without DoRA)."""
+    sizes = [m.in_features * m.out_features for m in model.modules()
+             if len(getattr(m, "lora_magnitude_vector", ())) or hasattr(m, "lora_magnitude")]
+    return 16 * max(sizes, default=0)
 
 
 def available_bytes(device: torch.device) -> int | None:
