@@ -5,6 +5,8 @@ last and runs this file with test_quant.py; elsewhere it is skipped."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -75,3 +77,20 @@ def test_adamw8bit_steps_follow_adamw() -> None:
     for a, b, init in zip(ref.parameters(), got.parameters(), _toy().parameters(), strict=True):
         assert (a - init).abs().max() > 1e-2
         assert (a - b).abs().max() <= 3 * 0.1 * 1e-2
+
+
+def test_adamw8bit_trains_and_resumes_exactly(tmp_path) -> None:
+    """`vlpack train tiny optim.name=adamw8bit`: 3 steps straight equal 2 steps, a stop, a
+    resume from the checkpoint (the 8-bit moments saved and restored) and a third step; the
+    metrics' lr is a number (torchao holds each group's rate as a tensor)."""
+    from tests.helpers import CPU, losses, small_cfg
+    from vlpack.train.loop import Trainer
+
+    args = ("train.max_steps=3", "optim.name=adamw8bit")
+    Trainer(small_cfg(tmp_path / "a", *args), CPU).fit()
+    Trainer(small_cfg(tmp_path / "b", *args, "train.stop_after=2"), CPU).fit()
+    Trainer(small_cfg(tmp_path / "b", *args), CPU).fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 3 and a == b[-3:], (a, b)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(r["lr"], float) for r in rows if "lr" in r)

@@ -469,7 +469,7 @@ class Trainer:
         row = step_row(self.step, r, data_wait=data_wait, totals=t, peak_flops=peak,
                        world_size=self.info.world_size, device=self.info.device, eta_s=eta_s,
                        elapsed_s=self.elapsed())
-        at = r.lr / self.scheduler.base_lrs[0]  # the schedule's factor, alike for every rate
+        at = r.lr / float(self.scheduler.base_lrs[0])  # the schedule's factor, alike for every rate
         row.update({k: rate * at for k, rate in self.own_rates.items()})
         if self.step % self.cfg.train.log_every == 0:  # the same steps on every rank
             acc = self.accounting()

@@ -103,7 +103,7 @@ def optimizer_step(
         loss_local, aux_local, grad_norm = torch.stack(read).tolist()  # the step's host wait
         loss_total, aux_total = all_reduce([loss_local, aux_local], info)
         loss = loss_total / denom
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW8bit
         if math.isfinite(loss) and math.isfinite(grad_norm):
             optimizer.step()
             scheduler.step()
