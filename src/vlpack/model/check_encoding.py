@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from torch import nn
 from vlpack.data.rope import mrope_positions
 from vlpack.data.types import Conversation, EncodedSample, VideoRef
 from vlpack.model.build import ModelSpec
+
+if TYPE_CHECKING:
+    from vlpack.data.encode import Encoder
 
 _TIMESTAMP = re.compile(r"<(\d+(?:\.\d+)?) seconds>")
 
@@ -285,7 +289,8 @@ def differences(ours: EncodedSample, hf: dict | None, tok, spec: ModelSpec, mode
     return out
 
 
-def build_preset_processor(spec: ModelSpec, enc) -> tuple[object | None, str, str | None]:
+def build_preset_processor(spec: ModelSpec, enc: Encoder
+                           ) -> tuple[object | None, str, str | None]:
     """(processor, why its videos are not compared, why nothing is compared or None) for a
     preset: transformers' processor class of the family built from vlpack's tokenizer and
     image processor (`enc`'s settings) and the family's template (`check_templates`)."""
@@ -311,7 +316,7 @@ def build_preset_processor(spec: ModelSpec, enc) -> tuple[object | None, str, st
 
 
 def compare_encoding(folder: Path | None, convs: list[Conversation], spec: ModelSpec,
-                     model: nn.Module, enc=None) -> dict:
+                     model: nn.Module, enc: Encoder | None = None) -> dict:
     """Each conversation encoded by vlpack and by transformers' processor, compared
     (`differences`): a folder's own settings on both sides, or for a preset (`folder` None) the
     check's encoder `enc` and the processor `build_preset_processor` makes of its settings.
@@ -323,8 +328,8 @@ def compare_encoding(folder: Path | None, convs: list[Conversation], spec: Model
 
     if folder is None:
         if enc is None:
-            raise ValueError("compare_encoding: a preset (folder None) needs the check's encoder "
-                             "(enc=...)")
+            raise ValueError("compare_encoding: a preset (folder=None) is compared on the "
+                             "check's own encoding: pass its encoder as enc=")
         proc, no_video, skipped = build_preset_processor(spec, enc)
     else:
         proc, no_video, skipped = build_processor(folder)
