@@ -306,6 +306,16 @@ def test_ways_out_offer_more_recomputation_only_where_some_layers_keep() -> None
     assert "recompute more" not in ways(1.0) and "parallel.cp=2" in ways(1.0)
 
 
+def test_ways_out_offer_8bit_moments_where_the_training_state_outweighs_activations() -> None:
+    """_Toy without activations planned: 32 bytes of gradients and 64 of float32 moments offer
+    optim.name=adamw8bit; a plan with 8-bit moments does not offer it again."""
+    def ways(optimizer: str) -> str:
+        p = memory.plan(_Toy(), None, world_size=1, optimizer=optimizer)
+        return " ".join(memory.ways_out(p, lora=False, cp=1))
+
+    assert "optim.name=adamw8bit" in ways("adamw") and "adamw8bit" not in ways("adamw8bit")
+
+
 # --- train.memory_check=shorten -----------------------------------------------------------------
 def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
     """The 35B-A3B cut to 8 layers, LoRA, every layer recomputed, 32k bins: with just enough

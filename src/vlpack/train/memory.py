@@ -357,6 +357,9 @@ def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True,
     if not lora and state > acts:
         out.append("train LoRA adapters (model.lora.rank=16): the frozen base needs no "
                    "gradients or optimizer state and is held in bf16")
+    if state > acts and p.moments == "float32":
+        out.append("8-bit AdamW moments (optim.name=adamw8bit, pip install torchao): about a "
+                   "quarter of the optimizer state")
     if not vision_capped and p.activations.get("vision blocks", 0) > acts / 4:
         out.append("a vision budget per bin (data.max_patches=N): without one the plan counts "
                    "every token of a bin as an image token")
