@@ -342,3 +342,27 @@ def _check_merged_export(model):
     assert (_logits(plain, ids) - want).abs().max() > 1e-3  # the adapters change the model
     plain.load_state_dict(lora.merged_state_dict(model, model.state_dict()), strict=True)
     assert (_logits(plain, ids) - want).abs().max() <= 1e-4
+
+
+def test_dora_and_rslora_train_under_fsdp_and_export(tmp_path: Path):
+    """DoRA with rsLoRA: 3 steps under FSDP2 on one process give the plain run's losses, and the
+    merged export gathered from the shards (magnitudes in their base weight's group) gives the
+    plain run's trained logits."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from vlpack.train.parallel import shutdown
+
+    args = ["train.max_steps=3", *LORA, "model.lora.use_dora=true", "model.lora.use_rslora=true"]
+    plain = Trainer(small_cfg(tmp_path / "a", *args), CPU)
+    plain.fit()
+    try:
+        summary = Trainer(small_cfg(tmp_path / "b", *args, "train.fsdp=always",
+                                    "train.export_hf=true", "train.export_dtype=float32"),
+                          CPU).fit()
+    finally:
+        shutdown()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    ids = torch.randint(0, 150000, (1, 17), generator=torch.Generator().manual_seed(0))
+    merged = Qwen3VLForConditionalGeneration.from_pretrained(summary["hf_export"])
+    assert (_logits(merged, ids) - _logits(plain.model, ids)).abs().max() <= 1e-4
