@@ -155,14 +155,6 @@ class Family:
         return self.token_id("<|vision_end|>")
 
     @property
-    def im_start_id(self) -> int:
-        return self.token_id("<|im_start|>")
-
-    @property
-    def im_end_id(self) -> int:
-        return self.token_id("<|im_end|>")
-
-    @property
     def model_class(self) -> str:
         """transformers' base `*Model` class (vision tower + text model, no LM head)."""
         return self.hf_class.removesuffix("ForConditionalGeneration") + "Model"
@@ -178,10 +170,6 @@ class Family:
     @property
     def deepstack(self) -> bool:
         return self.deepstack_text_model is not None
-
-    @property
-    def window_attention(self) -> bool:
-        return self.tower == "qwen2_5"
 
 
 _HELPFUL = "You are a helpful assistant."

@@ -61,12 +61,6 @@ class Topology:
         """This rank's place in its context group: which chunks of each row it computes."""
         return self.rank % self.cp
 
-    def free_bytes(self) -> int | None:
-        """Free memory of this rank's device now (None where it cannot be read)."""
-        from vlpack.train.memory import available_bytes
-
-        return available_bytes(self.device)
-
 
 def init_distributed(cp: int = 1) -> Topology:
     """Join the process group torchrun (or srun, `train/slurm.py`) describes, or run alone;

@@ -8,8 +8,8 @@
 - `ranks`: `estimate_bin_cost` and `assign_bins_to_ranks`, data-parallel balancing;
 - `stats`: `bin_stats`, fill efficiency;
 - `context`: `split_row`, the load-balanced context-parallel split of one row (2·cp chunks per
-  segment) and each query chunk's key range; the context-parallel runtime that will use it
-  does not exist yet.
+  segment) and each query chunk's key range, which the context-parallel forward
+  (model/context.py) runs.
 """
 
 from vlpack.data.plan.algorithms import ALGOS, Algo, check_algo, plan_bins
