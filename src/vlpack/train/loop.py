@@ -601,12 +601,19 @@ def _grace_expired(grace: float) -> None:
     os._exit(EXIT_ABORTED)
 
 
+def _resume_point(cfg: Config) -> Path | None:
+    """The checkpoint train.resume names, before anything loads: the newest complete one of
+    output_dir for `auto`, the folder given, None for `none` or a fresh folder."""
+    r = cfg.train.resume
+    if r == "none":
+        return None
+    return ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto" else Path(r)
+
+
 def _run_id(cfg: Config) -> str | None:
     """The run's id, read before the model is built: that of the checkpoint train.resume
     continues (None where it records none; its files are verified when it loads), else a new one."""
-    r = cfg.train.resume
-    path = (None if r == "none" else ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto"
-            else Path(r))
+    path = _resume_point(cfg)
     if path is None:
         return uuid.uuid4().hex[:12]
     try:
@@ -618,9 +625,7 @@ def _run_id(cfg: Config) -> str | None:
 def _resumed_bins(cfg: Config) -> tuple[int, int] | None:
     """(data.seq_len, train.micro_batches) of the run train.resume continues, from the
     config.yaml of its folder; None for a fresh run or where that file is missing."""
-    r = cfg.train.resume
-    path = (None if r == "none" else ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto"
-            else Path(r))
+    path = _resume_point(cfg)
     saved = None if path is None else path.parent.parent / "config.yaml"
     if saved is None or not saved.is_file():
         return None

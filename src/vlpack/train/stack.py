@@ -67,8 +67,13 @@ def frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | Non
     """The dtype frozen matmul weights are held in; None when nothing is frozen or they stay
     float32 (train/precision.py)."""
     m = cfg.model
-    freezes = bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
-    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes else None
+    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes(cfg) else None
+
+
+def freezes(cfg: Config) -> bool:
+    """Whether anything is frozen: a LoRA base or a `model.freeze_*` part."""
+    m = cfg.model
+    return bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
 
 
 def is_sharded(cfg: Config, info: Topology) -> bool:
@@ -125,7 +130,14 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
     if m.checkpoint_share == "auto" and m.activation_checkpointing and free is None:
         free = memory.available_bytes(info.device)
 
+    planned: dict[tuple[int, float], memory.MemoryPlan] = {}
+
     def plan_at(seq_len: int, share: float) -> memory.MemoryPlan:
+        if (seq_len, share) not in planned:
+            planned[seq_len, share] = plan_once(seq_len, share)
+        return planned[seq_len, share]
+
+    def plan_once(seq_len: int, share: float) -> memory.MemoryPlan:
         run = memory.RunShape(seq_len=seq_len // cfg.parallel.cp,
                               patches=d.max_patches or seq_len * merge**2,
                               recompute_share=share, act_bytes=2 if autocast else 4,
@@ -306,7 +318,7 @@ def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int)
     if not m.activation_checkpointing:
         recompute = "no layer recomputes"
     compiled = (f"compiled ({m.compile_scope})" if m.compile else "eager")
-    frozen = "" if not (m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm) else (
+    frozen = "" if not freezes(cfg) else (
         f", frozen weights {m.frozen_dtype if m.frozen_dtype != 'auto' else 'in the compute dtype'}")
     return (f"{bins}, {per_step}; {recompute}; {compiled}{frozen}; "
             f"{plan.train_bytes / memory.GIB:.1f} GiB planned per device")
