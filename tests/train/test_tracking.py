@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,12 +98,27 @@ def _wandb_records(path: Path) -> list:
 
 def test_wandb_offline_run_reads_back(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb")
+    from google.protobuf.message import DecodeError
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "vlpack-test")
     _write(tmp_path, ["wandb"], ROWS, run_id="run123")
-    (path,) = (tmp_path / "wandb").glob("offline-run-*-run123/run-run123.wandb")
-    records = _wandb_records(path)
+    # wandb's service process writes the run's file on its own, and can still be writing it
+    # after finish() returns (seen in one of three runs beside the other tests): read it once
+    # it holds the exit record that ends a run
+    deadline = time.monotonic() + 60
+    while True:
+        found = sorted((tmp_path / "wandb").glob("offline-run-*-run123/run-run123.wandb"))
+        try:  # a file still being written may end inside its header or a record
+            records = _wandb_records(found[0]) if len(found) == 1 else []
+        except (AssertionError, ValueError, struct.error, DecodeError):
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(found) == 1, found
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.run_id, run.project, run.display_name) == ("run123", "vlpack-test", tmp_path.name)
     config = {u.key: json.loads(u.value_json) for r in records
