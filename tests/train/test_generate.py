@@ -200,3 +200,27 @@ def test_the_hook_leaves_out_a_sample_that_does_not_encode(caplog) -> None:
     assert [p.id for p in hook._prompts(good)] == ["good"]
     with pytest.raises(ValueError, match="held-out split"):
         HeldOutGeneration(None, encoder, 2)
+
+
+def test_the_hook_runs_compiled_layers_eagerly(monkeypatch) -> None:
+    """Generation during a compiled run traces nothing: each decode step's cache state would
+    recompile the layers (dynamo's recompile limit on a GPU run of the 2B recipe)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from vlpack.model.build import build_model
+    from vlpack.train import generate as gen
+    from vlpack.train.generate import HeldOutGeneration
+
+    monkeypatch.setattr(gen, "MAX_NEW_TOKENS", 4)
+    model, spec = build_model("tiny-qwen3_vl", backend="sdpa", device="cpu", seed=0)
+    for layer in model.model.language_model.layers:
+        layer.compile(backend="eager")
+    encoder = Encoder(spec.family)
+    hook = HeldOutGeneration(SimpleNamespace(items=_convs(1)), encoder, 1)
+    torch._dynamo.reset()
+    counters.clear()
+    row = hook(model, spec)
+    assert row["gen_token_f1"] is not None
+    assert counters["frames"]["total"] == 0, dict(counters["frames"])

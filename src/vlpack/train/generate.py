@@ -260,7 +260,8 @@ class HeldOutGeneration:
     Every rank calls it with the same prompts: an FSDP2-sharded model gathers its weights
     layer by layer in each forward, so all ranks generate together (`synced_gpus`) and each
     gets the same scores; rank 0's are logged. The model generates through stock attention
-    (sdpa, switched for the call and back), in the loop's autocast."""
+    (sdpa, switched for the call and back), in the loop's autocast, with compiled layers run
+    eagerly (a decode step's cache state would recompile them until dynamo's limit)."""
 
     def __init__(self, eval_loader, encoder, n: int) -> None:
         if eval_loader is None:
@@ -280,9 +281,10 @@ class HeldOutGeneration:
         attn, training = model.config._attn_implementation, model.training
         set_attn_implementation(model, "sdpa")
         model.eval()
-        try:
-            answers = generate(model, spec, self.encoder, self.prompts,
-                               max_new_tokens=MAX_NEW_TOKENS, synced_gpus=world_size > 1)
+        try:  # eager: compiled layers (model.compile) would recompile for each cache state
+            with torch.compiler.set_stance("force_eager"):
+                answers = generate(model, spec, self.encoder, self.prompts,
+                                   max_new_tokens=MAX_NEW_TOKENS, synced_gpus=world_size > 1)
         finally:
             set_attn_implementation(model, attn)
             model.train(training)

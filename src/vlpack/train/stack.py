@@ -235,7 +235,7 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
                    else ", which no share fits"))
         other = f" (rank 0 alone needs {lo}: another rank has less room)" if k != lo else ""
         log.info("model.checkpoint_share=auto: %d of %d text layers recompute (share %r)%s, "
-                 "%.1f GiB planned with %s on rank 0", k, layers, p.recompute_share, other,
+                 "%.1f GiB planned with %s on rank 0", k, layers, round(p.recompute_share, 3), other,
                  p.train_bytes / memory.GIB, room)
     return p
 
