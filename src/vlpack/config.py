@@ -491,6 +491,9 @@ class TrainConfig:
     as `vlpack eval` scores them); 0: never."""
     eval_generate_samples: int = 8
     """How many held-out samples train.eval_generate_every generates."""
+    eval_generate_max_new_tokens: int = 256
+    """Longest answer train.eval_generate_every generates; an answer cut here scores as
+    generated (a cut JSON answer does not parse: raise it for long answers such as receipts)."""
     progress: bool = True
     """Show a progress bar."""
     export_hf: bool = False
@@ -564,6 +567,7 @@ class TrainConfig:
         _positive("train.eval_every", self.eval_every, allow_zero=True)
         _positive("train.eval_generate_every", self.eval_generate_every, allow_zero=True)
         _positive("train.eval_generate_samples", self.eval_generate_samples)
+        _positive("train.eval_generate_max_new_tokens", self.eval_generate_max_new_tokens)
         _positive("train.aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _positive("train.profile_steps", self.profile_steps, allow_zero=True)
         _positive("train.profile_from", self.profile_from)

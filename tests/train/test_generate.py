@@ -195,14 +195,14 @@ def test_the_hook_leaves_out_a_sample_that_does_not_encode(caplog) -> None:
     encoder = Encoder("qwen3_vl")
     bad = Conversation("bad", (Message("user", ("Hi <|im_end|>",)), Message("assistant", ("x",))))
     good = Conversation("good", (Message("user", ("Hi",)), Message("assistant", ("Hello",))))
-    hook = HeldOutGeneration(SimpleNamespace(items=[bad, good]), encoder, 2)
+    hook = HeldOutGeneration(SimpleNamespace(items=[bad, good]), encoder, 2, 8)
     assert hook._prompts(bad) == [] and "leaves out a held-out sample" in caplog.text
     assert [p.id for p in hook._prompts(good)] == ["good"]
     with pytest.raises(ValueError, match="held-out split"):
-        HeldOutGeneration(None, encoder, 2)
+        HeldOutGeneration(None, encoder, 2, 8)
 
 
-def test_the_hook_runs_compiled_layers_eagerly(monkeypatch) -> None:
+def test_the_hook_runs_compiled_layers_eagerly() -> None:
     """Generation during a compiled run traces nothing: each decode step's cache state would
     recompile the layers (dynamo's recompile limit on a GPU run of the 2B recipe)."""
     from types import SimpleNamespace
@@ -210,15 +210,13 @@ def test_the_hook_runs_compiled_layers_eagerly(monkeypatch) -> None:
     from torch._dynamo.utils import counters
 
     from vlpack.model.build import build_model
-    from vlpack.train import generate as gen
     from vlpack.train.generate import HeldOutGeneration
 
-    monkeypatch.setattr(gen, "MAX_NEW_TOKENS", 4)
     model, spec = build_model("tiny-qwen3_vl", backend="sdpa", device="cpu", seed=0)
     for layer in model.model.language_model.layers:
         layer.compile(backend="eager")
     encoder = Encoder(spec.family)
-    hook = HeldOutGeneration(SimpleNamespace(items=_convs(1)), encoder, 1)
+    hook = HeldOutGeneration(SimpleNamespace(items=_convs(1)), encoder, 1, max_new_tokens=4)
     torch._dynamo.reset()
     counters.clear()
     row = hook(model, spec)

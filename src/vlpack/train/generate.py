@@ -263,12 +263,13 @@ class HeldOutGeneration:
     (sdpa, switched for the call and back), in the loop's autocast, with compiled layers run
     eagerly (a decode step's cache state would recompile them until dynamo's limit)."""
 
-    def __init__(self, eval_loader, encoder, n: int) -> None:
+    def __init__(self, eval_loader, encoder, n: int, max_new_tokens: int) -> None:
         if eval_loader is None:
             raise ValueError("train.eval_generate_every needs a held-out split, and this run has "
                              "none (data.eval_samples=0, data.mix or data.source=energon): set "
                              "data.eval_samples with a jsonl, hf or synthetic source")
         self.items, self.encoder, self.n = eval_loader.items, encoder, n
+        self.max_new_tokens = max_new_tokens
         self.prompts: list[Prompt] | None = None
 
     def __call__(self, model: nn.Module, spec, world_size: int = 1) -> dict[str, Any]:
@@ -284,7 +285,7 @@ class HeldOutGeneration:
         try:  # eager: compiled layers (model.compile) would recompile for each cache state
             with torch.compiler.set_stance("force_eager"):
                 answers = generate(model, spec, self.encoder, self.prompts,
-                                   max_new_tokens=MAX_NEW_TOKENS, synced_gpus=world_size > 1)
+                                   max_new_tokens=self.max_new_tokens, synced_gpus=world_size > 1)
         finally:
             set_attn_implementation(model, attn)
             model.train(training)

@@ -110,8 +110,8 @@ class Trainer:
         self.data_files = data_fingerprints(cfg.data)
         """Fingerprint of each data file by path, kept in checkpoints to notice edited data."""
         self.held_out_generation = HeldOutGeneration(
-            self.eval_loader, self.encoder, cfg.train.eval_generate_samples
-        ) if cfg.train.eval_generate_every else None
+            self.eval_loader, self.encoder, cfg.train.eval_generate_samples,
+            cfg.train.eval_generate_max_new_tokens) if cfg.train.eval_generate_every else None
         if cfg.train.epochs is not None:  # the steps of that many passes, before the schedule
             cfg.train.max_steps, bins = steps_for_epochs(
                 self.train_loader, cfg.train.epochs, dp=self.info.dp, micro_batches=cfg.train.micro_batches)
@@ -527,7 +527,7 @@ UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.
              "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
              "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
              "train.memory_check", "train.report_to_errors", "train.eval_generate_every",
-             "train.eval_generate_samples",
+             "train.eval_generate_samples", "train.eval_generate_max_new_tokens",
              "train.profile_steps", "train.profile_from")
 """Settings a resumed run may change without a warning: none changes what is trained."""
 ORDER_NEUTRAL = ("data.num_workers", "data.pad_to_seq_len", "data.mrope_after_video",
