@@ -216,13 +216,15 @@ def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of `self` (a transformers experts module with concatenated gate/up
     weights [E, 2I, D] and down weights [E, D, I], in int8 with row scales under
-    `model.frozen_dtype=int8`, model/quant.py)."""
+    `model.frozen_dtype=int8`, model/quant.py): `_dispatch` in the autocast dtype, or outside
+    autocast in the hidden states' dtype (so a float32 `vlpack check` runs this path too);
+    another layout runs transformers' grouped_mm."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    dtype = _compute_dtype(self, hidden_states)
-    if dtype is None or not _plain_layout(self):
+    if not _plain_layout(self):
         assert scales(self)[0] is None, "int8 experts need the plain layout"
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    dtype = _compute_dtype(self, hidden_states) or hidden_states.dtype
     return _dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                      self.down_proj, self._apply_gate, dtype, *scales(self))
 
