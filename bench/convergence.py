@@ -227,7 +227,7 @@ def main(argv=None) -> int:
                                     f"train.output_dir={out / args.mode}",
                                     f"train.kernel_cache={out / 'kernel_cache'}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder(get_preset(cfg.model.name).family)
+    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from vlpack.config import load_config
+from vlpack.config import DataConfig, load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import measure_all, open_dataset
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         raise ValueError("--truth casts the frozen base to bf16 as a LoRA run holds it: pass a "
                          "LoRA recipe (e.g. qwen3.5-35b-a3b-lora)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder(get_preset(cfg.model.name).family)
+    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)[: args.bins]

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from vlpack.config import DataConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import open_dataset
@@ -502,7 +503,7 @@ def main(argv=None) -> int:
         p.error("--trace-vision-attention changes what --compile-layers compiles: add "
                 "--compile-layers")
     family = get_preset(args.model).family
-    enc = Encoder(family, max_pixels=args.max_pixels)
+    enc = Encoder.from_config(DataConfig(max_pixels=args.max_pixels), family, None)
     items = [c for c in open_dataset("synthetic", None, synthetic_samples=args.samples)
              if not isinstance(c, Exception)]
     samples = [enc.encode(c) for c in items]

@@ -117,12 +117,11 @@ def pack_command(d: DataConfig, *, family: str, as_json: bool = False) -> int:
     packing settings of `d`, encoded as `family`, and print the report (`as_json`: one JSON
     object)."""
     from vlpack.data.encode import Encoder
-    from vlpack.data.setup import tool_encoder_kw
     from vlpack.data.size_cache import sample_sizes
 
     items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
                          media_root=d.media_root)
-    encoder = Encoder(**tool_encoder_kw(d, family))
+    encoder = Encoder.from_config(d, family, d.tokenizer)  # data.tokenizer: the checkpoint
     path = source_path(d.source, d.path, d.synthetic_samples)
     report = pack_report(
         items, encoder, d, seed=TrainConfig().seed, progress=not as_json,
