@@ -63,7 +63,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
 def _run_synth(args: argparse.Namespace) -> int:
     from vlpack.data.synth import write_synthetic
 
-    path = write_synthetic(args.out, n=args.n, seed=args.seed, progress=True)
+    path = write_synthetic(args.out, n=args.n, seed=args.seed, show_progress=True)
     print(f"wrote {args.n} samples to {path}")
     return 0
 
@@ -82,7 +82,7 @@ def _run_energon_prepare(args: argparse.Namespace) -> int:
     from vlpack.data.energon.prepare import prepare_energon
     from vlpack.data.types import printable
 
-    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False,
+    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, show_progress=False,
                         media_root=args.media_root)
     for p in r["problems"][:20]:
         print(f"left out: {p['reason']}: {printable(p['message'])}")

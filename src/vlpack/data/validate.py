@@ -53,7 +53,7 @@ def _judge_range(lo: int, hi: int, seq_len: int | None) -> list[tuple[str, str] 
 
 
 def validate(d: DataConfig, family: str, *, seq_len: int | None = None, workers: int = 1,
-             progress: bool = False) -> dict[str, Any]:
+             show_progress: bool = False) -> dict[str, Any]:
     """Encode every record of `d.path` (a JSONL file or a Hugging Face dataset, its media inside
     `d.media_root`) with the encoder `d` and `family` describe; the counts and every bad
     sample, in file order. Each worker reads the records it judges."""
@@ -61,7 +61,7 @@ def validate(d: DataConfig, family: str, *, seq_len: int | None = None, workers:
 
     items = open_dataset(source_kind(d.path), d.path, media_root=d.media_root)  # refuses an empty file
     ranges = [(i, min(i + 64, len(items))) for i in range(0, len(items), 64)]
-    bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not progress)
+    bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not show_progress)
     verdicts: list[tuple[str, str] | None] = []
     if workers <= 1:
         _init_worker(d, family, items)
@@ -91,7 +91,7 @@ def validate_command(d: DataConfig, *, family: str, seq_len: int | None = None,
     `family` describe, list the bad ones (and those longer than `seq_len`, when given) with
     `workers` processes (None: the CPU count, at most 8); status 1 when any is bad."""
     workers = workers if workers is not None else min(8, os.cpu_count() or 1)
-    r = validate(d, family, seq_len=seq_len, workers=workers, progress=not as_json)
+    r = validate(d, family, seq_len=seq_len, workers=workers, show_progress=not as_json)
     if as_json:
         print(json.dumps(r))
     else:
