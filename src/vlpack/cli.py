@@ -227,7 +227,7 @@ def _run_check(args: argparse.Namespace) -> int:
     from vlpack.train.check import check_command
 
     kw = dict(backend=args.backend, dtype=args.dtype, samples=args.samples, seed=args.seed,
-              data=args.data, init=getattr(args, "init", "auto"),
+              data=args.data, weights=getattr(args, "init", "auto"),
               media_root=getattr(args, "media_root", None), as_json=args.json)
     if args.cp == 1:
         return check_command(args.model, **kw)
@@ -387,7 +387,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     evaluate(args.source, args.data, args.out, max_new_tokens=args.max_new_tokens,
-             batch_size=args.batch_size, limit=args.limit, media_root=args.media_root)
+             prompts_per_batch=args.batch_size, limit=args.limit, media_root=args.media_root)
     return 0
 
 

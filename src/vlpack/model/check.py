@@ -502,7 +502,7 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.device,
               backend: str = "auto", samples: int = 4, seed: int = 0, data: str | None = None,
-              context: ContextGroup | None = None, init: str = "auto", replica: int = 0,
+              context: ContextGroup | None = None, weights: str = "auto", replica: int = 0,
               media_root: str | None = None) -> dict:
     """Run the check on `model` (float32, built by train/check.py's `check`, whose arguments
     these are); returns the report dict (`passed`, and `failures` naming each item that does
@@ -524,7 +524,7 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
-                        init=init, replica=replica,
+                        init=weights, replica=replica,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
                         tolerances=TOLERANCES[dtype], isolation_bound=ISOLATION[dtype], **data_info)
