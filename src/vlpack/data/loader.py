@@ -30,16 +30,21 @@ from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 Item = Conversation | BadSampleError
 
 
-def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
+def open_dataset(source: str, path: str | None, *, synthetic_samples: int | None = None,
                  media_root: str | None = None) -> Sequence[Item]:
     """All records of a dataset, good ones as Conversation, bad ones as their error (media
     paths must resolve inside `media_root`, None: the data file's folder), read and parsed
     when indexed: a JSONL file by `jsonl_rows.JsonlRows`, a Hugging Face dataset (`hf`) by
-    `hf_source.HFRows`."""
+    `hf_source.HFRows`, the built-in set (`synthetic`) of `synthetic_samples` samples (which
+    that source needs: `data.synthetic_samples`)."""
     from vlpack.data.jsonl_rows import JsonlRows
 
     if source == "synthetic":
         from vlpack.data.synth import default_dataset
+
+        if synthetic_samples is None:
+            raise ValueError("open_dataset('synthetic', ...) reads the built-in set: pass "
+                             "synthetic_samples=N (the run's data.synthetic_samples)")
 
         path = str(default_dataset(n=synthetic_samples))
     elif source == "hf":

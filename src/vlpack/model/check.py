@@ -157,8 +157,10 @@ def _grads(model: nn.Module, context: ContextGroup | None = None) -> dict[str, t
 
 
 def _pack(spec: ModelSpec, samples: list[EncodedSample], pad_to: int, total_len: int | None):
+    # the stock model's MRoPE rule: the unpacked side runs its get_rope_index
     return build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=pad_to,
-                           total_len=total_len, spatial_merge_size=spec.merge_size)
+                           total_len=total_len, spatial_merge_size=spec.merge_size,
+                           mrope_after_video="transformers")
 
 
 def _forward_row(model, spec: ModelSpec, batch, context: ContextGroup | None, *,
