@@ -41,7 +41,7 @@ def _row(spec, tokens: int, sample_len: int):
                                      mm_token_type_ids=np.zeros(sample_len, np.int8),
                                      image_grid_thw=np.zeros((0, 3), np.int64), pixel_values=None))
     return build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=16,
-                           spatial_merge_size=spec.merge_size)
+                           spatial_merge_size=spec.merge_size, mrope_after_video="transformers")
 
 
 def _worker(rank: int, cp: int, port: int, args, queue) -> None:

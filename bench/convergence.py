@@ -51,9 +51,10 @@ from vlpack.train.step import optimizer_step
 class StepBatches(torch.utils.data.Dataset):
     """Step k → the micro-batches of bin k for one mode (encoded in DataLoader workers)."""
 
-    def __init__(self, items, encoder: Encoder, bins, mode: str, micro: int, spec):
+    def __init__(self, items, encoder: Encoder, bins, mode: str, micro: int, spec,
+                 d: DataConfig):
         self.items, self.encoder, self.bins = items, encoder, bins
-        self.mode, self.micro, self.spec = mode, micro, spec
+        self.mode, self.micro, self.spec, self.after_video = mode, micro, spec, d.mrope_after_video
 
     def __len__(self) -> int:
         return len(self.bins)
@@ -62,7 +63,10 @@ class StepBatches(torch.utils.data.Dataset):
         group = [self.encoder.encode(self.items[i]) for i in self.bins[k]]
         pad = self.spec.pad_token_id
         if self.mode == "packed":
-            return [build_thd_batch(group, pad_token_id=pad, spatial_merge_size=self.spec.merge_size)]
+            # no alignment padding, as `plan` planned the bins; the recipe's MRoPE rule
+            return [build_thd_batch(group, pad_token_id=pad, pad_to_multiple_of=1,
+                                    spatial_merge_size=self.spec.merge_size,
+                                    mrope_after_video=self.after_video)]
         return [build_padded_batch(group[i : i + self.micro], pad_token_id=pad)
                 for i in range(0, len(group), self.micro)]
 
@@ -114,7 +118,8 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
         (run / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[:done]))
         print(f"{args.mode}: resumed after step {done}", flush=True)
     data = torch.utils.data.DataLoader(
-        StepBatches(items, encoder, bins[done:], args.mode, args.micro, spec), batch_size=None,
+        StepBatches(items, encoder, bins[done:], args.mode, args.micro, spec, cfg.data),
+        batch_size=None,
         num_workers=args.workers, prefetch_factor=4 if args.workers else None,
         pin_memory=device.type == "cuda", collate_fn=lambda x: x)
     t0 = time.perf_counter() - before
@@ -227,7 +232,7 @@ def main(argv=None) -> int:
                                     f"train.output_dir={out / args.mode}",
                                     f"train.kernel_cache={out / 'kernel_cache'}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder(get_preset(cfg.model.name).family)
+    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from vlpack.config import load_config
+from vlpack.config import DataConfig, load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import measure_all, open_dataset
@@ -150,7 +150,8 @@ def step_gradient(module, mbs, *, info: Topology, loss_norm: str, aux_coef: floa
 
     opt = Record(list(names), lr=0.0)
     optimizer_step(module, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), mbs,
-                   info=info, loss_norm=loss_norm, aux_coef=aux_coef, autocast=autocast)
+                   info=info, loss_norm=loss_norm, aux_coef=aux_coef,
+                   grad_clip=0.0, autocast=autocast)  # the gradient unclipped
     return grads
 
 
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
         raise ValueError("--truth casts the frozen base to bf16 as a LoRA run holds it: pass a "
                          "LoRA recipe (e.g. qwen3.5-35b-a3b-lora)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder(get_preset(cfg.model.name).family)
+    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
     items = open_dataset("synthetic", None, synthetic_samples=args.samples)
     bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
                 cfg.data.buffer_size)[: args.bins]
@@ -242,15 +243,18 @@ def main(argv=None) -> int:
             model.set_experts_implementation(STOCK_EXPERTS if on else packed_experts)
 
     pad, merge = spec.pad_token_id, spec.merge_size
+    # rows without alignment padding, positioned by the stock model's MRoPE rule (the padded
+    # and stock sides compute theirs with transformers' get_rope_index)
+    row = dict(pad_token_id=pad, pad_to_multiple_of=1, spatial_merge_size=merge,
+               mrope_after_video="transformers")
     report = {"recipe": args.recipe, "model": cfg.model.name, "seq_len": args.seq_len,
               "micro": args.micro, "truth": args.truth, "bins": []}
     encoded = [[encoder.encode(items[i]) for i in ids] for ids in bins]
     ways_of = []
     for group in encoded:
         ways = {
-            "packed": [build_thd_batch(group, pad_token_id=pad, spatial_merge_size=merge)],
-            "alone": [build_thd_batch([s], pad_token_id=pad, spatial_merge_size=merge)
-                      for s in group],
+            "packed": [build_thd_batch(group, **row)],
+            "alone": [build_thd_batch([s], **row) for s in group],
             "padded": [build_padded_batch(group[i : i + args.micro], pad_token_id=pad)
                        for i in range(0, len(group), args.micro)],
             "padded_alone": [build_padded_batch([s], pad_token_id=pad) for s in group],

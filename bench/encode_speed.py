@@ -25,6 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one worker means one thread
 
+    from vlpack.config import DataConfig
     from vlpack.data.encode import Encoder
     from vlpack.data.sources import read_jsonl
     from vlpack.data.synth import write_synthetic
@@ -34,7 +35,7 @@ def main() -> None:
         convs = read_jsonl(write_synthetic(tmp, n=args.n, seed=args.seed))
         t_synth = time.perf_counter() - t0
         t0 = time.perf_counter()
-        enc = Encoder(args.family, max_pixels=args.max_pixels)
+        enc = Encoder.from_config(DataConfig(max_pixels=args.max_pixels), args.family, None)
         t_load = time.perf_counter() - t0
         enc.encode(convs[0])  # warm the image processor
 

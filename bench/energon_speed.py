@@ -64,7 +64,7 @@ def main() -> None:
     from vlpack.data.loader import PackedLoader, open_dataset
     from vlpack.data.synth import default_dataset
 
-    enc = Encoder(args.family)
+    enc = Encoder.from_config(DataConfig(), args.family, None)
     pad = enc.tokenizer.pad_token_id or 0
     src = default_dataset(n=args.n)
     common = dict(seq_len=args.seq_len, packing="bfd", pad_to_multiple_of=8, overlong="truncate",

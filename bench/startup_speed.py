@@ -72,7 +72,7 @@ def start(path: Path, family: str, workers: int) -> dict:
     from vlpack.data.encode import Encoder
     from vlpack.data.loader import PackedLoader, open_dataset
 
-    encoder = Encoder(family)
+    encoder = Encoder.from_config(DataConfig(), family, None)
     size_cache.settings_key(encoder.length_settings())  # the tokenizer's hash: setup, not start
     _ = encoder.image_processor  # transformers' processor modules, imported at the first encode
     base = _rss_kib("VmRSS")

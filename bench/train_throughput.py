@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from vlpack.config import DataConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import open_dataset
@@ -238,8 +239,10 @@ def make_batches(samples, mode: str, spec, seq_len: int, batch: int):
         return [build_padded_batch(samples[i : i + batch], pad_token_id=spec.pad_token_id)
                 for i in range(0, len(samples) - batch + 1, batch)]
     bins = plan_bins([len(s) for s in samples], seq_len, "bfd")
+    # bins of the unpadded lengths, so no alignment padding; the hf modes' MRoPE rule
     return [build_thd_batch([samples[i] for i in b], pad_token_id=spec.pad_token_id,
-                            spatial_merge_size=spec.merge_size) for b in bins]
+                            pad_to_multiple_of=1, spatial_merge_size=spec.merge_size,
+                            mrope_after_video="transformers") for b in bins]
 
 
 def _progress(mode: str, what: str, t0: float) -> None:
@@ -502,7 +505,7 @@ def main(argv=None) -> int:
         p.error("--trace-vision-attention changes what --compile-layers compiles: add "
                 "--compile-layers")
     family = get_preset(args.model).family
-    enc = Encoder(family, max_pixels=args.max_pixels)
+    enc = Encoder.from_config(DataConfig(max_pixels=args.max_pixels), family, None)
     items = [c for c in open_dataset("synthetic", None, synthetic_samples=args.samples)
              if not isinstance(c, Exception)]
     samples = [enc.encode(c) for c in items]

@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import open_dataset
 from vlpack.data.plan import plan_bins
@@ -29,7 +30,7 @@ from vlpack.model.presets import get_preset
 
 def bins_of_segments(model: str, seq_len: int, samples: int) -> list[list[int]]:
     """Patches per image of each packed bin of the bench's synthetic data."""
-    enc = Encoder(get_preset(model).family)
+    enc = Encoder.from_config(DataConfig(), get_preset(model).family, None)
     items = [c for c in open_dataset("synthetic", None, synthetic_samples=samples)
              if not isinstance(c, Exception)]
     encoded = [s for s in (enc.encode(c) for c in items) if len(s) <= seq_len]

@@ -1,12 +1,29 @@
-"""The package's layers: model code imports nothing from train/ (whose parallelism imports
-torch.distributed); what assembles both lives in train/ or above."""
+"""The package's layers: each module imports only from floors below its own (or from its own
+part), and no modules import each other round a cycle. Model code imports nothing from train/
+(whose parallelism imports torch.distributed); what assembles both lives in train/ or above.
+Every import counts, function-local ones too."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-MODEL = Path(__file__).resolve().parents[1] / "src" / "vlpack" / "model"
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "vlpack"
+MODEL = PACKAGE / "model"
+
+FLOORS = (
+    ("families", "pickles"),  # tables and helpers: no other vlpack module
+    ("preset_names",),  # the presets' names, for the config's checks
+    ("config",),  # the run's settings, validated
+    ("config_keys", "data"),  # the config's reference; samples, encoding, packing, loading
+    ("model",),  # the model, its kernels and checks (reads data's types)
+    ("train",),  # the loop, parallelism, checkpoints: assembles data and model
+    ("cli",),  # the commands
+    ("__main__",),  # `python -m vlpack`
+)
+"""The parts of `vlpack` (a top-level module or subpackage), lowest floor first. A part may
+import its own modules and those of lower floors; parts on one floor import none of each other."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -19,6 +36,82 @@ def _imports(path: Path) -> set[str]:
             out.add(node.module)
             out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name → file of every module of the package (a package by its __init__.py)."""
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module → the package's modules it imports (`from a.b import c` is a.b.c when that is a
+    module, else a.b; `import a.b.c` is the deepest of those that is a module)."""
+    mods = _modules()
+    graph = {}
+    for m, p in mods.items():
+        names = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods
+                          else node.module for a in node.names}
+        graph[m] = set()
+        for name in names:
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != m:
+                graph[m].add(name)
+    return graph
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_every_part_of_the_package_has_a_floor():
+    floored = {p for floor in FLOORS for p in floor}
+    parts = {_part(m) for m in _modules() if m != "vlpack"}
+    assert parts <= floored, f"give these a floor in FLOORS: {sorted(parts - floored)}"
+
+
+def test_no_module_imports_from_its_own_floor_or_above():
+    level = {p: i for i, floor in enumerate(FLOORS) for p in floor}
+    found = sorted(f"{m} imports {t} (floor {level[_part(t)]} >= {level[_part(m)]})"
+                   for m, targets in _graph().items() if m != "vlpack" for t in targets
+                   if t != "vlpack" and _part(t) != _part(m)
+                   and level[_part(t)] >= level[_part(m)])
+    assert not found, found
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph()
+    cycles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join([*path[path.index(t):], t]))
+            elif t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path):
+    """The check itself: an import from a higher floor, function-local, is found."""
+    f = tmp_path / "mod.py"
+    f.write_text("def f():\n    from vlpack.model.presets import get_preset\n")
+    assert "vlpack.model.presets.get_preset" in _imports(f)
 
 
 def test_model_code_imports_nothing_from_train():

@@ -63,7 +63,7 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
 def _run_synth(args: argparse.Namespace) -> int:
     from vlpack.data.synth import write_synthetic
 
-    path = write_synthetic(args.out, n=args.n, seed=args.seed, progress=True)
+    path = write_synthetic(args.out, n=args.n, seed=args.seed, show_progress=True)
     print(f"wrote {args.n} samples to {path}")
     return 0
 
@@ -82,7 +82,7 @@ def _run_energon_prepare(args: argparse.Namespace) -> int:
     from vlpack.data.energon.prepare import prepare_energon
     from vlpack.data.types import printable
 
-    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, progress=False,
+    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, show_progress=False,
                         media_root=args.media_root)
     for p in r["problems"][:20]:
         print(f"left out: {p['reason']}: {printable(p['message'])}")
@@ -227,7 +227,7 @@ def _run_check(args: argparse.Namespace) -> int:
     from vlpack.train.check import check_command
 
     kw = dict(backend=args.backend, dtype=args.dtype, samples=args.samples, seed=args.seed,
-              data=args.data, init=getattr(args, "init", "auto"),
+              data=args.data, weights=getattr(args, "init", "auto"),
               media_root=getattr(args, "media_root", None), as_json=args.json)
     if args.cp == 1:
         return check_command(args.model, **kw)
@@ -387,7 +387,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     evaluate(args.source, args.data, args.out, max_new_tokens=args.max_new_tokens,
-             batch_size=args.batch_size, limit=args.limit, media_root=args.media_root)
+             prompts_per_batch=args.batch_size, limit=args.limit, media_root=args.media_root)
     return 0
 
 

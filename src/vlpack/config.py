@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from vlpack.preset_names import random_weights_refusal
+
 Source = Literal["jsonl", "synthetic", "energon", "hf"]
 """Where `data.*` samples come from (each choice is listed only here and read with get_args)."""
 Algo = Literal["greedy", "ffd", "bfd"]
@@ -609,8 +611,6 @@ class Config:
         mixed = [f"{m.source} (in data.mix)" for m in self.data.mix or () if m.source != "synthetic"]
         source = self.data.source if self.data.source != "synthetic" else next(iter(mixed), None)
         if source is not None and self.model.init != "random" and not Path(self.model.name).is_dir():
-            from vlpack.model.presets import random_weights_refusal
-
             raise ValueError(random_weights_refusal(self.model.name, source))
         if self.train.memory_check == "shorten" and self.data.packing == "none":
             raise ValueError("train.memory_check=shorten halves packed bins and doubles "

@@ -49,7 +49,8 @@ def test_batch_fields_match_per_sample_reference(seed: int, n: int, mult: int, e
         assert b.labels[sl][-1] == IGNORE_INDEX, "a label never crosses into the next sample"
         np.testing.assert_array_equal(b.position_ids[0, sl].numpy(), np.arange(len(s)))
         np.testing.assert_array_equal(
-            b.position_ids[1:, sl].numpy(), mrope_positions(s.mm_token_type_ids, s.image_grid_thw)
+            b.position_ids[1:, sl].numpy(),
+            mrope_positions(s.mm_token_type_ids, s.image_grid_thw, after_video="transformers"),
         )
         np.testing.assert_array_equal(b.mm_token_type_ids[sl].numpy(), s.mm_token_type_ids)
     assert torch.equal(b.padding_mask, ~real)

@@ -57,22 +57,25 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_mrope_matches_transformers(family: str, case: str) -> None:
     s = make_sample("s", np.random.default_rng(0), **CASES[case])
-    ours = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2)
+    ours = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2,
+                           after_video="transformers")
     theirs = hf_rope_index(family, s.input_ids, s.mm_token_type_ids, s.image_grid_thw)
     np.testing.assert_array_equal(ours, theirs)
 
 
 def test_text_only_positions_are_arange() -> None:
-    pos = mrope_positions(np.zeros(6, dtype=np.int8), np.zeros((0, 3), dtype=np.int64))
+    pos = mrope_positions(np.zeros(6, dtype=np.int8), np.zeros((0, 3), dtype=np.int64),
+                          after_video="qwen")
     np.testing.assert_array_equal(pos, np.tile(np.arange(6), (3, 1)))
 
 
 def test_grid_mismatch_is_a_clear_error() -> None:
     s = make_sample("s", np.random.default_rng(0))
     with pytest.raises(ValueError, match="visual item 0 spans"):
-        mrope_positions(s.mm_token_type_ids, np.array([[1, 2, 2]]), 2)
+        mrope_positions(s.mm_token_type_ids, np.array([[1, 2, 2]]), 2, after_video="qwen")
     with pytest.raises(ValueError, match="more visual spans than grids"):
-        mrope_positions(s.mm_token_type_ids, np.zeros((0, 3), dtype=np.int64), 2)
+        mrope_positions(s.mm_token_type_ids, np.zeros((0, 3), dtype=np.int64), 2,
+                        after_video="qwen")
 
 
 def test_whole_row_rope_index_continues_across_samples() -> None:
@@ -84,7 +87,8 @@ def test_whole_row_rope_index_continues_across_samples() -> None:
     g = np.concatenate([a.image_grid_thw, b.image_grid_thw])
     whole = hf_rope_index("qwen3_vl", ids, t, g)
     per_sample = np.concatenate(
-        [mrope_positions(s.mm_token_type_ids, s.image_grid_thw) for s in (a, b)], axis=1
+        [mrope_positions(s.mm_token_type_ids, s.image_grid_thw, after_video="transformers")
+         for s in (a, b)], axis=1
     )
     assert not np.array_equal(whole, per_sample)
     np.testing.assert_array_equal(whole[:, : len(a)], per_sample[:, : len(a)])

@@ -310,9 +310,9 @@ def test_the_measuring_bar_shows_on_a_terminal_only(terminal: bool, capsys, monk
     """A log file (stderr no terminal) gets no `measuring samples` bar, whose redraws would
     pile up in it; a terminal gets it from both measuring paths."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
-    parts = size_cache.measure_parallel([3, 4, 5], _Counted(), progress=True)
+    parts = size_cache.measure_parallel([3, 4, 5], _Counted(), show_progress=True)
     assert parts[0].sizes[0].tolist() == [3, 4, 5]
-    assert [s.tokens for s in measure_all([6, 7], _Counted(), progress=True)] == [6, 7]
+    assert [s.tokens for s in measure_all([6, 7], _Counted(), show_progress=True)] == [6, 7]
     err = capsys.readouterr().err
     assert (err.count("measuring samples: 100%"), "measuring samples" in err) == (
         (2, True) if terminal else (0, False))

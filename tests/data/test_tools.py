@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.sources import parse_record
 from vlpack.data.types import IGNORE_INDEX, BadSampleError
@@ -360,7 +361,7 @@ def test_check_and_validate_pass_on_tool_call_data(tmp_path, capsys):
 
     data = _tool_jsonl(tmp_path)
     for family in ("qwen3_vl", "qwen3_5"):
-        report = validate(data, {"family": family}, workers=1)
+        report = validate(DataConfig(source="jsonl", path=data), family, workers=1)
         assert report["good"] == 3 and not report["problems"], report["problems"]
     args = ["check", "--model", "tiny-qwen3_vl", "--data", data, "--samples", "3", "--json"]
     assert main(args) == 0

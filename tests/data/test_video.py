@@ -404,7 +404,8 @@ def test_video_positions_match_transformers(tmp_path: Path, fam: str) -> None:
                             {"type": "image", "image": "im0.png"},
                             {"type": "video", "video": b, "fps": 1}])
     s = Encoder(fam).encode(conv)
-    ours = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2, s.temporal_step)
+    ours = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2, s.temporal_step,
+                           after_video="transformers")
     np.testing.assert_array_equal(ours, _hf_rope(fam, s))
 
 
@@ -412,7 +413,8 @@ def test_qwen2_5_fractional_time_step_hand_worked() -> None:
     # one video of 3 temporal patches of 2x2 merged tokens, 0.75 s per patch: step 2 × 0.75
     # = 1.5 → temporal positions floor(0, 1.5, 3.0) = 0, 1, 3 after 2 text tokens
     types_ = np.array([0, 0] + [2] * 12 + [0], dtype=np.int8)
-    pos = mrope_positions(types_, np.array([[3, 4, 4]]), 2, np.array([1.5], np.float32))
+    pos = mrope_positions(types_, np.array([[3, 4, 4]]), 2, np.array([1.5], np.float32),
+                          after_video="transformers")
     assert pos[0, 2:14].tolist() == [2] * 4 + [3] * 4 + [5] * 4
     assert pos[1, 2:6].tolist() == [2, 2, 3, 3] and pos[2, 2:6].tolist() == [2, 3, 2, 3]
     assert pos[:, 14].tolist() == [4, 4, 4]  # text continues at 2 + max(h', w') = 4

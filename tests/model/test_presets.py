@@ -3,6 +3,7 @@ cut-down depths, unknown names, and a preset on the user's data."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from vlpack.config import load_config
 from vlpack.model import build_model
 from vlpack.model.presets import PRESETS, get_preset, reduced_depth
+from vlpack.preset_names import NAMES
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
@@ -109,3 +111,8 @@ def test_random_init_a_folder_or_synthetic_data_are_accepted(tmp_path: Path) -> 
     folder = load_config(None, ["data.source=jsonl", "data.path=my.jsonl",
                                 f"model.name={tmp_path}"])
     assert folder.model.name == str(tmp_path)
+
+
+def test_the_config_knows_every_preset_by_name() -> None:
+    """config.py names presets from vlpack.preset_names (below model/): the same names."""
+    assert {n for n in PRESETS if not re.fullmatch(r".+-\d+L", n)} == set(NAMES)  # cuts aside

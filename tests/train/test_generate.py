@@ -118,7 +118,7 @@ def test_batched_greedy_generate_equals_an_argmax_loop(preset: str) -> None:
     encoder = Encoder(spec.family, min_pixels=16384, max_pixels=50176)
     prompts = all_prompts(_convs(2), encoder)[:3]
     assert len({len(p.sample) for p in prompts}) > 1  # left padding at work
-    got = generate_ids(model, spec, encoder, prompts, max_new_tokens=5, batch_size=3)
+    got = generate_ids(model, spec, encoder, prompts, max_new_tokens=5, prompts_per_batch=3)
     stops = {encoder.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     for p, ids in zip(prompts, got, strict=True):
         assert ids == _greedy_loop(model, spec, p.sample, 5, stops)

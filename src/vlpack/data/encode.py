@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from vlpack.data import tools
 from vlpack.data import video as vid
 from vlpack.data.media import image_size, open_image
 from vlpack.data.processor import folder_processor, load_image_processor
-from vlpack.data.tokenizer import load_tokenizer
+from vlpack.data.tokenizer import has_tokenizer, load_tokenizer
 from vlpack.data.types import (
     IGNORE_INDEX,
     TOKEN_TYPE_IMAGE,
@@ -203,6 +204,26 @@ class Encoder:
         self.video_pad_id = self._ids["<|video_pad|>"]
         self.vision_start_id = self._ids["<|vision_start|>"]
         self.vision_end_id = self._ids["<|vision_end|>"]
+
+    @classmethod
+    def from_config(cls, d: DataConfig, family: str, folder: str | Path | None, *,
+                    tokens_per_second: int | None = None,
+                    folder_processor: bool = True) -> Encoder:
+        """The encoder of the `data` section `d` for `family`: the one way vlpack builds one.
+        `folder` (a checkpoint folder, or None) gives the tokenizer when `data.tokenizer` names
+        none and it holds one, the chat template of `data.chat_template=auto`, and, with
+        `folder_processor`, its image and video processor settings; `tokens_per_second` is
+        the model's (None: the family's)."""
+        tokenizer = d.tokenizer
+        if tokenizer is None and folder is not None and has_tokenizer(folder):
+            tokenizer = str(folder)
+        is_dir = folder is not None and Path(folder).is_dir()
+        return cls(family, tokenizer_path=tokenizer, min_pixels=d.min_pixels,
+                   max_pixels=d.max_pixels, max_image_pixels=d.max_image_pixels, video=d.video,
+                   tokens_per_second=tokens_per_second,
+                   processor_path=str(folder) if is_dir and folder_processor else None,
+                   chat_template=chat.load_template(d.chat_template, folder),
+                   supervise_empty_think=d.supervise_empty_think)
 
     def length_settings(self) -> dict[str, object]:
         """Every attribute of this encoder as a JSON value (tokenizers by their content's hash):

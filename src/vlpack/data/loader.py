@@ -30,16 +30,21 @@ from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 Item = Conversation | BadSampleError
 
 
-def open_dataset(source: str, path: str | None, *, synthetic_samples: int = 256,
+def open_dataset(source: str, path: str | None, *, synthetic_samples: int | None = None,
                  media_root: str | None = None) -> Sequence[Item]:
     """All records of a dataset, good ones as Conversation, bad ones as their error (media
     paths must resolve inside `media_root`, None: the data file's folder), read and parsed
     when indexed: a JSONL file by `jsonl_rows.JsonlRows`, a Hugging Face dataset (`hf`) by
-    `hf_source.HFRows`."""
+    `hf_source.HFRows`, the built-in set (`synthetic`) of `synthetic_samples` samples (which
+    that source needs: `data.synthetic_samples`)."""
     from vlpack.data.jsonl_rows import JsonlRows
 
     if source == "synthetic":
         from vlpack.data.synth import default_dataset
+
+        if synthetic_samples is None:
+            raise ValueError("open_dataset('synthetic', ...) reads the built-in set: pass "
+                             "synthetic_samples=N (the run's data.synthetic_samples)")
 
         path = str(default_dataset(n=synthetic_samples))
     elif source == "hf":
@@ -85,10 +90,10 @@ def describe(item, i: int) -> str:
     return name if name is not None else f"sample #{i + 1}"
 
 
-def measure_all(items: Sequence[Item], encoder, *, progress: bool = False) -> list[SizeOrError]:
+def measure_all(items: Sequence[Item], encoder, *, show_progress: bool = False) -> list[SizeOrError]:
     """Exact size of every sample from image headers; bad samples become their error."""
     out: list[SizeOrError] = []
-    with measuring_bar(len(items), progress) as bar:
+    with measuring_bar(len(items), show_progress) as bar:
         for item in items:
             out.append(measure_one(item, encoder))
             bar.update(1)
@@ -116,14 +121,14 @@ def data_fingerprints(d: DataConfig) -> dict[str, str]:
 
 
 def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int = 0,
-                    progress: bool = False) -> Sequence[SizeOrError]:
+                    show_progress: bool = False) -> Sequence[SizeOrError]:
     """`measure_all` of `items` (a source or a `data.mix`), each source's sizes read from the
     size cache or measured with `data.num_workers` processes and cached (size_cache.py)."""
     from vlpack.data.size_cache import sample_sizes
 
     def one(rows: Sequence[Item], source: str, path: str | None) -> Sequence[SizeOrError]:
         return sample_sizes(rows, encoder, source_path(source, path, d.synthetic_samples),
-                            workers=d.num_workers, rank=rank, progress=progress,
+                            workers=d.num_workers, rank=rank, show_progress=show_progress,
                             media_root=d.media_root)
 
     if isinstance(items, Mixture):
@@ -225,15 +230,15 @@ class PackedLoader:
         per_round: int = 1,
         pin_memory: bool = False,
         spatial_merge_size: int = 2,
-        progress: bool = False,
+        show_progress: bool = False,
         report_skips: bool = True,
     ):
         self.items = items
         self.encoder = encoder
         self.data = d
         self.sizes = sizes if sizes is not None else (
-            items.measure(lambda rows: measure_all(rows, encoder, progress=progress))
-            if isinstance(items, Mixture) else measure_all(items, encoder, progress=progress))
+            items.measure(lambda rows: measure_all(rows, encoder, show_progress=show_progress))
+            if isinstance(items, Mixture) else measure_all(items, encoder, show_progress=show_progress))
         self.packed = d.packing != "none"
         self.stream_kw = dict(data=d, seed=seed, epochs=epochs, truncate_fn=self._truncated_size)
         self.rank, self.world_size, self.per_round = rank, world_size, per_round
@@ -325,7 +330,7 @@ class PackedLoader:
 
 def build_loaders(
     d: DataConfig, encoder, *, seed: int, rank: int = 0, world_size: int = 1, per_round: int = 1,
-    pad_token_id: int, spatial_merge_size: int, pin_memory: bool = False, progress: bool = False,
+    pad_token_id: int, spatial_merge_size: int, pin_memory: bool = False, show_progress: bool = False,
     report_skips: bool = True,
 ):
     """The training loader of this rank (endless) and the evaluation loader (one pass over the
@@ -357,7 +362,7 @@ def build_loaders(
         raise ValueError(f"data.eval_samples={n_eval} leaves no training samples "
                          f"(the dataset has {len(items)}): lower data.eval_samples")
     n_train = len(items) - n_eval
-    sizes = measure_sources(d, items, encoder, rank=rank, progress=progress)
+    sizes = measure_sources(d, items, encoder, rank=rank, show_progress=show_progress)
     common = dict(seed=seed, rank=rank, world_size=world_size, pad_token_id=pad_token_id,
                   spatial_merge_size=spatial_merge_size, pin_memory=pin_memory,
                   report_skips=report_skips)

@@ -25,7 +25,7 @@ MAX_LISTED = 20
 
 
 def pack_report(
-    items, encoder, d: DataConfig, *, seed: int, progress: bool = False,
+    items, encoder, d: DataConfig, *, seed: int, show_progress: bool = False,
     sizes_of: Callable[[], Sequence] | None = None,
 ) -> dict:
     """Plan `items` once with the packing settings of `d` (one epoch in file order, flushed)
@@ -33,7 +33,7 @@ def pack_report(
     cache), else are measured. The report counts every bad sample: the bad-sample limits,
     which stop a training run, do not apply."""
     t0 = time.perf_counter()
-    sizes = sizes_of() if sizes_of is not None else measure_all(items, encoder, progress=progress)
+    sizes = sizes_of() if sizes_of is not None else measure_all(items, encoder, show_progress=show_progress)
     t1 = time.perf_counter()
     d = replace(d, shuffle=False, max_consecutive_bad=len(items), max_bad_fraction=1.0)
     stream = BinStream(
@@ -117,16 +117,15 @@ def pack_command(d: DataConfig, *, family: str, as_json: bool = False) -> int:
     packing settings of `d`, encoded as `family`, and print the report (`as_json`: one JSON
     object)."""
     from vlpack.data.encode import Encoder
-    from vlpack.data.setup import tool_encoder_kw
     from vlpack.data.size_cache import sample_sizes
 
     items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
                          media_root=d.media_root)
-    encoder = Encoder(**tool_encoder_kw(d, family))
+    encoder = Encoder.from_config(d, family, d.tokenizer)  # data.tokenizer: the checkpoint
     path = source_path(d.source, d.path, d.synthetic_samples)
     report = pack_report(
-        items, encoder, d, seed=TrainConfig().seed, progress=not as_json,
-        sizes_of=lambda: sample_sizes(items, encoder, path, progress=not as_json,
+        items, encoder, d, seed=TrainConfig().seed, show_progress=not as_json,
+        sizes_of=lambda: sample_sizes(items, encoder, path, show_progress=not as_json,
                                       media_root=d.media_root),
     )
     print(json.dumps(report) if as_json else format_report(report))

@@ -32,7 +32,8 @@ def mrope_positions(
     image_grid_thw_I3: np.ndarray,
     spatial_merge_size: int = 2,
     temporal_step_I: np.ndarray | None = None,
-    after_video: str = "transformers",
+    *,
+    after_video: str,
 ) -> np.ndarray:
     """3-row MRoPE positions [3, L] (int64) of one sample.
 
@@ -42,8 +43,8 @@ def mrope_positions(
     as transformers splits a video grid into t grids of one patch. Temporal positions step by
     `temporal_step_I` of the item (1 when None; Qwen2.5-VL's tokens_per_second ×
     second_per_grid for a video), floored, in float32 as transformers computes them.
-    `after_video`: where the text after a visual span continues, "qwen" (after its largest
-    position) or "transformers" (its start + max(h', w')).
+    `after_video` (`data.mrope_after_video`): where the text after a visual span continues,
+    "qwen" (after its largest position) or "transformers" (its start + max(h', w')).
     """
     if after_video not in AFTER_VIDEO:
         raise ValueError(f"after_video={after_video!r}: use one of {', '.join(AFTER_VIDEO)}")

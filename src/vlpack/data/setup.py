@@ -7,7 +7,6 @@ from pathlib import Path
 
 from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
-from vlpack.data.template import load_template
 from vlpack.data.tokenizer import has_tokenizer
 
 log = logging.getLogger("vlpack.data")
@@ -17,20 +16,13 @@ def build_encoder(d: DataConfig, spec, model_name: str, *, announce: bool = Fals
     """The Encoder of `data.*` for the model `model_name` (`spec`: its ModelSpec). The
     tokenizer, chat template and image/video settings come from `data.tokenizer`, else the
     model's folder, else the family's built-ins; `announce` logs where each came from."""
-    tok_path = d.tokenizer
-    if tok_path is None and has_tokenizer(model_name):
-        tok_path = model_name
     folder = Path(model_name)
-    if tok_path is None and folder.is_dir() and announce:
+    if d.tokenizer is None and not has_tokenizer(folder) and folder.is_dir() and announce:
         log.warning("%s has no tokenizer files (tokenizer.json / vocab.json): vlpack's built-in "
                     "%s tokenizer encodes the data; copy the checkpoint's tokenizer files into "
                     "the folder, or set data.tokenizer=FOLDER", folder, spec.family)
-    enc = Encoder(spec.family, tokenizer_path=tok_path, min_pixels=d.min_pixels,
-                  max_pixels=d.max_pixels, max_image_pixels=d.max_image_pixels, video=d.video,
-                  tokens_per_second=spec.tokens_per_second,
-                  processor_path=str(folder) if folder.is_dir() else None,
-                  chat_template=load_template(d.chat_template, folder),
-                  supervise_empty_think=d.supervise_empty_think)
+    enc = Encoder.from_config(d, spec.family, model_name,
+                              tokens_per_second=spec.tokens_per_second)
     if announce:
         if enc.chat_template:
             log.info("chat template from %s", enc.chat_template.file)
@@ -46,14 +38,3 @@ def build_encoder(d: DataConfig, spec, model_name: str, *, announce: bool = Fals
             "(data.tokenizer=FOLDER)")
     return enc
 
-
-def tool_encoder_kw(d: DataConfig, family: str) -> dict:
-    """Encoder keyword arguments of `data.*` for a tool that runs without a model (`vlpack
-    pack`, `vlpack data validate`): `data.tokenizer` serves as the checkpoint folder (its
-    tokenizer, chat template and image settings), else the family's built-ins. Picklable, so
-    worker processes build the same encoder."""
-    return dict(family=family, tokenizer_path=d.tokenizer, processor_path=d.tokenizer,
-                min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                max_image_pixels=d.max_image_pixels, video=d.video,
-                chat_template=load_template(d.chat_template, d.tokenizer),
-                supervise_empty_think=d.supervise_empty_think)

@@ -223,11 +223,11 @@ def measure_one(item, encoder) -> SizeOrError:
         return located(e, item)
 
 
-def measuring_bar(total: int, progress: bool) -> tqdm:
-    """The `measuring samples` bar, shown with `progress` on a terminal only: in a log file
+def measuring_bar(total: int, show_progress: bool) -> tqdm:
+    """The `measuring samples` bar, shown with `show_progress` on a terminal only: in a log file
     (stderr redirected) its redraws would pile up."""
     return tqdm(total=total, desc="measuring samples", unit="sample",
-                disable=not (progress and sys.stderr.isatty()))
+                disable=not (show_progress and sys.stderr.isatty()))
 
 
 def _measure_range(items, encoder, lo: int, hi: int) -> _Part:
@@ -253,12 +253,12 @@ def _work(span: tuple[int, int]) -> _Part:
 
 
 def measure_parallel(items: Sequence, encoder, indices: Sequence[int] | None = None, *,
-                     workers: int = 0, progress: bool = False) -> list[_Part]:
+                     workers: int = 0, show_progress: bool = False) -> list[_Part]:
     """Parts covering `indices` (default: all), measured in `workers` forked processes (0 or 1:
     in this one). Parts are contiguous runs, in order."""
     idx = np.arange(len(items)) if indices is None else np.asarray(indices, dtype=np.int64)
     runs = _runs(idx, chunk=max(64, -(-len(idx) // max(1, workers * 16))))
-    bar = measuring_bar(len(idx), progress)
+    bar = measuring_bar(len(idx), show_progress)
     parts: list[_Part] = []
     if workers <= 1 or len(runs) <= 1:
         for lo, hi in runs:
@@ -403,7 +403,7 @@ def local_rank(rank: int) -> int:
 
 
 def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: int = 0,
-                 rank: int = 0, progress: bool = False, media_root: str | None = None
+                 rank: int = 0, show_progress: bool = False, media_root: str | None = None
                  ) -> SizeIndex:
     """Every sample's size or error (as `loader.measure_all`), from the cache when it holds
     them for this source content, media root and these encoder settings, else measured with
@@ -412,7 +412,7 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
     folder = cache_dir()
     if folder is None or path is None or not hasattr(encoder, "length_settings"):
         return SizeIndex.of([p for part in measure_parallel(items, encoder, workers=workers,
-                                                            progress=progress)
+                                                            show_progress=show_progress)
                              for p in _part_sizes(part)])
     # a given root as the folder it names (a relative one names another folder from another
     # working directory); the default root, the data file's folder, moves with a copy
@@ -425,7 +425,7 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
         _wait_for(file)
     try:
         return _read_or_measure(items, encoder, path, folder, file, source, settings,
-                                workers=workers, progress=progress, write=measurer)
+                                workers=workers, show_progress=show_progress, write=measurer)
     except BaseException as e:
         if measurer and _job() is not None:  # the waiting ranks stop now, not at the timeout
             file.parent.mkdir(parents=True, exist_ok=True)
@@ -434,12 +434,12 @@ def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: 
 
 
 def _read_or_measure(items: Sequence, encoder, path, folder: Path, file: Path, source: str,
-                     settings: dict, *, workers: int, progress: bool, write: bool) -> SizeIndex:
+                     settings: dict, *, workers: int, show_progress: bool, write: bool) -> SizeIndex:
     n = len(items)
     rec = _load(file, n) if file.is_file() else None
     if rec is None:
         _say_why(folder, path, source, settings, n, workers)
-        rec = _assemble(n, measure_parallel(items, encoder, workers=workers, progress=progress))
+        rec = _assemble(n, measure_parallel(items, encoder, workers=workers, show_progress=show_progress))
     else:
         # A bad sample is judged again: its message names the file it was read from and the
         # media it resolved, which differ for the same bytes in another folder.

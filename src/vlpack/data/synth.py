@@ -48,7 +48,7 @@ _ASK = ("Extract this receipt as JSON.", "Read the receipt and return its fields
         "Transcribe the receipt into JSON with shop, address, date, items and totals.")  # fmt: skip
 
 
-def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, progress: bool = False,
+def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, show_progress: bool = False,
                     workers: int | None = None) -> Path:
     """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/`; returns the JSONL path.
     Samples render in `workers` processes (default for 256 samples or more: up to 8, sharing
@@ -69,7 +69,7 @@ def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, progress: bool =
             samples: Any = pool.map(make, range(n), chunksize=32)
         else:
             samples = map(make, range(n))
-        if progress:
+        if show_progress:
             from tqdm import tqdm
 
             samples = tqdm(samples, total=n, desc="synth", unit="sample")

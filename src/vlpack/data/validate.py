@@ -25,11 +25,13 @@ _ENCODER = None  # the worker process's encoder (set by _init_worker)
 _ITEMS = None  # the worker process's dataset (records read when indexed)
 
 
-def _init_worker(encoder_kw: dict[str, Any], items) -> None:
+def _init_worker(d: DataConfig, family: str, items) -> None:
+    """The worker's encoder (`data.tokenizer` serves as the checkpoint folder: its tokenizer,
+    chat template and image settings) and dataset."""
     global _ENCODER, _ITEMS
     from vlpack.data.encode import Encoder
 
-    _ENCODER, _ITEMS = Encoder(**encoder_kw), items
+    _ENCODER, _ITEMS = Encoder.from_config(d, family, d.tokenizer), items
 
 
 def _judge(item: Conversation | BadSampleError, seq_len: int | None) -> tuple[str, str] | None:
@@ -50,25 +52,25 @@ def _judge_range(lo: int, hi: int, seq_len: int | None) -> list[tuple[str, str] 
     return [_judge(_ITEMS[i], seq_len) for i in range(lo, hi)]
 
 
-def validate(path: str, encoder_kw: dict[str, Any], *, seq_len: int | None = None,
-             workers: int = 1, progress: bool = False,
-             media_root: str | None = None) -> dict[str, Any]:
-    """Encode every record of `path` (a JSONL file or a Hugging Face dataset); the counts and
-    every bad sample, in file order. Each worker reads the records it judges."""
+def validate(d: DataConfig, family: str, *, seq_len: int | None = None, workers: int = 1,
+             show_progress: bool = False) -> dict[str, Any]:
+    """Encode every record of `d.path` (a JSONL file or a Hugging Face dataset, its media inside
+    `d.media_root`) with the encoder `d` and `family` describe; the counts and every bad
+    sample, in file order. Each worker reads the records it judges."""
     from vlpack.data.sources import source_kind
 
-    items = open_dataset(source_kind(path), path, media_root=media_root)  # refuses an empty file
+    items = open_dataset(source_kind(d.path), d.path, media_root=d.media_root)  # refuses an empty file
     ranges = [(i, min(i + 64, len(items))) for i in range(0, len(items), 64)]
-    bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not progress)
+    bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not show_progress)
     verdicts: list[tuple[str, str] | None] = []
     if workers <= 1:
-        _init_worker(encoder_kw, items)
+        _init_worker(d, family, items)
         results = (_judge_range(lo, hi, seq_len) for lo, hi in ranges)
         pool = None
     else:
         # spawn: a forked copy of a process that already runs torch's threads can die at once
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(encoder_kw, items))
+                                   initializer=_init_worker, initargs=(d, family, items))
         results = pool.map(_judge_range, *zip(*ranges, strict=True), [seq_len] * len(ranges))
     try:
         for out in results:
@@ -88,11 +90,8 @@ def validate_command(d: DataConfig, *, family: str, seq_len: int | None = None,
     """`vlpack data validate`: encode every sample of `d.path` with the encoder `d` and
     `family` describe, list the bad ones (and those longer than `seq_len`, when given) with
     `workers` processes (None: the CPU count, at most 8); status 1 when any is bad."""
-    from vlpack.data.setup import tool_encoder_kw
-
     workers = workers if workers is not None else min(8, os.cpu_count() or 1)
-    r = validate(d.path, tool_encoder_kw(d, family), seq_len=seq_len, workers=workers,
-                 progress=not as_json, media_root=d.media_root)
+    r = validate(d, family, seq_len=seq_len, workers=workers, show_progress=not as_json)
     if as_json:
         print(json.dumps(r))
     else:

@@ -157,8 +157,10 @@ def _grads(model: nn.Module, context: ContextGroup | None = None) -> dict[str, t
 
 
 def _pack(spec: ModelSpec, samples: list[EncodedSample], pad_to: int, total_len: int | None):
+    # the stock model's MRoPE rule: the unpacked side runs its get_rope_index
     return build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=pad_to,
-                           total_len=total_len, spatial_merge_size=spec.merge_size)
+                           total_len=total_len, spatial_merge_size=spec.merge_size,
+                           mrope_after_video="transformers")
 
 
 def _forward_row(model, spec: ModelSpec, batch, context: ContextGroup | None, *,
@@ -502,7 +504,7 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.device,
               backend: str = "auto", samples: int = 4, seed: int = 0, data: str | None = None,
-              context: ContextGroup | None = None, init: str = "auto", replica: int = 0,
+              context: ContextGroup | None = None, weights: str = "auto", replica: int = 0,
               media_root: str | None = None) -> dict:
     """Run the check on `model` (float32, built by train/check.py's `check`, whose arguments
     these are); returns the report dict (`passed`, and `failures` naming each item that does
@@ -524,7 +526,7 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,
                         device=str(dev), samples=len(batch_samples), data=source, cp=cp,
-                        init=init, replica=replica,
+                        init=weights, replica=replica,
                         sample_keys=[x.key for x in batch_samples],
                         videos=sum(x.num_videos for x in batch_samples),
                         tolerances=TOLERANCES[dtype], isolation_bound=ISOLATION[dtype], **data_info)

@@ -87,9 +87,8 @@ def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
 def _encoder(spec: ModelSpec, folder: Path):
     """The check's encoder: the folder's tokenizer and chat template when it has them, small
     images and clips (a CPU check)."""
-    from vlpack.config import VideoSettings
+    from vlpack.config import DataConfig, VideoSettings
     from vlpack.data.encode import Encoder
-    from vlpack.data.template import load_template
     from vlpack.data.tokenizer import has_tokenizer
     from vlpack.families import family as family_of
 
@@ -100,14 +99,13 @@ def _encoder(spec: ModelSpec, folder: Path):
             f"{spec.merge_size}, the {spec.family} processor patch {fam.patch_size} and merge "
             f"{fam.merge_size}, so encoded images would not fit it: check it without --data "
             "(synthetic samples of its own shape)")
-    own = has_tokenizer(folder)
     factor2 = (spec.patch_size * spec.merge_size) ** 2
-    return Encoder(spec.family, max_pixels=64 * factor2,
+    d = DataConfig(max_pixels=64 * factor2,
                    video=VideoSettings(max_frames=8, min_pixels=4 * factor2,
                                        max_pixels=128 * factor2),
-                   tokens_per_second=spec.tokens_per_second,
-                   tokenizer_path=str(folder) if own else None,
-                   chat_template=load_template("auto", folder) if own else None)
+                   chat_template="auto" if has_tokenizer(folder) else "builtin")
+    return Encoder.from_config(d, spec.family, folder, tokens_per_second=spec.tokens_per_second,
+                               folder_processor=False)
 
 
 def _scan(path: Path, n: int, skipped: list[str], media_root: str | None = None

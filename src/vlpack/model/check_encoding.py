@@ -323,8 +323,8 @@ def compare_encoding(folder: Path | None, convs: list[Conversation], spec: Model
     Returns `compared` (keys), `partly` (key -> what was not compared and why; labels and
     positions were, on vlpack's encoding), `not_compared` (key -> reason), `skipped` (why
     nothing was compared, or None) and `failures` (named lines)."""
+    from vlpack.config import DataConfig
     from vlpack.data.encode import Encoder
-    from vlpack.data.template import load_template
 
     if folder is None:
         if enc is None:
@@ -337,9 +337,8 @@ def compare_encoding(folder: Path | None, convs: list[Conversation], spec: Model
     if proc is None:
         return report
     if folder is not None:
-        enc = Encoder(spec.family, tokenizer_path=str(folder), processor_path=str(folder),
-                      chat_template=load_template("auto", folder),
-                      tokens_per_second=spec.tokens_per_second)
+        enc = Encoder.from_config(DataConfig(tokenizer=str(folder)), spec.family, folder,
+                                  tokens_per_second=spec.tokens_per_second)
     for conv in convs:
         ours = enc.encode(conv)
         hf = None

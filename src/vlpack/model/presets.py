@@ -16,6 +16,7 @@ from typing import Any
 
 from vlpack.families import FAMILIES as REGISTRY
 from vlpack.families import family
+from vlpack.preset_names import NAMES
 
 FAMILIES = tuple(REGISTRY)
 
@@ -62,6 +63,9 @@ PRESETS: dict[str, Preset] = {}
 
 
 def _add(p: Preset) -> None:
+    if p.name not in NAMES:
+        raise ValueError(f"preset {p.name}: list its name in vlpack.preset_names (PUBLISHED with "
+                         "its checkpoint, or TEST_MODELS)")
     PRESETS[p.name] = p
 
 
@@ -235,31 +239,3 @@ def reduced_depth(name: str, layers: int) -> str:
     PRESETS.setdefault(reduced, replace(base, name=reduced, text=text))
     return reduced
 
-
-PUBLISHED = {
-    "qwen3-vl-2b": "Qwen/Qwen3-VL-2B-Instruct",
-    "qwen3-vl-8b": "Qwen/Qwen3-VL-8B-Instruct",
-    "qwen3-vl-30b-a3b": "Qwen/Qwen3-VL-30B-A3B-Instruct",
-    "qwen3.5-9b": "Qwen/Qwen3.5-9B",
-    "qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B",
-}
-"""The published checkpoint (a Hugging Face hub repository) whose shapes a real-size preset has."""
-
-
-def random_weights_refusal(name: str, source: str) -> str:
-    """Why `model.name=name` (a preset, not a folder) is refused on user data
-    (`data.source=source`) without `model.init=random`, and the fix: the folder to download."""
-    base = re.sub(r"-\d+L$", "", name)
-    repo = PUBLISHED.get(base)
-    head = (f"model.name={name} is a preset: random weights, never loaded from anywhere, and "
-            f"data.source={source} is your data, so this run would fine-tune an untrained model")
-    if repo is None:
-        what = "a test model with no published weights" if base in PRESETS else "not a folder"
-        return (f"{head} ({name} is {what}). Pass a local checkpoint folder (config.json + "
-                "*.safetensors) as model.name=FOLDER, or set model.init=random to train random "
-                "weights on purpose")
-    folder = repo.split("/")[1]
-    return (f"{head}. Download its published weights once (`hf download {repo} --local-dir "
-            f"{folder}`, or `huggingface-cli download` with older huggingface_hub) and train "
-            f"with model.name={folder} (its weights, tokenizer, chat template and image settings), "
-            "or set model.init=random to train random weights on purpose")

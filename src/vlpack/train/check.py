@@ -34,39 +34,40 @@ logger = logging.getLogger("vlpack.check")
 
 
 def check_config(model_name: str, *, backend: str = "auto", dtype: str | None = None,
-                 seed: int = 0, init: str = "auto") -> Config:
+                 seed: int = 0, weights: str = "auto") -> Config:
     """The check's flags as a config: `model.name`, `model.backend`, `model.dtype` (None:
-    `auto`), `model.init` (`--init auto` is `pretrained`: a folder's weights) and `train.seed`.
+    `auto`), `model.init` from `weights`, the `--init` flag (`auto` is `pretrained`: a folder's
+    weights) and `train.seed`.
     Nothing is frozen, adapted, checkpointed or compiled."""
     return Config(model=ModelConfig(name=model_name, backend=backend, dtype=dtype or "auto",
-                                    init="random" if init == "random" else "pretrained"),
+                                    init="random" if weights == "random" else "pretrained"),
                   train=TrainConfig(seed=seed))
 
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           samples: int = 4, seed: int = 0, data: str | None = None,
           device: str | None = None, context: ContextGroup | None = None,
-          init: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
+          weights: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
     """Build the model of `model_name` (a preset or HF folder) and run the check on it
     (`model.check.run_check`, which says what the arguments mean); returns the report dict.
-    `dtype` None: bfloat16 on CUDA, else float32, as `model.dtype=auto` trains. `init`:
-    "auto" (a folder's weights) or "random" (random weights of its config, `seed`). Raises
-    `CheckUnsupportedError` (a ValueError) when it cannot run as asked."""
+    `dtype` None: bfloat16 on CUDA, else float32, as `model.dtype=auto` trains. `weights`
+    (`--init`): "auto" (a folder's weights) or "random" (random weights of its config,
+    `seed`). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked."""
     if device is None and context is not None and context.size > 1 and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bfloat16" if autocast_dtype(check_config(model_name), dev) else "float32")
     refuse_unsupported(backend, dtype, dev)
-    refuse_init(model_name, init)
-    cfg = check_config(model_name, backend=backend, dtype=dtype, seed=seed, init=init)
+    refuse_init(model_name, weights)
+    cfg = check_config(model_name, backend=backend, dtype=dtype, seed=seed, weights=weights)
     model, spec = build_check_model(cfg, dev)
     return run_check(model, spec, dtype=dtype, device=dev, backend=backend, samples=samples,
-                     seed=seed, data=data, context=context, init=init, replica=replica,
+                     seed=seed, data=data, context=context, weights=weights, replica=replica,
                      media_root=media_root)
 
 
 def check_command(model_name: str, *, backend: str, dtype: str | None, samples: int, seed: int,
-                  data: str | None, init: str = "auto", media_root: str | None = None,
+                  data: str | None, weights: str = "auto", media_root: str | None = None,
                   as_json: bool = False, context: ContextGroup | None = None,
                   replicas: int = 1) -> int:
     """`vlpack check`: run `check` and print its report (JSON with `as_json`); 0 passed, 1
@@ -77,7 +78,8 @@ def check_command(model_name: str, *, backend: str, dtype: str | None, samples: 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         r = check(model_name, backend=backend, dtype=dtype, samples=samples, seed=seed,
-                  data=data, context=context, init=init, replica=replica, media_root=media_root)
+                  data=data, context=context, weights=weights, replica=replica,
+                  media_root=media_root)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise

@@ -75,10 +75,11 @@ def turn_prompts(conv: Conversation, encoder) -> Iterator[Prompt]:
         yield Prompt(conv.key, i, prompt, text)
 
 
-def all_prompts(convs: Sequence[Conversation], encoder, *, source: str = "the data"
+def all_prompts(convs: Sequence[Conversation], encoder, *, what: str = "the data"
                 ) -> list[Prompt]:
-    """The prompts of every conversation; a ValueError when none has a supervised answer."""
-    check_answers(convs, source)
+    """The prompts of every conversation; a ValueError (naming them `what`) when none has a
+    supervised answer."""
+    check_answers(convs, what)
     return [p for c in convs for p in turn_prompts(c, encoder)]
 
 
@@ -117,19 +118,19 @@ def left_padded(samples: Sequence[EncodedSample], pad_id: int, spec) -> dict[str
 
 
 def generate(model: nn.Module, spec, encoder, prompts: Sequence[Prompt], *,
-             max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8, synced_gpus: bool = False
+             max_new_tokens: int = MAX_NEW_TOKENS, prompts_per_batch: int = 8, synced_gpus: bool = False
              ) -> list[str]:
     """Greedy answers of `prompts` (decoded, special tokens dropped); see `generate_ids`."""
     ids = generate_ids(model, spec, encoder, prompts, max_new_tokens=max_new_tokens,
-                       batch_size=batch_size, synced_gpus=synced_gpus)
+                       prompts_per_batch=prompts_per_batch, synced_gpus=synced_gpus)
     return [encoder.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
 
 
 @torch.no_grad()
 def generate_ids(model: nn.Module, spec, encoder, prompts: Sequence[Prompt], *,
-                 max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8,
+                 max_new_tokens: int = MAX_NEW_TOKENS, prompts_per_batch: int = 8,
                  synced_gpus: bool = False) -> list[list[int]]:
-    """Greedy answer tokens of `prompts` (before the first stop token), `batch_size` at a
+    """Greedy answer tokens of `prompts` (before the first stop token), `prompts_per_batch` at a
     time. `synced_gpus`: every rank of an FSDP-sharded model calls this with the same prompts
     and steps until all are done (transformers' flag for sharded weights)."""
     from transformers import GenerationConfig
@@ -141,8 +142,8 @@ def generate_ids(model: nn.Module, spec, encoder, prompts: Sequence[Prompt], *,
                            eos_token_id=stops, pad_token_id=pad, use_cache=True)
     device = next(model.parameters()).device
     out: list[list[int]] = []
-    for at in range(0, len(prompts), batch_size):
-        inputs = left_padded([p.sample for p in prompts[at:at + batch_size]], pad, spec)
+    for at in range(0, len(prompts), prompts_per_batch):
+        inputs = left_padded([p.sample for p in prompts[at:at + prompts_per_batch]], pad, spec)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         model.model.rope_deltas = None  # transformers caches it on the module across calls
         ids = model.generate(**inputs, generation_config=gen, synced_gpus=synced_gpus)
@@ -215,7 +216,7 @@ def load(source: str | Path, export_to: Path, device: torch.device
 
 
 def evaluate(source: str | Path, data: str | Path, out: str | Path | None = None, *,
-             max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 8, limit: int | None = None,
+             max_new_tokens: int = MAX_NEW_TOKENS, prompts_per_batch: int = 8, limit: int | None = None,
              media_root: str | None = None, device: str | None = None) -> Path:
     """`vlpack eval`: generate the answers of `data` with the model of `source`, write
     `predictions.jsonl` and `metrics.json` into `out` (default SOURCE/eval) and return it."""
@@ -223,7 +224,7 @@ def evaluate(source: str | Path, data: str | Path, out: str | Path | None = None
 
     data = Path(data)
     check_jsonl_path(data)
-    if max_new_tokens < 1 or batch_size < 1:
+    if max_new_tokens < 1 or prompts_per_batch < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(out) if out is not None else check_source(source) / "eval"
@@ -233,9 +234,9 @@ def evaluate(source: str | Path, data: str | Path, out: str | Path | None = None
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=out_dir) as tmp:  # beside the output
         model, spec, encoder, what = load(source, Path(tmp), dev)
-    prompts = all_prompts(convs, encoder, source=str(data))
+    prompts = all_prompts(convs, encoder, what=str(data))
     answers = generate(model, spec, encoder, prompts, max_new_tokens=max_new_tokens,
-                       batch_size=batch_size)
+                       prompts_per_batch=prompts_per_batch)
     rows = predictions(prompts, answers, encoder.tokenizer)
     metrics = {"model": what, "data": str(data), "max_new_tokens": max_new_tokens,
                **answer_metrics.score((r["prediction"], r["reference"]) for r in rows)}

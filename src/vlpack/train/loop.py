@@ -147,7 +147,7 @@ class Trainer:
             world_size=self.info.dp,  # data-parallel: a context group shares rows
             per_round=t.micro_batches if t.tokens_per_step is None else 1,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
-            pin_memory=self.info.device.type == "cuda", progress=t.progress and self.info.is_main,
+            pin_memory=self.info.device.type == "cuda", show_progress=t.progress and self.info.is_main,
             report_skips=self.context.rank == 0)
 
     def _next_micro_batches(self, it) -> list:

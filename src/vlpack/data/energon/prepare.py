@@ -45,7 +45,7 @@ REPORT_NAME = "vlpack-prepare.json"
 
 
 def prepare_energon(
-    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, progress: bool = False,
+    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, show_progress: bool = False,
     media_root: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write shards of `data` (a JSONL file) into `out_dir` and run `energon prepare` on them;
@@ -64,7 +64,7 @@ def prepare_energon(
         first = "".join(f"\n  {p['reason']}: {printable(p['message'])}" for p in problems[:5])
         raise ValueError(f"{data}: no usable sample (left out: {dict(skipped)}); fix the "
                          f"records{first}")
-    _energon_prepare(out, workers=min(shards, os.cpu_count() or 1), progress=progress)
+    _energon_prepare(out, workers=min(shards, os.cpu_count() or 1), show_progress=show_progress)
     report = {"data": str(data.absolute()), "samples": n, "shards": shards,
               "shard_size": shard_size, "skipped": dict(sorted(skipped.items())),
               "problems": problems}  # fmt: skip
@@ -262,13 +262,13 @@ def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
     tar.addfile(info, io.BytesIO(payload))
 
 
-def _energon_prepare(out: Path, *, workers: int, progress: bool) -> None:
+def _energon_prepare(out: Path, *, workers: int, show_progress: bool) -> None:
     """Energon's own `energon prepare`, non-interactive: tar index, an all-train split and a
     dataset.yaml for a crude dataset."""
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(out),
            "--non-interactive", "--force-overwrite", "--split-ratio", "1,0,0",
            "--sample-type", "CrudeWebdataset", "--num-workers", str(max(workers, 1)),
-           "--progress" if progress else "--no-progress"]  # fmt: skip
+           "--progress" if show_progress else "--no-progress"]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 or not (out / ".nv-meta" / "dataset.yaml").is_file():
         raise RuntimeError(
