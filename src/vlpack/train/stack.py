@@ -113,11 +113,12 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
     autocast = autocast_dtype(cfg, info.device)
     low = frozen_dtype(cfg, autocast)
     shapes = meta_model(m.name)
-    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
     if m.lora.rank:  # only the adapters keep gradients and optimizer state
         from vlpack.model import lora
 
         lora.plan_lora(shapes, m.lora)
+    # after LoRA, as the build: a frozen group's adapters train nothing
+    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
     precision.hold_parameters(shapes, low)
     if m.frozen_dtype == "int8":
         from vlpack.model.quant import quantize_experts
