@@ -1,11 +1,13 @@
 """How a built model becomes the model a run trains: `Preparation`, resolved once from the
-config, the topology and the memory plan by `preparation`, and `prepare`, the one place the
-order is written: LoRA → freeze → hold frozen weights in the compute dtype → int8 routed
-experts → activation checkpointing → compile → FSDP2.
+config and the topology by `preparation` (the memory plan's recompute share joins it by
+`Preparation.after`), and `prepare`, the one place the order is written: LoRA → freeze → hold
+frozen weights in the compute dtype → int8 routed experts → activation checkpointing →
+compile → FSDP2.
 
-Every caller prepares through `prepare`, each up to the step it needs: the memory plan on meta
-shapes up to int8, the export and rank 0's host copy of a sharded run up to the held dtypes,
-`vlpack check` LoRA only, the build all of it.
+Every caller prepares through `prepare`, each over the steps it needs: the memory plan on meta
+shapes up to int8, `build_base` (the build stage of the trainer and of `vlpack check`) LoRA,
+the trainer's build the rest, rank 0's host copy of a sharded run and the export up to the held
+dtypes (train/stack.py, train/export.py).
 """
 
 from __future__ import annotations
