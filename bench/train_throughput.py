@@ -62,7 +62,7 @@ from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.flops import flop_model
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import Topology
-from vlpack.train.parallelize import Parallelism, parallelize
+from vlpack.train.prepare import Preparation, prepare
 from vlpack.train.profile import StepProfiler, count_host_syncs
 from vlpack.train.stack import build_stack
 from vlpack.train.step import optimizer_step
@@ -286,23 +286,18 @@ def run_mode(mode: str, args, samples, device) -> dict:
         params = list(module.parameters())
     else:  # stock transformers: the HF model as built, its own loss
         # stock + peft loads the base in bf16 on a GPU (a 35B base in float32 would not fit) and
-        # keeps the adapters in float32, as peft does by default
+        # keeps the adapters in float32, as peft does by default (the preparation holds every
+        # trainable parameter in float32)
         low = m.lora.rank and device.type == "cuda"
         model, spec = build_model(m.name, backend="sdpa", device=device, seed=0,
                                   dtype=torch.bfloat16 if low else torch.float32)
-        if m.lora.rank:
-            from vlpack.model.lora import apply_lora
-
-            apply_lora(model, m.lora)
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
         recompute = m.checkpoint_share if m.activation_checkpointing else 0.0
-        parallelize(model, model, topo, Parallelism(
+        prepare(model, Preparation(
+            model_name=m.name, lora=m.lora if m.lora.rank else None,
             frozen_dtype=torch.bfloat16 if low else None, recompute_share=recompute,
             compile_scope=m.compile_scope if m.compile else None,
             trace_vision_attention=args.trace_vision_attention,
-            fsdp=args.bf16_params, param_dtype=torch.bfloat16))
+            sharded=args.bf16_params, param_dtype=torch.bfloat16), info=topo, root=model)
         params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim, device_type=device.type) if args.optimizer else None
     flops = flop_model(model)

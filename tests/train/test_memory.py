@@ -491,3 +491,17 @@ def test_cpu_offload_moves_the_training_state_to_the_host(capsys) -> None:
     assert "offloaded to host memory" in offloaded and "offloaded" not in plain
     moments = [line for line in offloaded.splitlines() if "AdamW moments" in line]
     assert moments and moments[0].split()[-2] == "0.00", moments
+
+
+@pytest.mark.parametrize("freezes", ["model.freeze_vision=true", "model.freeze_merger=true"])
+def test_the_plan_counts_the_parameters_the_build_trains(tmp_path: Path, freezes: str) -> None:
+    """LoRA on the vision tower with a frozen vision part: the build applies LoRA, then freezes
+    the group with its adapters, and the plan counts the gradients and optimizer state of the
+    parameters that train in the model built."""
+    from vlpack.train.stack import build_stack, plan_memory
+
+    cfg = small_cfg(tmp_path, "model.lora.rank=4", "model.lora.vision=true", freezes)
+    plan = plan_memory(cfg, CPU, sharded=False)[0]
+    model = build_stack(cfg, CPU).model
+    assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.params == sum(p.numel() for p in model.parameters())

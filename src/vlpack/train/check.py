@@ -28,7 +28,8 @@ from vlpack.model.check import (
 from vlpack.model.check_data import refuse_init
 from vlpack.model.check_parallel import merge_replicas
 from vlpack.model.context import ContextGroup
-from vlpack.train.stack import autocast_dtype, build_check_model
+from vlpack.train.prepare import autocast_dtype
+from vlpack.train.stack import build_check_model
 
 logger = logging.getLogger("vlpack.check")
 

@@ -278,17 +278,14 @@ def rebuild(cfg: Config, mark: dict) -> tuple[nn.Module, str]:
     """The model of run `cfg` on the CPU with its frozen base as the trainer built it (only
     shapes when nothing is frozen), and a sentence saying where the base came from."""
     from vlpack.model.build import build_model
-    from vlpack.train import precision
-    from vlpack.train.module import freeze
-    from vlpack.train.stack import autocast_dtype, frozen_dtype
+    from vlpack.train.prepare import preparation, prepare
 
     m = cfg.model
     trained_on = torch.device(mark.get("device", "cpu"))
-    low = frozen_dtype(cfg, autocast_dtype(cfg, trained_on))
-    freezes = bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
+    prep = preparation(cfg, Topology(rank=0, world_size=1, local_rank=0, device=trained_on))
     random_base = m.init == "random" or not Path(m.name).is_dir()
     drawn_on = "cpu" if mark.get("sharded") else trained_on.type
-    if not freezes:
+    if not prep.freezes:
         device, note = torch.device("meta"), "every weight from the checkpoint"
     elif random_base and drawn_on != "cpu":
         if not torch.cuda.is_available():
@@ -305,14 +302,8 @@ def rebuild(cfg: Config, mark: dict) -> tuple[nn.Module, str]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*RANDOM weights.*")
         model, _ = build_model(m.name, backend="sdpa", device=device, seed=cfg.train.seed,
-                               dtype=precision.build_dtype(m.name, low),
-                               random_init=m.init == "random")
-    if m.lora.rank:
-        from vlpack.model import lora
-
-        lora.apply_lora(model, m.lora)
-    freeze(model, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-    precision.hold_parameters(model, low)
+                               dtype=prep.build_dtype, random_init=m.init == "random")
+    prepare(model, prep, last="hold")  # as the trainer prepared it, up to the held dtypes
     saved = mark.get("frozen")
     root = nn.Module()  # the trainer's TrainModule names the HF model `model`
     root.model = model
@@ -362,11 +353,11 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode
 
 def _adapter_shapes(cfg: Config) -> tuple[nn.Module, str]:
     """The run's model with its LoRA layers, as shapes only (an adapter needs no base)."""
-    from vlpack.model import lora
     from vlpack.model.build import meta_model
+    from vlpack.train.prepare import Preparation, prepare
 
     model = meta_model(cfg.model.name)
-    lora.apply_lora(model, cfg.model.lora)
+    prepare(model, Preparation(model_name=cfg.model.name, lora=cfg.model.lora), last="lora")
     return model, "adapter only"
 
 

@@ -48,6 +48,7 @@ from vlpack.train.parallel import (
     shutdown,
 )
 from vlpack.train.plot import missing_matplotlib, plot_runs
+from vlpack.train.prepare import preparation
 from vlpack.train.profile import StepProfiler
 from vlpack.train.progress import Eta, Progress
 from vlpack.train.runlock import claim_output_dir
@@ -56,7 +57,6 @@ from vlpack.train.stack import (
     check_plan,
     describe_choice,
     fla_autotunes,
-    is_sharded,
     plan_memory,
     shorten_to_plan,
 )
@@ -696,7 +696,8 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         free = memory.available_bytes(info.device)
         where = f"{info.world_size} {info.device.type} rank(s)"
     try:
-        sharded = is_sharded(cfg, info)
+        prep = preparation(cfg, info)
+        sharded = prep.sharded
         asked = cfg.data.seq_len
         # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
         # named by --device-memory is planned as one it keeps them for (the H100, the H200)
@@ -705,7 +706,8 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         else:
             autotunes = info.device.type == "cuda" and fla_autotunes(
                 cfg, torch.cuda.get_device_name(info.device))
-        plan, ways = plan_memory(cfg, info, sharded=sharded, free=free, autotunes=autotunes)
+        plan, ways = plan_memory(cfg, info, sharded=sharded, free=free, autotunes=autotunes,
+                                 prep=prep)
         if not info.is_main:
             return 0
         print(f"vlpack: memory plan of {cfg.model.name} on {where}, per device "
@@ -713,7 +715,8 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
               f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            check_plan(plan, cfg, info, sharded, ways, free=free, host=device_memory is None)
+            check_plan(plan, cfg, info, sharded, ways, free=free, host=device_memory is None,
+                       prep=prep)
         except ValueError as e:
             print(f"does not fit: {e}")
             return 1

@@ -24,10 +24,10 @@ STORED = {torch.bfloat16: "BF16", torch.float16: "F16"}
 """The safetensors name of each dtype a folder's weights may be built in exactly."""
 
 
-def frozen_dtype(setting: str, autocast: torch.dtype | None) -> torch.dtype | None:
-    """The dtype frozen matmul weights are held in: `model.frozen_dtype=auto` (and `int8`, for
-    all but the routed experts) follows the autocast dtype (bf16 on a GPU), `float32` keeps them
-    float32 (None: no cast)."""
+def frozen_matmul_dtype(setting: str, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype frozen matmul weights are held in, by `model.frozen_dtype` (`setting`): `auto`
+    (and `int8`, for all but the routed experts) follows the autocast dtype (bf16 on a GPU),
+    `float32` keeps them float32 (None: no cast)."""
     if setting == "float32" or autocast is None:
         return None
     return autocast
@@ -53,7 +53,7 @@ def matmul_parameters(model: nn.Module) -> set[str]:
 def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
     """Hold each frozen matmul parameter of `model` in `low` and every other parameter in
     float32, in place (meta tensors too); returns the number of parameters held in `low`.
-    Call it after LoRA and freezing: `requires_grad` decides."""
+    `requires_grad` decides, so it runs after LoRA and freezing (train/prepare.py)."""
     matmul = matmul_parameters(model) if low is not None else set()
     held = 0
     with torch.no_grad():
@@ -63,20 +63,6 @@ def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
                 p.data = p.data.to(want)
             held += p.numel() if want == low else 0
     return held
-
-
-def hold_int8_experts(model: nn.Module, device: torch.device) -> int:
-    """Hold the frozen routed experts' weights of `model` in int8 on `device`, quantized one
-    expert at a time (from host memory or in place), then move the rest of `model` there
-    (model/quant.py); returns the number of weights quantized. Call it after
-    `hold_parameters`."""
-    from vlpack.model.quant import quantize_experts
-
-    done = quantize_experts(model, device)
-    model.to(device)
-    if device.type == "cuda":  # the bf16 experts' blocks, cached by the allocator
-        torch.cuda.empty_cache()
-    return done
 
 
 def stored_in(folder: Path, dtype: torch.dtype) -> bool:

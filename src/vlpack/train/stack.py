@@ -1,8 +1,8 @@
-"""The stack builder: memory plan → build → LoRA → freeze → frozen weights' dtype (int8 experts:
-quantized on the device, from host memory for a folder) → activation checkpointing → compile → FSDP2,
-in one order, from the config's `model`, `data` and `train` sections. `vlpack train`,
-`bench/convergence.py` and `bench/train_throughput.py` build through `build_stack`, so a
-benchmark's figures come from the model the trainer runs.
+"""The stack builder: memory plan → build → the preparation (train/prepare.py: LoRA → freeze →
+frozen weights' dtype → int8 experts, quantized on the device, from host memory for a folder →
+activation checkpointing → compile → FSDP2), from the config's `model`, `data` and `train`
+sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
+`build_stack`, so a benchmark's figures come from the model the trainer runs.
 
 `vlpack check` (train/check.py) builds through the same build stage, `build_base` (build →
 LoRA, the model, backend, seed and weights of its config), by `build_check_model`. Not through
@@ -25,12 +25,15 @@ import torch
 from torch import nn
 
 from vlpack.config import Config
-from vlpack.train import memory, precision
+from vlpack.model.build import ModelSpec
+from vlpack.train import memory
 from vlpack.train.flops import FlopModel, flop_model
 from vlpack.train.kernel_cache import keep_kernel_cache, use_tuned_kernels
-from vlpack.train.module import TrainModule, freeze
+from vlpack.train.module import TrainModule
 from vlpack.train.parallel import Topology, all_reduce, load_full_state
-from vlpack.train.parallelize import Parallelism, parallelize
+from vlpack.train.prepare import Preparation, freezes, preparation, prepare
+from vlpack.train.prepare import builds_on_host as builds_on_host  # the stack's API as well
+from vlpack.train.prepare import is_sharded as is_sharded
 
 log = logging.getLogger("vlpack.train")
 
@@ -40,8 +43,8 @@ class Stack:
     """A model ready to train: the HF model, its facts, the module a micro-batch runs through."""
 
     model: nn.Module
-    spec: object
-    """The model's `ModelSpec` (model/build.py): family, token ids, merge size."""
+    spec: ModelSpec
+    """The model's facts (model/build.py): family, token ids, merge size."""
     module: TrainModule
     flops: FlopModel
     """FLOPs per batch, counted after freezing (a frozen weight costs 4 FLOPs, not 6)."""
@@ -56,51 +59,14 @@ class Stack:
     """The folder of fla kernel configurations this process uses (None: fla autotunes)."""
 
 
-def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
-    """bf16 when `model.dtype` asks for it (`auto`: on a GPU), else None (float32)."""
-    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
-def frozen_dtype(cfg: Config, autocast: torch.dtype | None) -> torch.dtype | None:
-    """The dtype frozen matmul weights are held in; None when nothing is frozen or they stay
-    float32 (train/precision.py)."""
-    m = cfg.model
-    return precision.frozen_dtype(m.frozen_dtype, autocast) if freezes(cfg) else None
-
-
-def freezes(cfg: Config) -> bool:
-    """Whether anything is frozen: a LoRA base or a `model.freeze_*` part."""
-    m = cfg.model
-    return bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
-
-
-def is_sharded(cfg: Config, info: Topology) -> bool:
-    """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
-    return info.distributed or cfg.train.fsdp == "always"
-
-
-def builds_on_host(cfg: Config, info: Topology) -> bool:
-    """Whether one process reads its model into host memory and quantizes it onto its
-    accelerator expert by expert (`model.frozen_dtype=int8` with a checkpoint folder's weights:
-    the device never holds the bf16 experts). Random weights are drawn on the device, as every
-    GPU run draws them (a resume and the export draw the same ones again), and quantized there."""
-    from vlpack.model.build import folder_has_weights
-
-    m = cfg.model
-    folder = Path(m.name)
-    return (m.frozen_dtype == "int8" and info.device.type != "cpu" and m.init != "random"
-            and folder.is_dir() and folder_has_weights(folder))
-
-
 def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None = None,
                 autotunes: bool = False, shorten: bool | None = None,
-                ) -> tuple[memory.MemoryPlan, list[str]]:
+                prep: Preparation | None = None) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
-    device with LoRA, freezing and the frozen weights' dtype applied, and the ways out that
-    apply to it. With `model.checkpoint_share=auto`, the plan of the least share that fits
-    `free` bytes (None: this device's free memory), the same on every rank (`auto_share`).
+    device prepared by `prep` up to its int8 experts (LoRA, freezing, the frozen weights'
+    dtype; None: `cfg`'s preparation on `info`), and the ways out that apply to it. With
+    `model.checkpoint_share=auto`, the plan of the least share that fits `free` bytes (None:
+    this device's free memory), the same on every rank (`auto_share`).
     Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
     `plan.fitting_seq_len` (`shorter_bins`), which the ways out name; under
     `train.memory_check=shorten` (`shorten`: None reads it from the config) the plan is that
@@ -110,19 +76,12 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
     from vlpack.model.build import meta_model
 
     m, d = cfg.model, cfg.data
-    autocast = autocast_dtype(cfg, info.device)
-    low = frozen_dtype(cfg, autocast)
+    prep = preparation(cfg, info) if prep is None else prep
+    autocast = prep.autocast
     shapes = meta_model(m.name)
-    freeze(shapes, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-    if m.lora.rank:  # only the adapters keep gradients and optimizer state
-        from vlpack.model import lora
-
-        lora.plan_lora(shapes, m.lora)
-    precision.hold_parameters(shapes, low)
-    if m.frozen_dtype == "int8":
-        from vlpack.model.quant import quantize_experts
-
-        quantize_experts(shapes, torch.device("meta"), model_name=m.name)
+    # as the build: only what trains keeps gradients and optimizer state (a LoRA run's adapters
+    # outside the frozen groups)
+    prepare(shapes, prep, last="int8", info=info, shapes=True)
     merge = shapes.config.vision_config.spatial_merge_size
     layers = shapes.config.text_config.num_hidden_layers
     gdn = "linear_attention" in (getattr(shapes.config.text_config, "layer_types", None) or ())
@@ -145,7 +104,7 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
         return dataclasses.replace(memory.plan(
             shapes, run, world_size=info.world_size,
             sharing=memory.local_ranks() if info.device.type == "cpu" else 1, sharded=sharded,
-            build_dtype=precision.build_dtype(m.name, low), host_build=builds_on_host(cfg, info),
+            build_dtype=prep.build_dtype, host_build=prep.host_build,
             data_seq_len=seq_len, optimizer=cfg.optim.name,
             offload=cfg.train.cpu_offload and sharded and info.device.type != "cpu"),
             transient=transient)
@@ -326,11 +285,12 @@ def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int)
 
 def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
                ways: list[str], *, setting: str = "refuse", free: int | None = None,
-               host: bool = True) -> None:
+               host: bool = True, prep: Preparation | None = None) -> None:
     """Refuse a run whose plan exceeds the free memory (`free` bytes; None: the device's now),
     before building it (`setting`: train.memory_check; `warn` logs the refusal and goes on).
     `host`: also check this host's memory for a whole copy the run builds there (not for a
-    card planned from another machine)."""
+    card planned from another machine; `prep`: the run's preparation, which says whether one
+    process builds on the host; None: resolved from `cfg`)."""
     if setting == "skip":
         return
     device = info.device
@@ -339,8 +299,8 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         memory.check_fits(plan, device, free, model=cfg.model.name,
                           holds_copy=sharded and info.is_main,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
-        if host and ((sharded and info.is_main) or builds_on_host(cfg, info)) \
-                and device.type != "cpu":
+        host_build = prep.host_build if prep is not None else builds_on_host(cfg, info)
+        if host and ((sharded and info.is_main) or host_build) and device.type != "cpu":
             memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
                                    model=cfg.model.name)
     except ValueError as e:
@@ -349,20 +309,21 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
         log.warning("train.memory_check=warn: starting although %s", e)
 
 
-def build_base(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+def build_base(cfg: Config, device: torch.device, dtype: torch.dtype,
+               prep: Preparation | None = None) -> tuple[nn.Module, ModelSpec]:
     """Build → LoRA: the model of `cfg.model` on `device` in `dtype` (random weights seeded by
-    `train.seed`; stock SDPA for `data.packing=none`) and its `ModelSpec`. The build stage of
-    `build_stack` and of `build_check_model`."""
+    `train.seed`; stock SDPA for `data.packing=none`) and its `ModelSpec`, prepared by `prep`
+    (None: `cfg`'s preparation on `device`) up to its LoRA. The build stage of `build_stack`
+    and of `build_check_model`."""
     from vlpack.model.build import build_model
 
     m = cfg.model
     backend = "sdpa" if cfg.data.packing == "none" else m.backend
     model, spec = build_model(m.name, backend=backend, dtype=dtype, device=device,
                               seed=cfg.train.seed, random_init=m.init == "random")
-    if m.lora.rank:
-        from vlpack.model import lora
-
-        lora.apply_lora(model, m.lora)
+    if prep is None:
+        prep = preparation(cfg, Topology(rank=0, world_size=1, local_rank=0, device=device))
+    prepare(model, prep, last="lora")
     return model, spec
 
 
@@ -371,7 +332,7 @@ CHECK_BYTES_PER_PARAM = 16
 copy per side (packed, unpacked), 4 bytes each."""
 
 
-def build_check_model(cfg: Config, device: torch.device) -> tuple[nn.Module, object]:
+def build_check_model(cfg: Config, device: torch.device) -> tuple[nn.Module, ModelSpec]:
     """The model `vlpack check` runs on: refused up front (instead of being killed) when
     `CHECK_BYTES_PER_PARAM` per parameter exceed 90% of `device`'s free memory (a folder's
     weights are sized by loading them), then `build_base` in float32 on `device` (the module
@@ -400,16 +361,15 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     beyond the config: `loss_method` (`liger`, `plain`; None: the config's) and
     `trace_vision_attention` (with whole layers compiled, docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
-    sharded = is_sharded(cfg, info)
+    prep = preparation(cfg, info, trace_vision_attention=trace_vision_attention)
+    sharded = prep.sharded
     if t.cpu_offload and not sharded:
         raise ValueError("train.cpu_offload=true offloads FSDP2's shards, and this run is not "
                          "sharded: set train.fsdp=always (or run several processes)")
-    if sharded and m.frozen_dtype == "int8":
+    if sharded and prep.int8_experts:
         raise ValueError("model.frozen_dtype=int8 runs on one process without FSDP2 (FSDP2 "
                          "shards the bf16 base instead): use model.frozen_dtype=auto with "
                          "several GPUs, or train.fsdp=auto on one")
-    autocast = autocast_dtype(cfg, info.device)
-    low = frozen_dtype(cfg, autocast)
     # Before anything imports fla (the memory plan's meta model does, through transformers):
     # fla reads its configuration settings when it is imported.
     tuned = None
@@ -419,10 +379,11 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
             tuned = use_tuned_kernels(torch.cuda.get_device_name(info.device))
     kept = keep_resumed_bins(cfg, resumed_bins, info)
     plan, ways = plan_memory(
-        cfg, info, sharded=sharded, shorten=False if kept else None,
+        cfg, info, sharded=sharded, shorten=False if kept else None, prep=prep,
         autotunes=info.device.type == "cuda" and fla_autotunes(
             cfg, torch.cuda.get_device_name(info.device)))
-    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check)
+    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check, prep=prep)
+    prep = prep.after(plan)  # model.checkpoint_share=auto resolved
     asked = cfg.data.seq_len
     shorten_to_plan(cfg, plan, info)
     if info.is_main:
@@ -430,37 +391,31 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
-    on_host = builds_on_host(cfg, info)
     model, spec = build_base(cfg, torch.device("meta") if sharded else torch.device("cpu")
-                             if on_host else info.device, plan.build_dtype)
+                             if prep.host_build else info.device, prep.build_dtype, prep)
     if m.compile and cfg.data.packing == "none":
         log.warning("model.compile with data.packing=none: the compiled padded step ran slower "
                     "than the eager one (docs/benchmarks/levers.md); set model.compile=false for "
                     "padded runs")
-    if m.lora.rank:
+    if prep.lora is not None:
         from vlpack.model import lora
 
         log.info(lora.describe(model))
     module = TrainModule(model, spec, touch_vision=info.distributed,
                          loss_method=loss_method or ("chunked" if m.chunked_loss else "plain"),
                          context=context)
-    parallelize(model, module, info, Parallelism(
-        freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
-        frozen_dtype=low, int8_experts=m.frozen_dtype == "int8",
-        recompute_share=plan.recompute_share, compile_scope=m.compile_scope if m.compile else None,
-        trace_vision_attention=trace_vision_attention,
-        fsdp=sharded, param_dtype=autocast, reduce_dtype=getattr(torch, t.reduce_dtype),
-        reshard_after_forward=t.reshard_after_forward, cpu_offload=t.cpu_offload))
+    prepare(model, prep, first="freeze", info=info, root=module)  # build_base applied LoRA
     flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
+    autocast = prep.autocast
     if sharded:
         autocast = None  # FSDP's mixed-precision policy casts instead
         if info.is_main:
             log.info("rank 0 builds the whole model in host memory; every rank then receives "
                      "its shards")
-        whole = build_base(cfg, torch.device("cpu"), plan.build_dtype)[0] if info.is_main else None
+        whole = build_base(cfg, torch.device("cpu"), prep.build_dtype, prep)[0] \
+            if info.is_main else None
         if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
-            freeze(whole, vision=m.freeze_vision, merger=m.freeze_merger, llm=m.freeze_llm)
-            precision.hold_parameters(whole, low)
+            prepare(whole, prep, first="freeze", last="hold")
         load_full_state(model, whole, info, cpu_offload=t.cpu_offload)
         del whole
     return Stack(model=model, spec=spec, module=module, flops=flops, plan=plan, ways_out=ways,
