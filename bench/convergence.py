@@ -92,8 +92,8 @@ def trainable_state(module: torch.nn.Module) -> dict:
 def train(args, cfg, items, encoder, bins, device) -> Path:
     """`args.mode`'s run over `bins`, built by the trainer's stack builder (LoRA, frozen bf16
     base, checkpointing and compile as the recipe says), one GPU or CPU."""
-    info = Topology(rank=0, world_size=1, local_rank=0, device=device)
-    stack = build_stack(cfg, info)
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
+    stack = build_stack(cfg, topo)
     module, spec = stack.module, stack.spec
     opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
     sched = build_scheduler(opt, cfg.optim, len(bins))
@@ -126,7 +126,7 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     with open(run / "metrics.jsonl", "a" if done else "w") as f:
         for k, mbs in enumerate(data, done + 1):
             mbs = [b.to(device, non_blocking=True) for b in mbs]
-            r = optimizer_step(module, opt, sched, mbs, info=info, aux_coef=cfg.train.aux_loss_coef,
+            r = optimizer_step(module, opt, sched, mbs, topo=topo, aux_coef=cfg.train.aux_loss_coef,
                                grad_clip=cfg.optim.grad_clip, autocast=stack.autocast)
             seen += r.samples
             row = {"step": k, "loss": r.loss, "aux_loss": r.aux_loss, "samples": seen,

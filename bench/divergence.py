@@ -136,7 +136,7 @@ def sample_losses(model, finals, labels, autocast) -> list[float]:
     return out
 
 
-def step_gradient(module, mbs, *, info: Topology, loss_norm: str, aux_coef: float,
+def step_gradient(module, mbs, *, topo: Topology, loss_norm: str, aux_coef: float,
                   autocast: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The trainable parameters' gradient of the trainer's step over `mbs` (`optimizer_step`
     itself, its optimizer a stand-in that records the gradient and leaves the weights)."""
@@ -150,7 +150,7 @@ def step_gradient(module, mbs, *, info: Topology, loss_norm: str, aux_coef: floa
 
     opt = Record(list(names), lr=0.0)
     optimizer_step(module, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), mbs,
-                   info=info, loss_norm=loss_norm, aux_coef=aux_coef,
+                   topo=topo, loss_norm=loss_norm, aux_coef=aux_coef,
                    grad_clip=0.0, autocast=autocast)  # the gradient unclipped
     return grads
 
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
             losses[k][w] = sample_losses(model, [h[-1] for h in hidden[k][w]], labels, autocast)
             if not args.truth:
                 for coef in (0.0, cfg.train.aux_loss_coef):
-                    grads[k][w, coef] = step_gradient(module, ways[w], info=topo,
+                    grads[k][w, coef] = step_gradient(module, ways[w], topo=topo,
                                                       loss_norm=cfg.train.loss_norm,
                                                       aux_coef=coef, autocast=low)
             print(f"bin {k + 1}: {w} done", flush=True)

@@ -297,7 +297,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
             frozen_dtype=torch.bfloat16 if low else None, recompute_share=recompute,
             compile_scope=m.compile_scope if m.compile else None,
             trace_vision_attention=args.trace_vision_attention,
-            sharded=args.bf16_params, param_dtype=torch.bfloat16), info=topo, root=model)
+            sharded=args.bf16_params, param_dtype=torch.bfloat16), topo=topo, root=model)
         params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim, device_type=device.type) if args.optimizer else None
     flops = flop_model(model)
@@ -327,7 +327,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
         b = b.to(device, non_blocking=True)
         timer.stop("data") if measuring else None
         if vlpack:  # the trainer's own step (train/step.py), its phases timed
-            return optimizer_step(module, opt, sched, [b], info=topo,
+            return optimizer_step(module, opt, sched, [b], topo=topo,
                                   aux_coef=cfg.train.aux_loss_coef, grad_clip=cfg.optim.grad_clip,
                                   autocast=stack.autocast,
                                   phase=timer.region if measuring else None)

@@ -163,8 +163,8 @@ MUTATIONS = [
              "labels_T, real_T = batch.labels, torch.ones_like(batch.padding_mask)",
              check="tiny-qwen3_vl_moe"),
     Mutation("MoE aux term not averaged over micro-batches", "train/step.py",
-             "obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)",
-             "obj = obj + aux_coef * (ws // info.dp) * out.aux_loss",
+             "obj = obj + aux_coef * (ws // topo.dp) * out.aux_loss / len(mbs)",
+             "obj = obj + aux_coef * (ws // topo.dp) * out.aux_loss",
              tests=("tests/gates/test_step_gradient.py::"
                     "test_one_process_step_gradient_is_the_global_token_mean",)),
     Mutation("each micro-batch normalised by its own label count", "train/step.py",

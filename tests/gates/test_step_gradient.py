@@ -41,18 +41,18 @@ def _samples(spec) -> list:
             [mk("r1a", 60, [(1, 8, 4)]), mk("r1b", 44, [])], [mk("r1c", 6, [])]]
 
 
-def _trainer_grads(mbs_samples, info: Topology, fsdp: bool) -> dict[str, torch.Tensor]:
+def _trainer_grads(mbs_samples, topo: Topology, fsdp: bool) -> dict[str, torch.Tensor]:
     model, spec = build_model(NAME, dtype=torch.float32, device="cpu", seed=0)
     module = TrainModule(model, spec, loss_method="chunked", touch_vision=fsdp)
     if fsdp:
         from vlpack.train.parallel import apply_fsdp
 
-        apply_fsdp(module, model, info, param_dtype=None)
+        apply_fsdp(module, model, topo, param_dtype=None)
     opt = GradRecorder(list(model.named_parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     mbs = [build_thd_batch(s, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
            for s in mbs_samples]
-    optimizer_step(module, opt, sched, mbs, info=info, aux_coef=AUX)
+    optimizer_step(module, opt, sched, mbs, topo=topo, aux_coef=AUX)
     return opt.grads
 
 
@@ -110,10 +110,10 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     from vlpack.train.parallel import init_distributed, shutdown
 
-    info = init_distributed()
+    topo = init_distributed()
     spec = build_model(NAME, device="meta", dtype="float32")[1]
     mbs = _samples(spec)[2 * rank : 2 * rank + 2]  # two micro-batches per rank
-    grads = _trainer_grads(mbs, info, fsdp=True)
+    grads = _trainer_grads(mbs, topo, fsdp=True)
     if rank == 0:
         torch.save(grads, out)
     shutdown()

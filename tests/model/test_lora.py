@@ -47,7 +47,7 @@ def test_packed_lora_training_equals_padded(samples):
             group = samples[3 * k : 3 * k + 3]
             batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
                      if mode == "packed" else build_padded_batch(group, pad_token_id=spec.pad_token_id))
-            step_losses.append(optimizer_step(module, opt, sched, [batch], info=CPU).loss)
+            step_losses.append(optimizer_step(module, opt, sched, [batch], topo=CPU).loss)
         params = dict(model.named_parameters())
         moved = [k for k, v in base.items() if not torch.equal(_wrapped(params, k), v)]
         assert not moved, moved[:3]

@@ -140,7 +140,7 @@ def test_fla_is_pointed_at_its_configurations_before_the_model_is_imported(monke
     monkeypatch.setattr(stack, "use_tuned_kernels", lambda name: calls.append(name))
     monkeypatch.setattr(stack, "plan_memory", plan)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     with pytest.raises(PlannedError):
-        stack.build_stack(load_config("qwen3.5-35b-a3b-lora"), info)
+        stack.build_stack(load_config("qwen3.5-35b-a3b-lora"), topo)
     assert calls == ["cache", "NVIDIA H200", "plan"]

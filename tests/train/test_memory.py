@@ -232,14 +232,14 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
     from vlpack.train.parallel import init_distributed, shutdown
     from vlpack.train.stack import is_sharded, plan_memory
 
-    info = init_distributed(1)
+    topo = init_distributed(1)
     cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
-    sharded = is_sharded(cfg, info)
+    sharded = is_sharded(cfg, topo)
     k = 1 if rank == 0 else 3
     fixed = _cut_lora("model.activation_checkpointing=true", f"model.checkpoint_share={k / 8}")
-    need = plan_memory(fixed, info, sharded=sharded)[0]
+    need = plan_memory(fixed, topo, sharded=sharded)[0]
     free = int(max(need.train_bytes, need.build_bytes) / (1 - memory.HEADROOM)) + 8
-    plan = plan_memory(cfg, info, sharded=sharded, free=free)[0]
+    plan = plan_memory(cfg, topo, sharded=sharded, free=free)[0]
     Path(f"{out}.{rank}").write_text(str(plan.recompute_share))
     shutdown()
 

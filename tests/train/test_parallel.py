@@ -130,14 +130,14 @@ def _worker(rank: int, port: int, out: str, name: str = "tiny-qwen3_vl",
     torch.set_num_threads(1)
     from vlpack.train.parallel import apply_fsdp, init_distributed, shutdown
 
-    info = init_distributed()
+    topo = init_distributed()
     model, module, batches = _setup(name, loss, padded)
-    apply_fsdp(module, model, info, param_dtype=None)
+    apply_fsdp(module, model, topo, param_dtype=None)
     module.touch_vision = True
     opt, sched = _optimizer(module)  # after sharding: FSDP2 swaps in DTensor parameters
     from vlpack.train.step import optimizer_step
 
-    losses = [optimizer_step(module, opt, sched, [batches[rank]], info=info).loss for _ in range(2)]
+    losses = [optimizer_step(module, opt, sched, [batches[rank]], topo=topo).loss for _ in range(2)]
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
     shutdown()
@@ -205,8 +205,8 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(
     assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == (
         not name.endswith("-untied"))
     opt, sched = _optimizer(module)
-    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    single = [optimizer_step(module, opt, sched, batches, info=info).loss for _ in range(2)]
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    single = [optimizer_step(module, opt, sched, batches, topo=topo).loss for _ in range(2)]
     assert max(abs(a - b) for a, b in zip(json.loads(out.read_text()), single, strict=True)) < 1e-5
 
 
@@ -226,11 +226,11 @@ def test_fsdp_blocks_see_the_same_inputs_in_forward_and_recomputation(name: str)
     from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
 
     model, module, batches = _setup(name)
-    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    ensure_process_group(info)
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ensure_process_group(topo)
     try:
         enable_activation_checkpointing(model, 1.0)
-        apply_fsdp(module, model, info, param_dtype=torch.bfloat16)
+        apply_fsdp(module, model, topo, param_dtype=torch.bfloat16)
         seen = []
         model.model.visual.blocks[0].attn.register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(
@@ -251,11 +251,11 @@ def test_fsdp_root_keeps_fp32_loss_weights() -> None:
     from vlpack.train.step import sample_mean_weights
 
     model, module, batches = _setup()
-    info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    ensure_process_group(info)
+    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ensure_process_group(topo)
     seen = []
     try:
-        apply_fsdp(module, model, info, param_dtype=torch.bfloat16)
+        apply_fsdp(module, model, topo, param_dtype=torch.bfloat16)
         module.register_forward_pre_hook(  # runs after FSDP2's own pre-forward hook
             lambda m, args, kwargs: seen.append(kwargs["token_weights"].dtype), with_kwargs=True)
         weights, _ = sample_mean_weights(batches[1])

@@ -133,11 +133,11 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     from vlpack.train.parallel import init_distributed, shutdown
 
-    info = init_distributed()
+    topo = init_distributed()
     try:
         t = Trainer(small_cfg(Path(out), "model.name=tiny-qwen3_5_moe", "model.dtype=bfloat16",
                               "model.lora.rank=4", "model.lora.experts=true",
-                              "train.max_steps=1"), info)
+                              "train.max_steps=1"), topo)
         got = _dtypes(t.model)
         bad = [(n, d) for n, (d, trains) in got.items() if d != _expect(n, trains)]
         assert not bad, bad[:4]

@@ -211,15 +211,15 @@ def _record(files) -> dict[str, dict[str, Any]]:
     return {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in files}
 
 
-def _manifest(folder: Path, info: Topology) -> dict[str, dict[str, Any]]:
+def _manifest(folder: Path, topo: Topology) -> dict[str, dict[str, Any]]:
     """Every file in a written checkpoint folder but the marker, with its size and sha256: each
     rank hashes the files it wrote (its DCP shards, its trainer state), rank 0 the rest
     (`.metadata`). Collective; the result is complete on rank 0 only."""
-    own = [*folder.glob(f"__{info.rank}_*.distcp"), folder / f"trainer_rank{info.rank}.pt"]
+    own = [*folder.glob(f"__{topo.rank}_*.distcp"), folder / f"trainer_rank{topo.rank}.pt"]
     files: dict[str, dict[str, Any]] = {}
-    for part in all_gather_object(_record(own), info):
+    for part in all_gather_object(_record(own), topo):
         files.update(part)
-    if info.is_main:
+    if topo.is_main:
         files.update(_record([f for f in folder.iterdir()
                               if f.is_file() and f.name != MARKER and f.name not in files]))
     return dict(sorted(files.items()))
@@ -238,7 +238,7 @@ def _file_problem(folder: Path, name: str, want: dict[str, Any]) -> str | None:
     return None
 
 
-def check_files(folder: Path, info: Topology) -> str | None:
+def check_files(folder: Path, topo: Topology) -> str | None:
     """The first problem found in `folder`'s files against the sizes and digests its marker
     records, or None when all match or it records none (an older checkpoint, not verifiable).
     The ranks split the files; collective, every rank gets the same answer."""
@@ -250,15 +250,15 @@ def check_files(folder: Path, info: Topology) -> str | None:
         return None
     names = sorted(files)
     mine = [p for i, n in enumerate(names)
-            if i % info.world_size == info.rank and (p := _file_problem(folder, n, files[n]))]
-    found = sorted(p for part in all_gather_object(mine, info) for p in part)
+            if i % topo.world_size == topo.rank and (p := _file_problem(folder, n, files[n]))]
+    found = sorted(p for part in all_gather_object(mine, topo) for p in part)
     if not found:
         return None
     more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
     return found[0] + more
 
 
-def _intact_before(folder: Path, info: Topology) -> tuple[Path | None, list[tuple[Path, str]]]:
+def _intact_before(folder: Path, topo: Topology) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint beside `folder` and older than it whose files match their
     digests (or record none), and the damaged ones passed on the way with their problems."""
     older = sorted((p for p in folder.parent.glob("step_*")
@@ -266,7 +266,7 @@ def _intact_before(folder: Path, info: Topology) -> tuple[Path | None, list[tupl
                    reverse=True)
     skipped = []
     for p in older:
-        if (problem := check_files(p, info)) is None:
+        if (problem := check_files(p, topo)) is None:
             return p, skipped
         skipped.append((p, problem))
     return None, skipped
@@ -284,21 +284,21 @@ def _way_out(folder: Path, intact: Path | None, skipped: list[tuple[Path, str]])
             "train.resume_fallback=true")
 
 
-def resume_point(path: str | Path, info: Topology, *, fallback: bool = False) -> Path:
+def resume_point(path: str | Path, topo: Topology, *, fallback: bool = False) -> Path:
     """`path` when every file matches the size and sha256 its marker records (one that records
     none resumes with a warning that it is not verified). Otherwise, with `fallback`, the newest
     intact checkpoint beside it, logging which were skipped and why; without, a
     CheckpointIntegrityError naming the file, the problem and that checkpoint. Collective."""
     path = Path(path)
-    problem = check_files(path, info)
+    problem = check_files(path, topo)
     if problem is None:
-        if info.is_main and "files" not in marker(path):
+        if topo.is_main and "files" not in marker(path):
             log.warning("%s records no file digests (written by an older vlpack): resuming from "
                         "it without verifying its files", path)
         return path
-    intact, skipped = _intact_before(path, info)
+    intact, skipped = _intact_before(path, topo)
     if fallback and intact is not None:
-        if info.is_main:
+        if topo.is_main:
             for p, why in [(path, problem), *skipped]:
                 log.warning("train.resume_fallback: skipping %s: %s", p, why)
             log.warning("train.resume_fallback: resuming from %s, the newest intact checkpoint",
@@ -308,10 +308,10 @@ def resume_point(path: str | Path, info: Topology, *, fallback: bool = False) ->
                                    f"{_way_out(path, intact, skipped)}")
 
 
-def _load_failed(path: Path, why: str, info: Topology) -> CheckpointIntegrityError:
+def _load_failed(path: Path, why: str, topo: Topology) -> CheckpointIntegrityError:
     """The error for a checkpoint torch could not load, naming it and the intact one beside it.
     Collective (every rank raises it)."""
-    intact, skipped = _intact_before(path, info)
+    intact, skipped = _intact_before(path, topo)
     return CheckpointIntegrityError(f"loading {path} failed ({why}): a file in it is damaged or "
                                     f"missing; {_way_out(path, intact, skipped)}")
 
@@ -322,7 +322,7 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
-    info: Topology,
+    topo: Topology,
     *,
     keep: int = 2,
     run_id: str | None = None,
@@ -332,23 +332,23 @@ def save_checkpoint(
     root = Path(output_dir) / "checkpoints"
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    if info.is_main:
+    if topo.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier(info)
+    barrier(topo)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_sd = _trainable_state(model, model_sd)
-    need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], info)[0]
+    need = all_reduce([float(_tensor_bytes(model_sd) + _tensor_bytes(optim_sd))], topo)[0]
     free = float(shutil.disk_usage(tmp).free)
     rotated = 0
-    if all_reduce([float(need * HEADROOM > free)], info, "max")[0] and keep > 1:
+    if all_reduce([float(need * HEADROOM > free)], topo, "max")[0] and keep > 1:
         # rotate first: the checkpoints the rotation after this save would delete, never the
         # resume point (with keep=1 that is the only one, kept until the new one is written)
-        rotated = len(_rotate(root, run_id, keep - 1)) if info.is_main else 0
-        barrier(info)
+        rotated = len(_rotate(root, run_id, keep - 1)) if topo.is_main else 0
+        barrier(topo)
         free = float(shutil.disk_usage(tmp).free)
-    if all_reduce([float(need * HEADROOM > free)], info, "max")[0]:
-        if info.is_main:
+    if all_reduce([float(need * HEADROOM > free)], topo, "max")[0]:
+        if topo.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         first = (f" after deleting {rotated} older checkpoint(s) of this run" if rotated else "")
         raise CheckpointSaveError(
@@ -359,7 +359,7 @@ def save_checkpoint(
         )
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{info.rank}.pt")
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / f"trainer_rank{topo.rank}.pt")
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP's wraps a full disk
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointSaveError(
@@ -369,25 +369,25 @@ def save_checkpoint(
             f"{_resume_point(output_dir)}. The partial folder "
             "is removed"
         ) from None
-    barrier(info)
-    files = _manifest(tmp, info)
-    if info.is_main:
-        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": info.world_size,
+    barrier(topo)
+    files = _manifest(tmp, topo)
+    if topo.is_main:
+        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": topo.world_size,
                                                "run_id": run_id,
                                                "frozen": frozen_fingerprint(model),
                                                "frozen_dtypes": frozen_dtypes_fingerprint(model),
-                                               "device": info.device.type,
+                                               "device": topo.device.type,
                                                "sharded": _is_sharded(model),
                                                "files": files}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         _rotate(root, run_id, keep)
-    barrier(info)
+    barrier(topo)
     return final
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Topology,
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, topo: Topology,
     *, verify: bool = True,
 ) -> dict[str, Any]:
     """Restore model and optimizer in place; return this rank's trainer state (RNG restored).
@@ -398,9 +398,9 @@ def load_checkpoint(
     if not marker_file.is_file():
         raise ValueError(f"{path} is not a complete vlpack checkpoint (no {MARKER} marker)")
     saved_world = json.loads(marker_file.read_text())["world_size"]
-    if saved_world != info.world_size:
+    if saved_world != topo.world_size:
         raise ValueError(
-            f"{path} was saved by {saved_world} ranks but this run has {info.world_size}; resume "
+            f"{path} was saved by {saved_world} ranks but this run has {topo.world_size}; resume "
             "with the same number of processes, or start anew in another train.output_dir (or in "
             "this one with train.resume=none train.overwrite=true, which deletes its checkpoints)"
         )
@@ -420,26 +420,26 @@ def load_checkpoint(
                              "own settings (its config.yaml), or start anew in another "
                              "train.output_dir")
     if verify:
-        resume_point(path, info)
+        resume_point(path, topo)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _trainable_state(model, model_sd), "optim": optim_sd}
     meta = path / ".metadata"  # DCP logs a traceback per attempt at an empty one: refuse first
     if not meta.is_file() or not meta.stat().st_size:
-        raise _load_failed(path, f"{meta} is {'empty' if meta.is_file() else 'missing'}", info)
+        raise _load_failed(path, f"{meta} is {'empty' if meta.is_file() else 'missing'}", topo)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (CheckpointException, RuntimeError, OSError, EOFError, ValueError) as e:
         # DCP reports every rank's failure on every rank
-        raise _load_failed(path, _reason(e), info) from None
+        raise _load_failed(path, _reason(e), topo) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
-    file = path / f"trainer_rank{info.rank}.pt"
+    file = path / f"trainer_rank{topo.rank}.pt"
     try:
         trainer, why = load_trainer_state(file), None
     except (RuntimeError, OSError, EOFError) as e:  # a truncated zip, a missing file
         trainer, why = None, f"{file}: {_reason(e)}"
-    if failed := [w for w in all_gather_object(why, info) if w]:
-        raise _load_failed(path, failed[0], info)
+    if failed := [w for w in all_gather_object(why, topo) if w]:
+        raise _load_failed(path, failed[0], topo)
     set_rng_state(trainer.pop("rng"))
     return trainer
 

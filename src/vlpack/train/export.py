@@ -178,7 +178,7 @@ def live_fetch(model: nn.Module) -> Fetch:
     return fetch
 
 
-def export_live(model: nn.Module, out_dir: str | Path, info: Topology, cfg: Config,
+def export_live(model: nn.Module, out_dir: str | Path, topo: Topology, cfg: Config,
                 *, dtype: str = "bfloat16") -> Path:
     """Write the live `model` of run `cfg` as a transformers folder in `dtype` (sharded
     safetensors with their index, the LoRA adapter folded in, and the files a serving engine
@@ -186,17 +186,17 @@ def export_live(model: nn.Module, out_dir: str | Path, info: Topology, cfg: Conf
     from vlpack.train.serving import write_serving_files
 
     out = Path(out_dir)
-    if info.is_main:
+    if topo.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=info.is_main)
-    if info.is_main:
+    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=topo.is_main)
+    if topo.is_main:
         write_config(model, out, DTYPES[dtype])
         write_serving_files(out, cfg, model.config.model_type)
-    barrier(info)
+    barrier(topo)
     return out
 
 
-def export_live_adapter(model: nn.Module, out_dir: str | Path, info: Topology, *,
+def export_live_adapter(model: nn.Module, out_dir: str | Path, topo: Topology, *,
                         base: str | None = None) -> Path:
     """Write the LoRA adapter of the live `model` in peft's format (`PeftModel.from_pretrained`
     loads it on the base model `base`). Collective: only the adapters' tensors are gathered
@@ -206,10 +206,10 @@ def export_live_adapter(model: nn.Module, out_dir: str | Path, info: Topology, *
     keys = [k for k in (_clean(k) for k in model.state_dict()) if "lora_" in k]
     state = live_fetch(model)(keys)
     out = Path(out_dir)
-    if info.is_main:
+    if topo.is_main:
         save_adapter(model, out, state_dict=state, base=base)
         umask_mode(out / "adapter_model.safetensors")
-    barrier(info)
+    barrier(topo)
     return out
 
 

@@ -77,35 +77,35 @@ class RunOutOfMemoryError(RuntimeError):
 class Trainer:
     """Builds model, data, optimizer; runs, checkpoints and resumes."""
 
-    def __init__(self, cfg: Config, info: Topology | None = None):
+    def __init__(self, cfg: Config, topo: Topology | None = None):
         from vlpack.data.setup import build_encoder
 
         self.cfg = cfg
-        self.info = info or init_distributed(cfg.parallel.cp)
-        if self.info.cp != cfg.parallel.cp:
-            raise ValueError(f"the topology's cp={self.info.cp} is not parallel.cp="
+        self.topo = topo or init_distributed(cfg.parallel.cp)
+        if self.topo.cp != cfg.parallel.cp:
+            raise ValueError(f"the topology's cp={self.topo.cp} is not parallel.cp="
                              f"{cfg.parallel.cp}: build it with init_distributed(cfg.parallel.cp)")
-        self.context = context_group(self.info)
+        self.context = context_group(self.topo)
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
-        claim_output_dir(cfg.train.output_dir, self.info)  # one run per folder at a time
+        claim_output_dir(cfg.train.output_dir, self.topo)  # one run per folder at a time
         self.run_id: str | None = _run_id(cfg)
         # before the model is built: a tracker that cannot start ends the run in seconds
         self.trackers: list[Tracker] = start_trackers(
             cfg.train.report_to, out_dir=cfg.train.output_dir, run_id=self.run_id,
-            errors=cfg.train.report_to_errors, info=self.info)
-        stack = build_stack(cfg, self.info, context=self.context, resumed_bins=_resumed_bins(cfg))
+            errors=cfg.train.report_to_errors, topo=self.topo)
+        stack = build_stack(cfg, self.topo, context=self.context, resumed_bins=_resumed_bins(cfg))
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
         self.flops, self.autocast = stack.flops, stack.autocast
         self.plan, self.ways_out = stack.plan, stack.ways_out
         self.tuned_kernels = stack.tuned_kernels
         self.optimizer = build_optimizer(self.module.parameters(), cfg.optim,
                                          device_type="cpu" if cfg.train.cpu_offload
-                                         else self.info.device.type,
+                                         else self.topo.device.type,
                                          parts=module_groups(self.model))
 
         self.encoder = build_encoder(cfg.data, self.spec, cfg.model.name,
-                                     announce=self.info.is_main)
+                                     announce=self.topo.is_main)
         self.train_loader, self.eval_loader = self._loaders()
         self.data_files = data_fingerprints(cfg.data)
         """Fingerprint of each data file by path, kept in checkpoints to notice edited data."""
@@ -114,14 +114,14 @@ class Trainer:
             cfg.train.eval_generate_max_new_tokens) if cfg.train.eval_generate_every else None
         if cfg.train.epochs is not None:  # the steps of that many passes, before the schedule
             cfg.train.max_steps, bins = steps_for_epochs(
-                self.train_loader, cfg.train.epochs, dp=self.info.dp, micro_batches=cfg.train.micro_batches)
-            if self.info.is_main:
+                self.train_loader, cfg.train.epochs, dp=self.topo.dp, micro_batches=cfg.train.micro_batches)
+            if self.topo.is_main:
                 print(f"vlpack: train.epochs={cfg.train.epochs}: {bins} planned bins, "
                       f"train.max_steps={cfg.train.max_steps}", flush=True)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.own_rates = own_rates(cfg.optim, module_groups(self.model))
         """`optim.lr_<part>` of the parts training at their own rate (metrics' `lr_<part>`)."""
-        if self.info.is_main:
+        if self.topo.is_main:
             print(describe(cfg.optim, self.own_rates, cfg.train.max_steps), flush=True)
         self.step = 0
         self.totals = {"samples": 0, "real_tokens": 0, "tokens": 0, "seconds": 0.0}
@@ -143,11 +143,11 @@ class Trainer:
     def _loaders(self):
         t = self.cfg.train
         return build_loaders(
-            self.cfg.data, self.encoder, seed=t.seed, rank=self.info.dp_rank,
-            world_size=self.info.dp,  # data-parallel: a context group shares rows
+            self.cfg.data, self.encoder, seed=t.seed, rank=self.topo.dp_rank,
+            world_size=self.topo.dp,  # data-parallel: a context group shares rows
             per_round=t.micro_batches if t.tokens_per_step is None else 1,
             pad_token_id=self.spec.pad_token_id, spatial_merge_size=self.spec.merge_size,
-            pin_memory=self.info.device.type == "cuda", show_progress=t.progress and self.info.is_main,
+            pin_memory=self.topo.device.type == "cuda", show_progress=t.progress and self.topo.is_main,
             report_skips=self.context.rank == 0)
 
     def _next_micro_batches(self, it) -> list:
@@ -160,7 +160,7 @@ class Trainer:
         while True:
             mbs.append(next(it))
             short = sum(b.num_real_tokens for b in mbs) < t.tokens_per_step
-            if not all_reduce([float(short)], self.info, "max")[0]:
+            if not all_reduce([float(short)], self.topo, "max")[0]:
                 return mbs
 
     # ------------------------------------------------------------------ step
@@ -168,7 +168,7 @@ class Trainer:
     def _autocast(self):
         if self.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.info.device.type, dtype=self.autocast)
+        return torch.autocast(self.topo.device.type, dtype=self.autocast)
 
     def train_step(self, mbs: list) -> StepResult:
         """One optimizer step over this rank's micro-batches (see `optimizer_step`)."""
@@ -180,12 +180,12 @@ class Trainer:
             sum(self.flops.recomputed_of_batch(b) for b in mbs),
         ]
         # Pinned host batches (DataLoader pin_memory) copy asynchronously, overlapping compute.
-        mbs = [b.to(self.info.device, non_blocking=True) for b in mbs]
+        mbs = [b.to(self.topo.device, non_blocking=True) for b in mbs]
         anomaly = (torch.autograd.set_detect_anomaly(True, check_nan=False)
                    if self.cfg.train.detect_anomaly else contextlib.nullcontext())
         with anomaly:
             r = optimizer_step(
-                self.module, self.optimizer, self.scheduler, mbs, info=self.info,
+                self.module, self.optimizer, self.scheduler, mbs, topo=self.topo,
                 loss_norm=self.cfg.train.loss_norm, aux_coef=self.cfg.train.aux_loss_coef,
                 grad_clip=self.cfg.optim.grad_clip, autocast=self.autocast,
             )
@@ -195,7 +195,7 @@ class Trainer:
                 f"stopping. The last good checkpoint is {self.last_checkpoint or 'none'}; lower "
                 "optim.lr or check the data, then resume with train.resume=auto"
             )
-        real, tokens, flops, recomputed = all_reduce(stats, self.info, axis="dp")
+        real, tokens, flops, recomputed = all_reduce(stats, self.topo, axis="dp")
         # no wait for the optimizer's kernels here: the step's one host wait (after the backward,
         # optimizer_step) bounds each step, and the update's GPU time counts in the next step
         r.real_tokens, r.tokens, r.flops = int(real), int(tokens), flops
@@ -218,7 +218,7 @@ class Trainer:
                 out = self.module(b)
             loss_sum += float(out.loss_sum)
             n += out.num_label_tokens
-        loss_sum, n = all_reduce([loss_sum, n], self.info)
+        loss_sum, n = all_reduce([loss_sum, n], self.topo)
         return loss_sum / n if n else None
 
     # ------------------------------------------------------------------ state
@@ -246,7 +246,7 @@ class Trainer:
         with self.progress.phase(f"saving step {self.step}", f"saved step {self.step}") as done:
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.train.output_dir, self.step, self.module, self.optimizer, self.state(),
-                self.info, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
+                self.topo, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
             )
             done["detail"] = f": {self.last_checkpoint}"
         return self.last_checkpoint
@@ -265,12 +265,12 @@ class Trainer:
                 "would mix two runs in one folder. Continue that run with train.resume=auto, "
                 "choose another train.output_dir, or delete them with train.overwrite=true"
             )
-        barrier(self.info)  # every rank has looked before the main rank deletes
-        if self.info.is_main:
+        barrier(self.topo)  # every rank has looked before the main rank deletes
+        if self.topo.is_main:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "metrics.jsonl").unlink(missing_ok=True)
             print(f"vlpack: train.overwrite=true: deleted the checkpoints and metrics in {out}")
-        barrier(self.info)
+        barrier(self.topo)
 
     def maybe_resume(self) -> Path | None:
         r = self.cfg.train.resume
@@ -284,7 +284,7 @@ class Trainer:
             raise ValueError(f"train.resume={r}: {path} is not a checkpoint folder")
         checked = (path / ckpt.MARKER).is_file()
         if checked:  # the files' digests, before anything is loaded
-            path = ckpt.resume_point(path, self.info,
+            path = ckpt.resume_point(path, self.topo,
                                      fallback=r == "auto" and self.cfg.train.resume_fallback)
         step = int(ckpt.marker(path)["step"]) if checked else None
         if step is not None and step > self.cfg.train.max_steps:
@@ -293,7 +293,7 @@ class Trainer:
                 "raise train.max_steps to train it further, or start anew in another "
                 "train.output_dir (or here with train.resume=none train.overwrite=true)"
             )
-        st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.info, verify=not checked)
+        st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.topo, verify=not checked)
         self.run_id = ckpt.marker(path).get("run_id")
         self.step = st["step"]
         self.scheduler.load_state_dict(st["scheduler"])
@@ -328,7 +328,7 @@ class Trainer:
             self._grace_timer = threading.Timer(grace, _grace_expired, (grace,))
             self._grace_timer.daemon = True
             self._grace_timer.start()
-        if self.info.is_main:
+        if self.topo.is_main:
             name = signal.Signals(signum).name
             within = f" within {grace:g} s" if grace is not None else ""
             print(f"\nvlpack: {name}: finishing this step, saving a checkpoint{within}, exiting "
@@ -336,10 +336,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps`; return the summary."""
-        cfg, info = self.cfg, self.info
+        cfg, topo = self.cfg, self.topo
         out_dir = Path(cfg.train.output_dir)
         resumed = self.maybe_resume()
-        if info.is_main:
+        if topo.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
                 _keep_changed_config(cfg, out_dir / "config.yaml", self.step)
@@ -354,17 +354,17 @@ class Trainer:
         trackers = self.trackers  # started in __init__; the config and resume point known now
         for tracker in trackers:
             tracker.begin(cfg.to_dict(), self.step)
-        writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=info.is_main,
+        writer = MetricsWriter(out_dir / "metrics.jsonl", resume_step=self.step, enabled=topo.is_main,
                                mirrors=tuple(trackers))
-        peak = peak_flops(info.device)
+        peak = peak_flops(topo.device)
         self.progress = Progress(total=cfg.train.max_steps, initial=self.step,
                                  log_every=cfg.train.log_every,
-                                 enabled=cfg.train.progress and info.is_main)
+                                 enabled=cfg.train.progress and topo.is_main)
         eta = Eta(self.step, cfg.train.max_steps)
         self._started_at = time.monotonic()
         it = iter(self.train_loader)
         first_step = self.step
-        profiler = StepProfiler(out_dir / f"profile_rank{info.rank}.txt", device=info.device,
+        profiler = StepProfiler(out_dir / f"profile_rank{topo.rank}.txt", device=topo.device,
                                 start=cfg.train.profile_from, count=cfg.train.profile_steps)
         plain_s, plain_n = 0.0, 0  # unprofiled step time after the first, the profile's reference
         try:
@@ -372,10 +372,10 @@ class Trainer:
                 t_data = time.perf_counter()
                 mbs = self._next_micro_batches(it)
                 data_wait = time.perf_counter() - t_data
-                if info.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(info.device)
-                if self.step == first_step and info.is_main and (w := _first_step_waits(
-                        cfg, self.spec, info.device, self.tuned_kernels)):
+                if topo.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(topo.device)
+                if self.step == first_step and topo.is_main and (w := _first_step_waits(
+                        cfg, self.spec, topo.device, self.tuned_kernels)):
                     print(f"vlpack: step {self.step + 1} waits for {w}", flush=True)
                 profiler.before(self.step + 1)
                 try:
@@ -391,7 +391,7 @@ class Trainer:
                     self._stop = self.step < cfg.train.max_steps
                 # every rank learns whether any rank was signalled (and by which signal)
                 flag = self.stop_signal or (0.5 if self._stop else 0.0)
-                flag = all_reduce([float(flag)], info, "max")[0]
+                flag = all_reduce([float(flag)], topo, "max")[0]
                 stop = flag > 0
                 if flag >= 1:
                     self._stop, self.stop_signal = True, int(flag)
@@ -424,7 +424,7 @@ class Trainer:
 
     def _oom_message(self) -> str:
         """One paragraph for an out-of-memory step: where, how much, the plan, the ways out."""
-        dev = self.info.device
+        dev = self.topo.device
         peak = (torch.cuda.max_memory_allocated(dev) / memory.GIB if dev.type == "cuda"
                 else float("nan"))
         total = (torch.cuda.get_device_properties(dev).total_memory / memory.GIB
@@ -434,7 +434,7 @@ class Trainer:
         auto = (f", model.checkpoint_share=auto having chosen {p.recompute_share!r} from it"
                 if self.cfg.model.activation_checkpointing
                 and self.cfg.model.checkpoint_share == "auto" else "")
-        return (f"out of {dev.type} memory in step {self.step + 1} (rank {self.info.rank}): "
+        return (f"out of {dev.type} memory in step {self.step + 1} (rank {self.topo.rank}): "
                 f"PyTorch had allocated up to {peak:.1f} GiB of the device's {total:.1f} GiB; the "
                 f"memory plan counted {p.train_bytes / memory.GIB:.1f} GiB ({acts:.1f} GiB of it "
                 f"activations for data.seq_len={self.cfg.data.seq_len}{auto}). The last good checkpoint "
@@ -453,7 +453,7 @@ class Trainer:
         assert self.held_out_generation is not None
         with self.progress.phase(f"generating step {self.step}", f"generated step {self.step}") as done, \
                 self._autocast():
-            row = self.held_out_generation(self.model, self.spec, self.info.world_size)
+            row = self.held_out_generation(self.model, self.spec, self.topo.world_size)
             done["detail"] = f": token F1 {row['gen_token_f1']:.3f}"
         writer.write({"step": self.step, "samples": self.totals["samples"], **row,
                       "eval_generate_s": done["seconds"]})
@@ -467,7 +467,7 @@ class Trainer:
         self.first_loss = r.loss if self.first_loss is None else self.first_loss
         self.last_loss = r.loss
         row = step_row(self.step, r, data_wait=data_wait, totals=t, peak_flops=peak,
-                       world_size=self.info.world_size, device=self.info.device, eta_s=eta_s,
+                       world_size=self.topo.world_size, device=self.topo.device, eta_s=eta_s,
                        elapsed_s=self.elapsed())
         at = r.lr / float(self.scheduler.base_lrs[0])  # the schedule's factor, alike for every rate
         row.update({k: rate * at for k, rate in self.own_rates.items()})
@@ -482,18 +482,18 @@ class Trainer:
 
     def _say(self, what: str) -> None:
         """One line on stderr for work after the progress bar closed (with train.progress)."""
-        if self.cfg.train.progress and self.info.is_main:
+        if self.cfg.train.progress and self.topo.is_main:
             print(f"vlpack: {what}", file=sys.stderr, flush=True)
 
     def accounting(self) -> dict[str, Any]:
         """Where the samples consumed so far went, summed over ranks (a collective)."""
-        states = all_gather_object(self.train_loader.tally.state(), self.info)
-        return Tally.merged(per_replica(states, self.info)).as_dict()
+        states = all_gather_object(self.train_loader.tally.state(), self.topo)
+        return Tally.merged(per_replica(states, self.topo)).as_dict()
 
     def _finish(self, out_dir: Path) -> dict[str, Any]:
         self.train_loader.summarize_skips()
         acc = self.accounting()
-        barrier(self.info)  # no rank leaves for teardown while another is still in the gather
+        barrier(self.topo)  # no rank leaves for teardown while another is still in the gather
         summary = {
             "steps": self.step, "samples": self.totals["samples"], "truncated": acc["truncated"],
             "skipped": acc["skipped"], "epochs": acc["epochs"], "real_tokens": self.totals["real_tokens"],
@@ -507,17 +507,17 @@ class Trainer:
         }
         if self.cfg.model.lora.rank:
             self._say("writing the LoRA adapter")
-            summary["adapter"] = str(export_live_adapter(self.model, out_dir / "adapter", self.info,
+            summary["adapter"] = str(export_live_adapter(self.model, out_dir / "adapter", self.topo,
                                                          base=self.cfg.model.name))
         if self.cfg.train.export_hf:
             self._say("exporting the HF folder")
-            hf = export_live(self.model, out_dir / "hf", self.info, self.cfg,
+            hf = export_live(self.model, out_dir / "hf", self.topo, self.cfg,
                              dtype=self.cfg.train.export_dtype)
             summary["hf_export"] = str(hf)
-        if self.info.is_main and (why := missing_matplotlib()):
+        if self.topo.is_main and (why := missing_matplotlib()):
             summary["plot_skipped"] = f"no loss.png: {why}"
             log.info(summary["plot_skipped"])
-        elif self.info.is_main:
+        elif self.topo.is_main:
             self._say(f"plotting {out_dir / 'loss.png'}")
             summary["plot"] = str(plot_runs([out_dir], out_dir / "loss.png"))
         return summary
@@ -662,17 +662,17 @@ EXIT_ABORTED = 130
 def run(cfg: Config) -> dict[str, Any]:
     """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    info = init_distributed(cfg.parallel.cp)
+    topo = init_distributed(cfg.parallel.cp)
     try:
-        trainer = Trainer(cfg, info)
+        trainer = Trainer(cfg, topo)
         summary = trainer.fit()
         summary["stop_signal"] = trainer.stop_signal
-        if info.is_main:
+        if topo.is_main:
             print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}",
                   flush=True)
         # no rank tears down while rank 0 still writes its plot and summary: torchrun stops every
         # worker when one fails, so a rank's failing exit would cut rank 0's report short
-        barrier(info)
+        barrier(topo)
         return summary
     finally:
         shutdown()
@@ -685,18 +685,18 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
     if device_memory is not None:
         if cfg.parallel.cp != 1:
             raise ValueError("--device-memory plans one GPU: drop parallel.cp")
-        info = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+        topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
         free = device_memory - memory.CUDA_CONTEXT
         if free <= 0:
             raise ValueError(f"--device-memory {device_memory / memory.GIB:.2f} GiB is less than a "
                              "GPU's CUDA context takes: give the card's size, e.g. 80GiB")
         where = f"one GPU of {device_memory / memory.GIB:.1f} GiB ({free / memory.GIB:.1f} GiB free)"
     else:
-        info = init_distributed(cfg.parallel.cp)
-        free = memory.available_bytes(info.device)
-        where = f"{info.world_size} {info.device.type} rank(s)"
+        topo = init_distributed(cfg.parallel.cp)
+        free = memory.available_bytes(topo.device)
+        where = f"{topo.world_size} {topo.device.type} rank(s)"
     try:
-        prep = preparation(cfg, info)
+        prep = preparation(cfg, topo)
         sharded = prep.sharded
         asked = cfg.data.seq_len
         # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
@@ -704,23 +704,23 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         if device_memory is not None:
             autotunes = not cfg.train.tuned_kernels
         else:
-            autotunes = info.device.type == "cuda" and fla_autotunes(
-                cfg, torch.cuda.get_device_name(info.device))
-        plan, ways = plan_memory(cfg, info, sharded=sharded, free=free, autotunes=autotunes,
+            autotunes = topo.device.type == "cuda" and fla_autotunes(
+                cfg, torch.cuda.get_device_name(topo.device))
+        plan, ways = plan_memory(cfg, topo, sharded=sharded, free=free, autotunes=autotunes,
                                  prep=prep)
-        if not info.is_main:
+        if not topo.is_main:
             return 0
         print(f"vlpack: memory plan of {cfg.model.name} on {where}, per device "
               f"({plan.params / 1e9:.2f} B parameters, {plan.trainable / 1e9:.3f} B trainable; "
               f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            check_plan(plan, cfg, info, sharded, ways, free=free, host=device_memory is None,
+            check_plan(plan, cfg, topo, sharded, ways, free=free, host=device_memory is None,
                        prep=prep)
         except ValueError as e:
             print(f"does not fit: {e}")
             return 1
-        shorten_to_plan(cfg, plan, info, free)
+        shorten_to_plan(cfg, plan, topo, free)
         print(f"chooses: {describe_choice(cfg, plan, asked_seq_len=asked)}")
         if free is not None:
             print(f"fits: {free / memory.GIB:.1f} GiB free")

@@ -85,13 +85,13 @@ def init_distributed(cp: int = 1) -> Topology:
     return replace(topo_, device=device)
 
 
-def ensure_process_group(info: Topology) -> None:
+def ensure_process_group(topo: Topology) -> None:
     """A process group for FSDP2 on a single process (`train.fsdp=always`): one rank, an
     in-memory store, no rendezvous."""
     if dist.is_initialized():
         return
-    assert info.world_size == 1, "several processes join torchrun's group in init_distributed"
-    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    assert topo.world_size == 1, "several processes join torchrun's group in init_distributed"
+    backend = "nccl" if topo.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
@@ -118,14 +118,14 @@ def all_reduce(values: list[float], topo: Topology, op: str = "sum", *,
     return out
 
 
-def barrier(info: Topology) -> None:
-    if info.distributed:
+def barrier(topo: Topology) -> None:
+    if topo.distributed:
         dist.barrier()
 
 
-def broadcast_object(obj, info: Topology):
+def broadcast_object(obj, topo: Topology):
     """Rank 0's `obj` on every rank."""
-    if not info.distributed:
+    if not topo.distributed:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -150,17 +150,17 @@ def per_replica(objs: list, topo: Topology) -> list:
     return objs[:: topo.cp]
 
 
-def all_gather_object(obj, info: Topology) -> list:
+def all_gather_object(obj, topo: Topology) -> list:
     """Every rank's `obj`, in rank order, on every rank (small picklable objects only)."""
-    if not info.distributed:
+    if not topo.distributed:
         return [obj]
-    out = [None] * info.world_size
+    out = [None] * topo.world_size
     dist.all_gather_object(out, obj)
     return out
 
 
 def apply_fsdp(
-    root: torch.nn.Module, model: torch.nn.Module, info: Topology, *,
+    root: torch.nn.Module, model: torch.nn.Module, topo: Topology, *,
     param_dtype: torch.dtype | None, reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True, cpu_offload: bool = False,
 ) -> None:
@@ -189,7 +189,7 @@ def apply_fsdp(
         fully_shard,
     )
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mesh = init_device_mesh(topo.device.type, (topo.world_size,))
     # FSDP2 casts nothing: by default it casts a module's floating inputs to param_dtype, which
     # (a) it skips when a checkpointed block recomputes in backward, so the vision rotary's
     # fp32 cos/sin reached the forward in bf16 and the recomputation in fp32, and activation
@@ -199,7 +199,7 @@ def apply_fsdp(
     # as on one GPU under autocast.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                               cast_forward_inputs=False)
-    offload = (CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cpu_offload
+    offload = (CPUOffloadPolicy(pin_memory=topo.device.type == "cuda") if cpu_offload
                else OffloadPolicy())
     inner = model.model
     blocks = list(inner.language_model.layers) + list(inner.visual.blocks)
@@ -209,9 +209,9 @@ def apply_fsdp(
     fully_shard(root, mesh=mesh, mp_policy=mp, offload_policy=offload)  # see above
 
 
-def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: Topology, *,
+def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, topo: Topology, *,
                     cpu_offload: bool = False) -> None:
-    """Materialise the meta-built, FSDP2-sharded `model` on `info.device` with the weights and
+    """Materialise the meta-built, FSDP2-sharded `model` on `topo.device` with the weights and
     buffers of `full`, the same model built whole on rank 0's CPU (None on the other ranks).
 
     Each rank then holds only its shards: no rank ever has the whole model on its accelerator
@@ -223,17 +223,17 @@ def load_full_state(model: torch.nn.Module, full: torch.nn.Module | None, info: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     buffers = broadcast_object(
-        {n: b.detach().clone() for n, b in full.named_buffers()} if info.is_main else None, info)
-    model.to_empty(device="cpu" if cpu_offload else info.device)
+        {n: b.detach().clone() for n, b in full.named_buffers()} if topo.is_main else None, topo)
+    model.to_empty(device="cpu" if cpu_offload else topo.device)
     if cpu_offload:  # the shards stay in host memory, the buffers go to the device
         moved: dict[int, torch.Tensor] = {}
         for module in model.modules():
             for key, b in module._buffers.items():
                 if b is not None:
-                    module._buffers[key] = moved.setdefault(id(b), b.to(info.device))
+                    module._buffers[key] = moved.setdefault(id(b), b.to(topo.device))
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-    state = full.state_dict() if info.is_main else {}
+    state = full.state_dict() if topo.is_main else {}
     set_model_state_dict(model, state, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=True))

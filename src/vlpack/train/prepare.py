@@ -99,12 +99,12 @@ def freezes(cfg: Config) -> bool:
     return bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
 
 
-def is_sharded(cfg: Config, info: Topology) -> bool:
+def is_sharded(cfg: Config, topo: Topology) -> bool:
     """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
-    return info.distributed or cfg.train.fsdp == "always"
+    return topo.distributed or cfg.train.fsdp == "always"
 
 
-def builds_on_host(cfg: Config, info: Topology) -> bool:
+def builds_on_host(cfg: Config, topo: Topology) -> bool:
     """Whether one process reads its model into host memory and quantizes it onto its
     accelerator expert by expert (`model.frozen_dtype=int8` with a checkpoint folder's weights:
     the device never holds the bf16 experts). Random weights are drawn on the device, as every
@@ -113,24 +113,24 @@ def builds_on_host(cfg: Config, info: Topology) -> bool:
 
     m = cfg.model
     folder = Path(m.name)
-    return (m.frozen_dtype == "int8" and info.device.type != "cpu" and m.init != "random"
+    return (m.frozen_dtype == "int8" and topo.device.type != "cpu" and m.init != "random"
             and folder.is_dir() and folder_has_weights(folder))
 
 
-def preparation(cfg: Config, info: Topology, *,
+def preparation(cfg: Config, topo: Topology, *,
                 trace_vision_attention: bool = False) -> Preparation:
-    """The preparation of run `cfg` on `info`'s device. Its recompute share is 0 until the
+    """The preparation of run `cfg` on `topo`'s device. Its recompute share is 0 until the
     memory plan chose one (`Preparation.after`). `trace_vision_attention`: a benchmark's lever
     beyond the config (docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
-    autocast = autocast_dtype(cfg, info.device)
+    autocast = autocast_dtype(cfg, topo.device)
     low = precision.frozen_matmul_dtype(m.frozen_dtype, autocast) if freezes(cfg) else None
     return Preparation(
         model_name=m.name, lora=m.lora if m.lora.rank else None,
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
         autocast=autocast, frozen_dtype=low, build_dtype=precision.build_dtype(m.name, low),
-        int8_experts=m.frozen_dtype == "int8", sharded=is_sharded(cfg, info),
-        host_build=builds_on_host(cfg, info),
+        int8_experts=m.frozen_dtype == "int8", sharded=is_sharded(cfg, topo),
+        host_build=builds_on_host(cfg, topo),
         compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention, param_dtype=autocast,
         reduce_dtype=getattr(torch, t.reduce_dtype), reshard_after_forward=t.reshard_after_forward,
@@ -138,11 +138,11 @@ def preparation(cfg: Config, info: Topology, *,
 
 
 def prepare(model: nn.Module, p: Preparation, *, first: Step = "lora", last: Step = "fsdp",
-            info: Topology | None = None, root: nn.Module | None = None,
+            topo: Topology | None = None, root: nn.Module | None = None,
             shapes: bool = False) -> None:
     """Prepare the built HF `model` in place by `p`, the steps `first` to `last` of LoRA →
     freeze → hold → int8 → checkpointing → compile → FSDP2 (a step `p` does not ask for is
-    skipped). `info`: the rank, whose device the int8 experts go to and whose process group
+    skipped). `topo`: the rank, whose device the int8 experts go to and whose process group
     FSDP2 shards over; `root`: the module whose forward runs a micro-batch, which FSDP2 shards
     with the model's blocks. `shapes`: `model` is the memory plan's meta model (LoRA's shapes
     stand in where peft is not installed, `lora.plan_lora`; the int8 experts by shape)."""
@@ -161,8 +161,8 @@ def prepare(model: nn.Module, p: Preparation, *, first: Step = "lora", last: Ste
     if "int8" in steps and p.int8_experts:
         from vlpack.model.quant import quantize_experts
 
-        assert info is not None, "the int8 experts need the rank's device"
-        device = torch.device("meta") if shapes else info.device
+        assert topo is not None, "the int8 experts need the rank's device"
+        device = torch.device("meta") if shapes else topo.device
         quantize_experts(model, device, model_name=p.model_name)  # expert by expert
         model.to(device)
         if device.type == "cuda":  # the bf16 experts' blocks, cached by the allocator
@@ -187,7 +187,7 @@ def prepare(model: nn.Module, p: Preparation, *, first: Step = "lora", last: Ste
             raise ValueError("train.cpu_offload=true offloads FSDP2's shards, and this run is "
                              "not sharded: set train.fsdp=always (or run several processes)")
         return
-    assert info is not None and root is not None, "FSDP2 shards over the rank's process group"
-    ensure_process_group(info)
-    apply_fsdp(root, model, info, param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
+    assert topo is not None and root is not None, "FSDP2 shards over the rank's process group"
+    ensure_process_group(topo)
+    apply_fsdp(root, model, topo, param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
                reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload)

@@ -122,17 +122,17 @@ def release_output_dir(out: str | Path) -> None:
         os.close(fd)
 
 
-def claim_output_dir(out: str | Path, info: Topology) -> None:
+def claim_output_dir(out: str | Path, topo: Topology) -> None:
     """Rank 0 takes the output folder's lock; every rank raises the same
     `OutputDirLockedError` when another run holds it (collective under torchrun)."""
     from vlpack.train.parallel import broadcast_object
 
     error = None
-    if info.is_main:
+    if topo.is_main:
         try:
             lock_output_dir(out)
         except OutputDirLockedError as e:
             error = str(e)
-    error = broadcast_object(error, info)
+    error = broadcast_object(error, topo)
     if error is not None:
         raise OutputDirLockedError(error)

@@ -59,12 +59,12 @@ class Stack:
     """The folder of fla kernel configurations this process uses (None: fla autotunes)."""
 
 
-def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None = None,
+def plan_memory(cfg: Config, topo: Topology, *, sharded: bool, free: int | None = None,
                 autotunes: bool = False, shorten: bool | None = None,
                 prep: Preparation | None = None) -> tuple[memory.MemoryPlan, list[str]]:
     """The run's memory plan per device (train/memory.py), from the model's shapes on the meta
     device prepared by `prep` up to its int8 experts (LoRA, freezing, the frozen weights'
-    dtype; None: `cfg`'s preparation on `info`), and the ways out that apply to it. With
+    dtype; None: `cfg`'s preparation on `topo`), and the ways out that apply to it. With
     `model.checkpoint_share=auto`, the plan of the least share that fits `free` bytes (None:
     this device's free memory), the same on every rank (`auto_share`).
     Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
@@ -76,18 +76,18 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
     from vlpack.model.build import meta_model
 
     m, d = cfg.model, cfg.data
-    prep = preparation(cfg, info) if prep is None else prep
+    prep = preparation(cfg, topo) if prep is None else prep
     autocast = prep.autocast
     shapes = meta_model(m.name)
     # as the build: only what trains keeps gradients and optimizer state (a LoRA run's adapters
     # outside the frozen groups)
-    prepare(shapes, prep, last="int8", info=info, shapes=True)
+    prepare(shapes, prep, last="int8", topo=topo, shapes=True)
     merge = shapes.config.vision_config.spatial_merge_size
     layers = shapes.config.text_config.num_hidden_layers
     gdn = "linear_attention" in (getattr(shapes.config.text_config, "layer_types", None) or ())
     transient = {"fla autotuning": memory.AUTOTUNE_RESERVE} if autotunes and gdn else {}
     if m.checkpoint_share == "auto" and m.activation_checkpointing and free is None:
-        free = memory.available_bytes(info.device)
+        free = memory.available_bytes(topo.device)
 
     planned: dict[tuple[int, float], memory.MemoryPlan] = {}
 
@@ -102,40 +102,40 @@ def plan_memory(cfg: Config, info: Topology, *, sharded: bool, free: int | None 
                               recompute_share=share, act_bytes=2 if autocast else 4,
                               loss_chunk=1024 if m.chunked_loss else 0, compiled=m.compile)
         return dataclasses.replace(memory.plan(
-            shapes, run, world_size=info.world_size,
-            sharing=memory.local_ranks() if info.device.type == "cpu" else 1, sharded=sharded,
+            shapes, run, world_size=topo.world_size,
+            sharing=memory.local_ranks() if topo.device.type == "cpu" else 1, sharded=sharded,
             build_dtype=prep.build_dtype, host_build=prep.host_build,
             data_seq_len=seq_len, optimizer=cfg.optim.name,
-            offload=cfg.train.cpu_offload and sharded and info.device.type != "cpu"),
+            offload=cfg.train.cpu_offload and sharded and topo.device.type != "cpu"),
             transient=transient)
 
     def plan_of(seq_len: int, *, announce: bool) -> memory.MemoryPlan:
         if not m.activation_checkpointing:
             return plan_at(seq_len, 0.0)
         if m.checkpoint_share == "auto":
-            return auto_share(lambda share: plan_at(seq_len, share), layers, info, free,
-                              holds_copy=sharded and info.is_main, announce=announce)
+            return auto_share(lambda share: plan_at(seq_len, share), layers, topo, free,
+                              holds_copy=sharded and topo.is_main, announce=announce)
         return plan_at(seq_len, m.checkpoint_share)
 
-    if not m.activation_checkpointing and m.checkpoint_share == "auto" and info.is_main:
+    if not m.activation_checkpointing and m.checkpoint_share == "auto" and topo.is_main:
         log.warning("model.checkpoint_share=auto has no effect without "
                     "model.activation_checkpointing=true: nothing recomputes")
     plan = plan_of(d.seq_len, announce=False)
-    room = free if free is not None else memory.available_bytes(info.device)
+    room = free if free is not None else memory.available_bytes(topo.device)
 
     def fits(p: memory.MemoryPlan) -> bool:
-        return memory.fits(p, info.device, room, holds_copy=sharded and info.is_main)
+        return memory.fits(p, topo.device, room, holds_copy=sharded and topo.is_main)
 
-    if not all_fit([fits(plan)], info)[0]:
+    if not all_fit([fits(plan)], topo)[0]:
         fitting = shorter_bins(lambda n: plan_of(n, announce=False), d.seq_len,
-                               multiple=d.pad_to_multiple_of * cfg.parallel.cp, info=info,
+                               multiple=d.pad_to_multiple_of * cfg.parallel.cp, topo=topo,
                                fits=fits)
         plan = dataclasses.replace(plan, fitting_seq_len=fitting or 0)
         if fitting and (cfg.train.memory_check == "shorten" if shorten is None else shorten):
             plan = plan_of(fitting, announce=False)
     if m.activation_checkpointing and m.checkpoint_share == "auto":  # the share of the plan chosen
-        auto_share(lambda share: plan_at(plan.seq_len, share), layers, info, free,
-                   holds_copy=sharded and info.is_main, announce=True)
+        auto_share(lambda share: plan_at(plan.seq_len, share), layers, topo, free,
+                   holds_copy=sharded and topo.is_main, announce=True)
     ways = memory.ways_out(plan, lora=bool(m.lora.rank), cp=cfg.parallel.cp,
                            vision_capped=d.max_patches is not None,
                            micro_batches=None if cfg.train.tokens_per_step else cfg.train.micro_batches)
@@ -146,13 +146,13 @@ MIN_BIN = 1024
 """The shortest bins `shorter_bins` tries (tokens)."""
 
 
-def all_fit(flags: list[bool], info: Topology) -> list[bool]:
+def all_fit(flags: list[bool], topo: Topology) -> list[bool]:
     """Each flag, true where it is true on every rank (one collective)."""
-    return [bool(x) for x in all_reduce([float(f) for f in flags], info, op="min")]
+    return [bool(x) for x in all_reduce([float(f) for f in flags], topo, op="min")]
 
 
 def shorter_bins(plan_of: Callable[[int], memory.MemoryPlan], seq_len: int, *, multiple: int,
-                 info: Topology, fits: Callable[[memory.MemoryPlan], bool]) -> int | None:
+                 topo: Topology, fits: Callable[[memory.MemoryPlan], bool]) -> int | None:
     """The longest of seq_len / 2, / 4, ... (multiples of `multiple`, at least MIN_BIN tokens)
     whose plan fits on every rank; None where none does. Every rank plans every length, so the
     collectives inside `plan_of` (`auto_share`) run alike on all of them."""
@@ -161,11 +161,11 @@ def shorter_bins(plan_of: Callable[[int], memory.MemoryPlan], seq_len: int, *, m
     while n >= max(MIN_BIN, multiple) and n % multiple == 0:
         lengths.append(n)
         n //= 2
-    ok = all_fit([fits(plan_of(n)) for n in lengths], info)
+    ok = all_fit([fits(plan_of(n)) for n in lengths], topo)
     return next((n for n, good in zip(lengths, ok, strict=True) if good), None)
 
 
-def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info: Topology,
+def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, topo: Topology,
                free: int | None, *, holds_copy: bool, announce: bool = True) -> memory.MemoryPlan:
     """`model.checkpoint_share=auto`: the plan of the least share k / `layers` (k recomputed
     text layers, 0 to all) that fits `free` bytes on this rank (`memory.fits`), the largest k of
@@ -182,15 +182,15 @@ def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, info:
     lo, hi = (0, layers) if free is not None else (layers, layers)
     while lo < hi:
         mid = (lo + hi) // 2
-        if memory.fits(at(mid), info.device, free, holds_copy=holds_copy):
+        if memory.fits(at(mid), topo.device, free, holds_copy=holds_copy):
             hi = mid
         else:
             lo = mid + 1
-    k = int(all_reduce([float(lo)], info, op="max")[0])
+    k = int(all_reduce([float(lo)], topo, op="max")[0])
     p = at(k)
-    if info.is_main and announce:
+    if topo.is_main and announce:
         room = ("the free memory unknown" if free is None else f"{free / memory.GIB:.1f} GiB free"
-                + ("" if memory.fits(p, info.device, free, holds_copy=holds_copy)
+                + ("" if memory.fits(p, topo.device, free, holds_copy=holds_copy)
                    else ", which no share fits"))
         other = f" (rank 0 alone needs {lo}: another rank has less room)" if k != lo else ""
         log.info("model.checkpoint_share=auto: %d of %d text layers recompute (share %r)%s, "
@@ -209,7 +209,7 @@ def fla_autotunes(cfg: Config, device_name: str, environ: dict[str, str] | None 
     return FLA_DIR not in env and not (cfg.train.tuned_kernels and keeps_configurations(device_name))
 
 
-def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, info: Topology) -> bool:
+def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, topo: Topology) -> bool:
     """A run resumed under `train.memory_check=shorten` keeps the bins it trained (a halving of
     data.seq_len chosen on its first device): the data stream continues by bin position, so
     other bins would skip or repeat samples. Sets them in `cfg` and says so; True where it did
@@ -218,7 +218,7 @@ def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, info: Topolo
     if (t.memory_check != "shorten" or resumed is None or resumed[0] == d.seq_len
             or resumed[0] > d.seq_len or d.seq_len % resumed[0]):
         return False
-    if info.is_main:
+    if topo.is_main:
         log.info("train.memory_check=shorten: the resumed run trained %d-token bins, %d per step; "
                  "it keeps them (other bins would move the data stream's position)", *resumed)
     d.seq_len = resumed[0]
@@ -227,7 +227,7 @@ def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, info: Topolo
     return True
 
 
-def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
+def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, topo: Topology,
                     free: int | None = None) -> None:
     """Train at the plan's bin length where `train.memory_check=shorten` chose a shorter one:
     data.seq_len becomes it and train.micro_batches grows by the same factor (unless
@@ -237,15 +237,15 @@ def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
     if not plan.seq_len or plan.seq_len == d.seq_len:
         return
     factor = d.seq_len // plan.seq_len
-    if info.is_main:
+    if topo.is_main:
         steps = ("train.tokens_per_step sets each step's bins" if t.tokens_per_step else
                  f"train.micro_batches {t.micro_batches} → {t.micro_batches * factor} keeps "
                  "the tokens per step")
         log.info("train.memory_check=shorten: data.seq_len %d does not fit the device's %s; "
                  "training in %d-token bins (%s; samples longer than that meet "
-                 "data.overlong=%s)", d.seq_len, _room_text(info, free), plan.seq_len, steps,
+                 "data.overlong=%s)", d.seq_len, _room_text(topo, free), plan.seq_len, steps,
                  d.overlong)
-    if d.overlong == "error" and info.is_main:
+    if d.overlong == "error" and topo.is_main:
         log.warning("train.memory_check=shorten: a sample longer than %d tokens now stops the run "
                     "(data.overlong=error); set data.overlong=truncate or skip to train past such "
                     "samples", plan.seq_len)
@@ -254,8 +254,8 @@ def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, info: Topology,
         t.micro_batches *= factor
 
 
-def _room_text(info: Topology, free: int | None) -> str:
-    free = memory.available_bytes(info.device) if free is None else free
+def _room_text(topo: Topology, free: int | None) -> str:
+    free = memory.available_bytes(topo.device) if free is None else free
     return "free memory" if free is None else f"{free / memory.GIB:.1f} GiB free"
 
 
@@ -283,7 +283,7 @@ def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int)
             f"{plan.train_bytes / memory.GIB:.1f} GiB planned per device")
 
 
-def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bool,
+def check_plan(plan: memory.MemoryPlan, cfg: Config, topo: Topology, sharded: bool,
                ways: list[str], *, setting: str = "refuse", free: int | None = None,
                host: bool = True, prep: Preparation | None = None) -> None:
     """Refuse a run whose plan exceeds the free memory (`free` bytes; None: the device's now),
@@ -293,14 +293,14 @@ def check_plan(plan: memory.MemoryPlan, cfg: Config, info: Topology, sharded: bo
     process builds on the host; None: resolved from `cfg`)."""
     if setting == "skip":
         return
-    device = info.device
+    device = topo.device
     free = memory.available_bytes(device) if free is None else free
     try:
         memory.check_fits(plan, device, free, model=cfg.model.name,
-                          holds_copy=sharded and info.is_main,
+                          holds_copy=sharded and topo.is_main,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
-        host_build = prep.host_build if prep is not None else builds_on_host(cfg, info)
-        if host and ((sharded and info.is_main) or host_build) and device.type != "cpu":
+        host_build = prep.host_build if prep is not None else builds_on_host(cfg, topo)
+        if host and ((sharded and topo.is_main) or host_build) and device.type != "cpu":
             memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
                                    model=cfg.model.name)
     except ValueError as e:
@@ -352,7 +352,7 @@ def build_check_model(cfg: Config, device: torch.device) -> tuple[nn.Module, Mod
     return build_base(cfg, device, torch.float32)
 
 
-def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str | None = None,
+def build_stack(cfg: Config, topo: Topology, *, context=None, loss_method: str | None = None,
                 trace_vision_attention: bool = False,
                 resumed_bins: tuple[int, int] | None = None) -> Stack:
     """Plan, check, build and prepare the model of `cfg` on this rank (`context`: the rank's
@@ -361,7 +361,7 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     beyond the config: `loss_method` (`liger`, `plain`; None: the config's) and
     `trace_vision_attention` (with whole layers compiled, docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
-    prep = preparation(cfg, info, trace_vision_attention=trace_vision_attention)
+    prep = preparation(cfg, topo, trace_vision_attention=trace_vision_attention)
     sharded = prep.sharded
     if t.cpu_offload and not sharded:
         raise ValueError("train.cpu_offload=true offloads FSDP2's shards, and this run is not "
@@ -373,26 +373,26 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
     # Before anything imports fla (the memory plan's meta model does, through transformers):
     # fla reads its configuration settings when it is imported.
     tuned = None
-    if info.device.type == "cuda":
-        keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=info.is_main)
+    if topo.device.type == "cuda":
+        keep_kernel_cache(t.kernel_cache, Path(t.output_dir), announce=topo.is_main)
         if t.tuned_kernels:
-            tuned = use_tuned_kernels(torch.cuda.get_device_name(info.device))
-    kept = keep_resumed_bins(cfg, resumed_bins, info)
+            tuned = use_tuned_kernels(torch.cuda.get_device_name(topo.device))
+    kept = keep_resumed_bins(cfg, resumed_bins, topo)
     plan, ways = plan_memory(
-        cfg, info, sharded=sharded, shorten=False if kept else None, prep=prep,
-        autotunes=info.device.type == "cuda" and fla_autotunes(
-            cfg, torch.cuda.get_device_name(info.device)))
-    check_plan(plan, cfg, info, sharded, ways, setting=t.memory_check, prep=prep)
+        cfg, topo, sharded=sharded, shorten=False if kept else None, prep=prep,
+        autotunes=topo.device.type == "cuda" and fla_autotunes(
+            cfg, torch.cuda.get_device_name(topo.device)))
+    check_plan(plan, cfg, topo, sharded, ways, setting=t.memory_check, prep=prep)
     prep = prep.after(plan)  # model.checkpoint_share=auto resolved
     asked = cfg.data.seq_len
-    shorten_to_plan(cfg, plan, info)
-    if info.is_main:
+    shorten_to_plan(cfg, plan, topo)
+    if topo.is_main:
         log.info("training with %s", describe_choice(cfg, plan, asked_seq_len=asked))
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
     model, spec = build_base(cfg, torch.device("meta") if sharded else torch.device("cpu")
-                             if prep.host_build else info.device, prep.build_dtype, prep)
+                             if prep.host_build else topo.device, prep.build_dtype, prep)
     if m.compile and cfg.data.packing == "none":
         log.warning("model.compile with data.packing=none: the compiled padded step ran slower "
                     "than the eager one (docs/benchmarks/levers.md); set model.compile=false for "
@@ -401,22 +401,22 @@ def build_stack(cfg: Config, info: Topology, *, context=None, loss_method: str |
         from vlpack.model import lora
 
         log.info(lora.describe(model))
-    module = TrainModule(model, spec, touch_vision=info.distributed,
+    module = TrainModule(model, spec, touch_vision=topo.distributed,
                          loss_method=loss_method or ("chunked" if m.chunked_loss else "plain"),
                          context=context)
-    prepare(model, prep, first="freeze", info=info, root=module)  # build_base applied LoRA
+    prepare(model, prep, first="freeze", topo=topo, root=module)  # build_base applied LoRA
     flops = flop_model(model)  # after freezing: frozen weights cost 4 FLOPs, not 6
     autocast = prep.autocast
     if sharded:
         autocast = None  # FSDP's mixed-precision policy casts instead
-        if info.is_main:
+        if topo.is_main:
             log.info("rank 0 builds the whole model in host memory; every rank then receives "
                      "its shards")
         whole = build_base(cfg, torch.device("cpu"), prep.build_dtype, prep)[0] \
-            if info.is_main else None
+            if topo.is_main else None
         if whole is not None:  # the shards' dtypes, so rank 0 holds no float32 base
             prepare(whole, prep, first="freeze", last="hold")
-        load_full_state(model, whole, info, cpu_offload=t.cpu_offload)
+        load_full_state(model, whole, topo, cpu_offload=t.cpu_offload)
         del whole
     return Stack(model=model, spec=spec, module=module, flops=flops, plan=plan, ways_out=ways,
                  autocast=autocast, sharded=sharded, tuned_kernels=tuned)

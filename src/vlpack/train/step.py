@@ -38,7 +38,7 @@ def optimizer_step(
     scheduler,
     mbs: list,
     *,
-    info: Topology,
+    topo: Topology,
     loss_norm: str = "token",
     aux_coef: float = 0.0,
     grad_clip: float = 0.0,
@@ -50,7 +50,7 @@ def optimizer_step(
     `token`: Σ CE over all label tokens of the step on all ranks / their all-reduced count.
     `sample`: mean over all samples of the step of each sample's token-mean CE (the reported
     loss is then that mean too).
-    With context parallelism (`info.cp` ranks share each row, `module` splits it) every rank of
+    With context parallelism (`topo.cp` ranks share each row, `module` splits it) every rank of
     a group holds the same batches: their counts are the group's (reduced over the data-parallel
     axis), and each rank's loss and aux loss are its share of the group's.
     The optimizer is not stepped when the loss or gradient norm is not finite.
@@ -58,13 +58,13 @@ def optimizer_step(
     around the `optimizer` part (clipping, the step, the schedule, zeroing): a benchmark's timer.
     """
     phase = phase or (lambda name: contextlib.nullcontext())
-    ws = info.world_size
+    ws = topo.world_size
     weights = [sample_mean_weights(b) if loss_norm == "sample" else (None, 0) for b in mbs]
     n_labels, n_samples, n_supervised = all_reduce([
         sum(b.num_label_tokens for b in mbs),
         sum(b.num_samples for b in mbs),
         sum(n for _, n in weights),
-    ], info, axis="dp")
+    ], topo, axis="dp")
     if n_labels == 0:
         raise ValueError("a step has no label tokens: does the data have assistant turns?")
     denom = n_labels if loss_norm == "token" else n_supervised
@@ -76,7 +76,7 @@ def optimizer_step(
     for i, b in enumerate(mbs):
         if hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(i == len(mbs) - 1)
-        ctx = torch.autocast(info.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        ctx = torch.autocast(topo.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
         with phase("forward"), ctx:
             w = weights[i][0]
             out = module(b) if w is None else module(b, token_weights=w)
@@ -85,7 +85,7 @@ def optimizer_step(
         # replicas; a context-parallel rank's aux loss is its share of its group's (× ws / dp).
         obj = out.loss_sum * (ws / denom)
         if out.aux_loss is not None:
-            obj = obj + aux_coef * (ws // info.dp) * out.aux_loss / len(mbs)
+            obj = obj + aux_coef * (ws // topo.dp) * out.aux_loss / len(mbs)
             aux = out.aux_loss.detach().double() / len(mbs)
             aux_sum = aux if aux_sum is None else aux_sum + aux
         with phase("backward"):
@@ -101,7 +101,7 @@ def optimizer_step(
         read = [loss_sum, aux_sum.to(loss_sum.device) if has_aux else loss_sum.new_zeros(()),
                 grad_norm.to(loss_sum.device, torch.float64)]
         loss_local, aux_local, grad_norm = torch.stack(read).tolist()  # the step's host wait
-        loss_total, aux_total = all_reduce([loss_local, aux_local], info)
+        loss_total, aux_total = all_reduce([loss_local, aux_local], topo)
         loss = loss_total / denom
         lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao's AdamW8bit
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -109,7 +109,7 @@ def optimizer_step(
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=loss, aux_loss=aux_total / info.dp if has_aux else None, grad_norm=grad_norm, lr=lr,
+        loss=loss, aux_loss=aux_total / topo.dp if has_aux else None, grad_norm=grad_norm, lr=lr,
         label_tokens=int(n_labels), real_tokens=0, tokens=0, samples=int(n_samples), flops=0.0,
         seconds=0.0,
     )

@@ -214,7 +214,7 @@ def _start(names: list[str], out_dir: Path, run_id: str | None,
 
 def start_trackers(names: list[str], *, out_dir: str | Path, run_id: str | None = None,
                    errors: Literal["error", "warn"] = "error",
-                   info: Topology | None = None) -> list[Tracker]:
+                   topo: Topology | None = None) -> list[Tracker]:
     """Start the trackers `train.report_to` names on rank 0 (none elsewhere), before the model
     is built. One that cannot start is a ValueError on every rank naming the tracker, the
     error and the fix (collective under torchrun); with `errors="warn"` it is logged and left
@@ -224,13 +224,13 @@ def start_trackers(names: list[str], *, out_dir: str | Path, run_id: str | None 
 
     trackers: list[Tracker] = []
     error = None
-    if info is None or info.is_main:
+    if topo is None or topo.is_main:
         try:
             trackers = _start(names, Path(out_dir), run_id, errors)
         except ValueError as e:
             error = str(e)
-    if info is not None:
-        error = broadcast_object(error, info)
+    if topo is not None:
+        error = broadcast_object(error, topo)
     if error is not None:
         raise ValueError(error)
     return trackers
