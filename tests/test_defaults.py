@@ -17,14 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = (ROOT / "src" / "vlpack", ROOT / "bench")
 
 ALLOWED = {
-    # tests/gates/ (not edited) build rows with the primitive's neutral values: no alignment
-    # padding and the installed model code's MRoPE rule, which their stock references use.
-    # Every call in src and bench passes both (test_callers_pass_the_allowed_settings).
-    ("src/vlpack/data/batch.py", "build_thd_batch", "pad_to_multiple_of"),
-    ("src/vlpack/data/batch.py", "build_thd_batch", "mrope_after_video"),
-    # tests/gates/test_step_gradient.py (not edited) reads the unclipped step's gradient
-    # through this default; every call in src and bench passes optim.grad_clip or its choice.
-    ("src/vlpack/train/step.py", "optimizer_step", "grad_clip"),
     # the dtype of the exported weights (train.export_dtype), not model.dtype; it takes a name
     # of its own (out_dtype) with the rewrite of train/export.py on the wt-prep branch
     ("src/vlpack/train/export.py", "export_live", "dtype"),
@@ -113,24 +105,6 @@ def test_the_allowed_defaults_still_differ():
                        for p, d in _parameter_defaults(fn)):
                     seen.add((rel, fn_name, arg))
     assert seen == ALLOWED, sorted(ALLOWED - seen)
-
-
-def test_callers_pass_the_allowed_settings():
-    """src and bench never lean on an allowed default: every call names the setting."""
-    wanted = {"build_thd_batch": {"pad_to_multiple_of", "mrope_after_video"},
-              "optimizer_step": {"grad_clip"}}
-    found = []
-    for path in _sources():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Call):
-                continue
-            name = getattr(node.func, "id", getattr(node.func, "attr", None))
-            if name in wanted and not any(k.arg is None for k in node.keywords):
-                missing = wanted[name] - {k.arg for k in node.keywords}
-                if missing:
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name} without "
-                                 f"{', '.join(sorted(missing))}")
-    assert not found, found
 
 
 def test_the_scan_finds_a_planted_default(tmp_path: Path):

@@ -29,7 +29,8 @@ def _samples(seed: int, n: int):
 def test_batch_fields_match_per_sample_reference(seed: int, n: int, mult: int, extra: int) -> None:
     samples = _samples(seed, n)
     aligned = sum(-(-len(s) // mult) * mult for s in samples)
-    b = build_thd_batch(samples, pad_token_id=PAD, pad_to_multiple_of=mult, total_len=aligned + extra)
+    b = build_thd_batch(samples, pad_token_id=PAD, pad_to_multiple_of=mult, total_len=aligned + extra,
+            mrope_after_video="transformers")
     T = aligned + extra
     assert b.num_tokens == T
     assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens_padded.dtype == torch.int32
@@ -72,7 +73,7 @@ def test_batch_fields_match_per_sample_reference(seed: int, n: int, mult: int, e
 
 def test_row_zero_restarts_and_pads_continue() -> None:
     s = _samples(1, 2)
-    b = build_thd_batch(s, pad_token_id=PAD, pad_to_multiple_of=8)
+    b = build_thd_batch(s, pad_token_id=PAD, pad_to_multiple_of=8, mrope_after_video="transformers")
     starts = b.cu_seqlens_padded[:-1].tolist()
     assert all(b.position_ids[0, i] == 0 for i in starts)
     for i in range(2):
@@ -82,22 +83,25 @@ def test_row_zero_restarts_and_pads_continue() -> None:
 
 def test_tail_padding_joins_last_segment() -> None:
     s = _samples(0, 2)
-    b = build_thd_batch(s, pad_token_id=PAD, total_len=100)
+    b = build_thd_batch(s, pad_token_id=PAD, total_len=100,
+            pad_to_multiple_of=1, mrope_after_video="transformers")
     assert b.cu_seqlens_padded.tolist() == [0, len(s[0]), 100]
 
 
 def test_too_small_total_len_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="total_len"):
-        build_thd_batch(_samples(0, 2), pad_token_id=PAD, total_len=5)
+        build_thd_batch(_samples(0, 2), pad_token_id=PAD, total_len=5,
+                pad_to_multiple_of=1, mrope_after_video="transformers")
 
 
 def test_empty_bin_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="zero samples"):
-        build_thd_batch([], pad_token_id=PAD)
+        build_thd_batch([], pad_token_id=PAD, pad_to_multiple_of=1, mrope_after_video="transformers")
 
 
 def test_pin_and_to_keep_host_fields() -> None:
-    b = build_thd_batch(_samples(2, 3), pad_token_id=PAD)
+    b = build_thd_batch(_samples(2, 3), pad_token_id=PAD,
+            pad_to_multiple_of=1, mrope_after_video="transformers")
     c = b.to("cpu")
     assert c.sample_keys == b.sample_keys and c.max_seqlen == b.max_seqlen
     assert torch.equal(c.input_ids, b.input_ids)

@@ -188,7 +188,7 @@ def test_batch_builds_the_rule_it_is_given() -> None:
     s = make_sample("v", np.random.default_rng(3), text=(2, 3), grids=((3, 4, 4),))
     s.mm_token_type_ids[s.mm_token_type_ids != 0] = TOKEN_TYPE_VIDEO
     for rule in ("qwen", "transformers"):
-        batch = build_thd_batch([s, s], pad_token_id=0, mrope_after_video=rule)
+        batch = build_thd_batch([s, s], pad_token_id=0, mrope_after_video=rule, pad_to_multiple_of=1)
         want = mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2, after_video=rule)
         np.testing.assert_array_equal(batch.position_ids[1:, len(s):].numpy(), want)
     assert want[0, -1] != mrope_positions(s.mm_token_type_ids, s.image_grid_thw, 2,

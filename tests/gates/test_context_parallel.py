@@ -47,7 +47,7 @@ def _row(spec, one_image: bool = False):
     aligned = sum(-(-len(s) // parts) * parts for s in samples)
     return samples, build_thd_batch(samples, pad_token_id=spec.pad_token_id,
                                     pad_to_multiple_of=parts, total_len=aligned + 2 * parts,
-                                    spatial_merge_size=spec.merge_size)
+                                    spatial_merge_size=spec.merge_size, mrope_after_video="transformers")
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

@@ -178,7 +178,7 @@ def test_moe_counts_exclude_padding(family_run):
     samples = family_run["samples"]
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
                             total_len=sum(len(s) for s in samples) + 64,
-                            spatial_merge_size=spec.merge_size)
+                            spatial_merge_size=spec.merge_size, mrope_after_video="transformers")
     with torch.no_grad():
         out = packed_forward(model, batch, spec=spec)
     stats = out.router_stats
@@ -202,7 +202,8 @@ def test_stock_qwen3_5_leaks_vlpack_does_not():
     stock.config.use_cache = False
     samples = default_mix(spec, 2, seed=3)[::-1]  # text-only first, then two images
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id,
-                            spatial_merge_size=spec.merge_size)
+                            spatial_merge_size=spec.merge_size,
+                                    pad_to_multiple_of=1, mrope_after_video="transformers")
     seg = batch.segment(1)
     with torch.no_grad():
         alone = stock(input_ids=torch.as_tensor(samples[1].input_ids)[None],
@@ -232,7 +233,7 @@ def test_filler_row_leaves_moe_statistics_untouched():
     model.train()
     batch = build_thd_batch([EncodedSample.filler(spec.pad_token_id)],
                             pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
-                            spatial_merge_size=spec.merge_size)
+                            spatial_merge_size=spec.merge_size, mrope_after_video="transformers")
     assert batch.padding_mask.all()
     out = packed_forward(model, batch, spec=spec)
     stats = out.router_stats

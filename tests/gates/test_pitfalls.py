@@ -20,7 +20,8 @@ def test_packed_forward_uses_the_only_contract_stock_transformers_isolates() -> 
     model, spec = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     rng = np.random.default_rng(0)
     batch = build_thd_batch([make_sample(f"s{i}", rng, patch_dim=spec.patch_dim) for i in range(3)],
-                            pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+                            pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                                    mrope_after_video="transformers")
     seen = {}
     original = model.model.forward
 
@@ -55,7 +56,8 @@ def test_padding_mask_is_not_derived_from_token_ids() -> None:
     rng = np.random.default_rng(0)
     s = make_sample("zeros", rng, text=(6,), grids=())
     s.input_ids[:] = 0
-    b = build_thd_batch([s], pad_token_id=PAD, total_len=16)
+    b = build_thd_batch([s], pad_token_id=PAD, total_len=16,
+            pad_to_multiple_of=1, mrope_after_video="transformers")
     assert not b.padding_mask[: len(s)].any() and b.padding_mask[len(s) :].all()
     assert b.num_real_tokens == len(s)
 
@@ -65,6 +67,6 @@ def test_pad_to_multiple_pads_positions_too(mult: int) -> None:
     """LLaMA-Factory #10782: pad_to_multiple_of padded input ids but not position ids."""
     rng = np.random.default_rng(1)
     b = build_thd_batch([make_sample("a", rng), make_sample("b", rng)], pad_token_id=PAD,
-                        pad_to_multiple_of=mult)
+                        pad_to_multiple_of=mult, mrope_after_video="transformers")
     assert b.position_ids.shape == (4, b.num_tokens) == (4, b.input_ids.shape[0])
     assert b.labels.shape == b.mm_token_type_ids.shape == b.padding_mask.shape == (b.num_tokens,)

@@ -50,9 +50,10 @@ def _trainer_grads(mbs_samples, topo: Topology, fsdp: bool) -> dict[str, torch.T
         apply_fsdp(module, model, topo, param_dtype=None)
     opt = GradRecorder(list(model.named_parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    mbs = [build_thd_batch(s, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+    mbs = [build_thd_batch(s, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+            mrope_after_video="transformers")
            for s in mbs_samples]
-    optimizer_step(module, opt, sched, mbs, topo=topo, aux_coef=AUX)
+    optimizer_step(module, opt, sched, mbs, topo=topo, aux_coef=AUX, grad_clip=0.0)
     return opt.grads
 
 

@@ -33,7 +33,7 @@ def test_three_samples_with_an_image_by_hand() -> None:
                 [0, 0, 1, 1, 0, 0, 0], grids=[(1, 2, 4)], pixels=pixels)
     c = _sample("c", [9, 10, 11], [X, 10, 11], [0, 0, 0])
     batch = build_thd_batch([a, b, c], pad_token_id=PAD, pad_to_multiple_of=4, total_len=24,
-                            spatial_merge_size=2)
+                            spatial_merge_size=2, mrope_after_video="transformers")
 
     P = PAD
     assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, P, P, P,

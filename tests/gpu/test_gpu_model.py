@@ -327,7 +327,8 @@ def test_host_syncs_do_not_grow_with_depth(name):
     for preset in (name, reduced_depth(name, depth // 2)):
         model, spec = build_model(preset, dtype=torch.float32, device="cuda", seed=0)
         module = TrainModule(model, spec)
-        batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id).pin_memory()
+        batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id,
+                pad_to_multiple_of=1, mrope_after_video="transformers").pin_memory()
 
         def step(module=module, batch=batch):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -442,7 +443,8 @@ def test_frozen_weights_held_in_bf16_change_no_result_on_the_gpu(name: str) -> N
     rng = np.random.default_rng(0)
     samples = [make_sample(f"s{i}", rng, text=(90, 130), grids=((1, 8, 8),), spec=spec,
                            patch_dim=spec.patch_dim) for i in range(4)]
-    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=64)
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=64,
+            mrope_after_video="transformers")
     batch = batch.to(torch.device("cuda"))
     results = []
     for m in (model, held):
@@ -479,7 +481,8 @@ def test_padded_qwen3_5_trains_with_fla_on_the_gpu() -> None:
         samples = [make_sample(f"s{i}", rng, text=(90, 130), grids=((1, 8, 8),), spec=spec,
                                patch_dim=spec.patch_dim) for i in range(3)]
         batch = (build_padded_batch(samples, pad_token_id=spec.pad_token_id) if backend == "sdpa"
-                 else build_thd_batch(samples, pad_token_id=spec.pad_token_id))
+                 else build_thd_batch(samples, pad_token_id=spec.pad_token_id,
+                         pad_to_multiple_of=1, mrope_after_video="transformers"))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = TrainModule(model, spec, loss_method="chunked")(batch.to(torch.device("cuda")))
         out.loss_sum.backward()

@@ -133,7 +133,8 @@ def test_kernels_see_one_autocast_dtype(monkeypatch) -> None:
     monkeypatch.setattr(attention, "attend", spy)
     rng = np.random.default_rng(0)
     samples = [make_sample(f"s{i}", rng, patch_dim=spec.patch_dim) for i in range(2)]
-    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id)
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id,
+            pad_to_multiple_of=1, mrope_after_video="transformers")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         packed_forward(model, batch, spec=spec)
     assert {s for s, *_ in seen} == {"text", "vision"}

@@ -41,7 +41,8 @@ def test_traced_vision_attention_serves_every_row_without_recompiling(name):
     compile_layers(fused, trace_vision_attention=True)
     graphs = []
     for n in (4, 6, 7):
-        batch = build_thd_batch(default_mix(spec, n, seed=n), pad_token_id=spec.pad_token_id)
+        batch = build_thd_batch(default_mix(spec, n, seed=n), pad_token_id=spec.pad_token_id,
+                pad_to_multiple_of=1, mrope_after_video="transformers")
         want, got = packed_forward(eager, batch, spec=spec), packed_forward(fused, batch, spec=spec)
         want.loss_sum.backward()
         got.loss_sum.backward()

@@ -56,7 +56,8 @@ def test_every_deepstack_layer_merges_by_the_forwards_index_and_stock_outside(mo
         return original(self, hidden, mask, embeds)
 
     monkeypatch.setattr(type(lm), "_deepstack_process", spy)
-    batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id)
+    batch = build_thd_batch(default_mix(spec, 4), pad_token_id=spec.pad_token_id,
+            pad_to_multiple_of=1, mrope_after_video="transformers")
     out = packed_forward(model, batch, spec=spec)
     depth = len(model.config.vision_config.deepstack_visual_indexes)
     assert len(calls) == depth >= 2  # every deepstack layer merged by index ...

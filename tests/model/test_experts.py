@@ -124,7 +124,8 @@ def test_compiled_layers_train_the_moe_model_through_the_compiled_dispatch():
         rng = np.random.default_rng(0)
         group = [synthetic_sample(spec, rng, "a", text_len=40, grids=[(1, 4, 4)]),
                  synthetic_sample(spec, rng, "b", text_len=24, grids=[])]
-        batch = build_thd_batch(group, pad_token_id=spec.pad_token_id)
+        batch = build_thd_batch(group, pad_token_id=spec.pad_token_id,
+                pad_to_multiple_of=1, mrope_after_video="transformers")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(batch)
         out.loss_sum.backward()

@@ -35,7 +35,8 @@ def _grads(name: str, share: float | None) -> tuple[dict[str, torch.Tensor], dic
             # torch stops a recompute once it has every saved tensor, before forward hooks run.
             layer.mlp.register_forward_pre_hook(lambda *_, k=key: calls.__setitem__(k, calls[k] + 1))
     samples = default_mix(spec, 4)
-    out = TrainModule(model, spec)(build_thd_batch(samples, pad_token_id=spec.pad_token_id))
+    out = TrainModule(model, spec)(build_thd_batch(samples, pad_token_id=spec.pad_token_id,
+            pad_to_multiple_of=1, mrope_after_video="transformers"))
     (out.loss_sum / out.num_label_tokens).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, calls

@@ -35,7 +35,8 @@ def _batch(spec):
             make_sample("b", rng, text=(5, 3, 7), grids=((1, 4, 6), (1, 2, 2)),
                         patch_dim=spec.patch_dim, spec=spec)]
     return build_thd_batch(rows, pad_token_id=spec.pad_token_id,
-                           spatial_merge_size=spec.merge_size)
+                           spatial_merge_size=spec.merge_size,
+                                   pad_to_multiple_of=1, mrope_after_video="transformers")
 
 
 def _stock_tables(model, batch):
@@ -153,7 +154,7 @@ def test_vision_tower_one_call_per_layer_with_the_rows_boundaries(name, monkeypa
     model, spec = build_model(name, device="cpu")
     samples = default_mix(spec, 4, seed=0)
     batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
-                            spatial_merge_size=spec.merge_size)
+                            spatial_merge_size=spec.merge_size, mrope_after_video="transformers")
     calls = []
     real = attention.attend
 

@@ -108,7 +108,8 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
     rng = np.random.default_rng(0)
     samples = [make_sample(f"s{i}", rng, text=(9, 13), grids=((1, 4, 4),), spec=spec,
                            patch_dim=spec.patch_dim) for i in range(3)]
-    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+    batch = build_thd_batch(samples, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+            mrope_after_video="transformers")
     results = []
     for m in (model, held):
         module = TrainModule(m, spec, loss_method="chunked")

@@ -29,11 +29,12 @@ def test_packed_training_equals_padded_training(samples) -> None:
         for k in range(5):
             group = samples[3 * k : 3 * k + 3]
             if mode == "packed":
-                batch = build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+                batch = build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                        mrope_after_video="transformers")
             else:
                 batch = build_padded_batch(group, pad_token_id=spec.pad_token_id)
             step_losses.append(optimizer_step(module, opt, sched, [batch], topo=CPU,
-                                              grad_clip=1.0).loss)
+                                              grad_clip=1.0, aux_coef=0.0).loss)
         runs[mode] = (step_losses, dict(model.named_parameters()))
     (lp, pp), (lq, pq) = runs["packed"], runs["padded"]
     assert max(abs(a - b) for a, b in zip(lp, lq, strict=True)) <= 1e-5, (lp, lq)
@@ -53,8 +54,10 @@ def test_micro_batches_normalise_by_global_token_count(samples) -> None:
         opt = GradRecorder(list(model.named_parameters()))
         sched = build_scheduler(opt, cfg.optim, 5)
         groups = [samples[:1], samples[1:5]] if split else [samples[:5]]
-        mbs = [build_thd_batch(g, pad_token_id=spec.pad_token_id) for g in groups]
-        runs.append((optimizer_step(module, opt, sched, mbs, topo=CPU).loss, opt.grads))
+        mbs = [build_thd_batch(g, pad_token_id=spec.pad_token_id,
+                pad_to_multiple_of=1, mrope_after_video="transformers") for g in groups]
+        runs.append((optimizer_step(module, opt, sched, mbs, topo=CPU,
+                grad_clip=0.0, aux_coef=0.0).loss, opt.grads))
     (loss_one, g_one), (loss_split, g_split) = runs
     assert abs(loss_one - loss_split) < 1e-5
     assert set(g_one) == set(g_split)
@@ -81,10 +84,11 @@ def test_sample_mean_loss_equals_per_sample_reference(samples) -> None:
                            dtype=torch.float32, device="cpu", seed=0)
         module = TrainModule(m, spec, loss_method="chunked")
         opt = torch.optim.SGD(module.parameters(), lr=0.0)
-        batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8)
+        batch = (build_thd_batch(group, pad_token_id=spec.pad_token_id, pad_to_multiple_of=8,
+                mrope_after_video="transformers")
                  if mode == "packed" else build_padded_batch(group, pad_token_id=spec.pad_token_id))
         r = optimizer_step(module, opt, build_scheduler(opt, cfg.optim, 5), [batch], topo=CPU,
-                           loss_norm="sample")
+                           loss_norm="sample", grad_clip=0.0, aux_coef=0.0)
         assert r.samples == 4
         assert abs(r.loss - want) < 1e-5, (mode, r.loss, want)
 
@@ -122,7 +126,7 @@ def test_phases_wrap_each_micro_batch_and_the_optimizer_in_order() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
     mbs = [SimpleNamespace(x=torch.arange(3.0), num_label_tokens=3, num_samples=1)
            for _ in range(2)]
-    r = optimizer_step(module, opt, sched, mbs, topo=CPU, phase=phase)
+    r = optimizer_step(module, opt, sched, mbs, topo=CPU, phase=phase, grad_clip=0.0, aux_coef=0.0)
     micro = ["forward in", "module", "forward out", "backward in", "backward out"]
     assert events == [*micro, *micro, "optimizer in", "optimizer.step", "optimizer out"]
     assert r.loss == 1.0 and torch.equal(module.w.detach(), 1 - 0.1 * torch.arange(3.0) / 3)
@@ -170,7 +174,7 @@ def test_the_step_reads_the_device_once() -> None:
     mbs = [SimpleNamespace(x=torch.ones(3) * k, num_label_tokens=3, num_samples=1)
            for k in (1.0, 2.0, 3.0)]
     with CountReads():
-        r = optimizer_step(module, opt, sched, mbs, topo=CPU, aux_coef=1.0)
+        r = optimizer_step(module, opt, sched, mbs, topo=CPU, aux_coef=1.0, grad_clip=0.0)
     assert len(sites) == 1, f"host reads at train/step.py lines {sites}"
     # loss: Σ_k 5k / 9 labels; aux: the mean over micro-batches of 0.5; the gradient of
     # Σ_k (w·x_k) / 9 + Σ_k (Σw / 10) / 3 is 6/9 + 1/10 per weight, its norm × √3

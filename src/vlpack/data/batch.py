@@ -127,18 +127,18 @@ def build_thd_batch(
     samples: Sequence[EncodedSample],
     *,
     pad_token_id: int,
-    pad_to_multiple_of: int = 1,
+    pad_to_multiple_of: int,
     total_len: int | None = None,
     spatial_merge_size: int = 2,
-    mrope_after_video: str = "transformers",
+    mrope_after_video: str,
 ) -> ThdBatch:
     """Pack `samples` into one THD row; the only place THD metadata is made.
 
     Each sample is padded to a multiple of `pad_to_multiple_of`; with `total_len` the row is
     padded further to exactly that length (static shapes), the extra joining the last segment.
     `mrope_after_video`: where text after a video of several temporal patches continues
-    (`vlpack.data.rope.mrope_positions`); "transformers", the installed model code's rule,
-    unless the training's data config says otherwise.
+    (`vlpack.data.rope.mrope_positions`): `data.mrope_after_video` in training; "transformers"
+    (the installed model code's rule) where a stock model is the reference.
     """
     if not samples:
         raise ValueError("cannot build a batch from zero samples")

@@ -40,8 +40,8 @@ def optimizer_step(
     *,
     topo: Topology,
     loss_norm: str = "token",
-    aux_coef: float = 0.0,
-    grad_clip: float = 0.0,
+    aux_coef: float,
+    grad_clip: float,
     autocast: torch.dtype | None = None,
     phase: Callable[[str], contextlib.AbstractContextManager] | None = None,
 ) -> StepResult:
