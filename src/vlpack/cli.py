@@ -303,7 +303,7 @@ def _run_config_of(args: argparse.Namespace):
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from vlpack.train.loop import train
+    from vlpack.train.command import train
     from vlpack.train.progress import setup_logging
 
     setup_logging(args.log_level, quiet=args.quiet)

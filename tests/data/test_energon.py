@@ -32,7 +32,7 @@ from vlpack.data.energon.task_encoder import (
 )
 from vlpack.data.loader import PackedLoader, open_dataset
 from vlpack.data.synth import default_dataset
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 N = 12
 PIXELS = dict(min_pixels=16384, max_pixels=50176)

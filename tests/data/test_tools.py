@@ -373,7 +373,7 @@ def test_check_and_validate_pass_on_tool_call_data(tmp_path, capsys):
 def test_the_trainer_hands_supervise_empty_think_to_its_encoder(tmp_path):
     """`data.supervise_empty_think=false` reaches the encoder the trainer builds (default true)."""
     from tests.helpers import CPU, small_cfg
-    from vlpack.train.loop import Trainer
+    from vlpack.train.trainer import Trainer
 
     assert small_cfg(tmp_path / "d").data.supervise_empty_think is True
     cfg = small_cfg(tmp_path / "run", "data.supervise_empty_think=false")

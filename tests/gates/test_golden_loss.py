@@ -26,7 +26,7 @@ import torch
 
 from tests.helpers import CPU
 from vlpack.config import load_config
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 LOSSES = [11.891816557655039, 11.751545788770054, 11.592651801601424, 11.50473096894055,
           11.327715726357507, 11.120821866122158, 10.910491091914464, 10.757410640210177]

@@ -28,10 +28,10 @@ def _worker(rank: int, port: int, out: str, signal_at: int) -> None:
                       WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from vlpack.cli import main
-    from vlpack.train import loop
+    from vlpack.train import trainer
 
     if signal_at and rank == 1:
-        original = loop.Trainer.train_step
+        original = trainer.Trainer.train_step
 
         def step(self, mbs):
             r = original(self, mbs)
@@ -39,7 +39,7 @@ def _worker(rank: int, port: int, out: str, signal_at: int) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
             return r
 
-        loop.Trainer.train_step = step
+        trainer.Trainer.train_step = step
     sys.exit(main(["train", *ARGS, f"train.output_dir={out}"]))
 
 
@@ -65,16 +65,16 @@ def _slow_run(out: str, err: str, *extra: str) -> None:
     sys.stderr = open(err, "w", buffering=1)
     os.dup2(sys.stderr.fileno(), 2)
     from vlpack.cli import main
-    from vlpack.train import loop
+    from vlpack.train import trainer
 
-    original = loop.Trainer.train_step
+    original = trainer.Trainer.train_step
 
     def step(self, mbs):
         if self.step >= 1:
             time.sleep(6)
         return original(self, mbs)
 
-    loop.Trainer.train_step = step
+    trainer.Trainer.train_step = step
     sys.exit(main(["train", *SMALL, "train.max_steps=50", f"train.output_dir={out}", *extra]))
 
 

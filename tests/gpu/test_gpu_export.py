@@ -25,7 +25,7 @@ def test_export_draws_a_gpu_drawn_base_again_on_the_gpu(tmp_path: Path) -> None:
     from vlpack.model import lora
     from vlpack.train import checkpoint as ckpt
     from vlpack.train.export import export_checkpoint
-    from vlpack.train.loop import Trainer
+    from vlpack.train.trainer import Trainer
 
     gpu = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
     t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=2", "model.lora.rank=4",

@@ -15,7 +15,7 @@ from vlpack.model.build import build_model
 from vlpack.model.compile import compile_layers
 from vlpack.model.forward import packed_forward
 from vlpack.model.synthetic import default_mix
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 
 def _break_names() -> set[str]:

@@ -16,10 +16,10 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.padded import build_padded_batch
 from vlpack.model import lora
 from vlpack.model.build import build_model
-from vlpack.train.loop import Trainer
 from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.step import optimizer_step
+from vlpack.train.trainer import Trainer
 
 peft = pytest.importorskip("peft")
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import CPU, losses, small_cfg
 from vlpack.train import checkpoint as ckpt
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 
 def _steps(out: Path) -> list[str]:

@@ -57,7 +57,7 @@ def test_epochs_with_a_token_budget_is_refused() -> None:
 
 def test_the_trainer_runs_the_steps_of_its_epochs(tmp_path) -> None:
     from tests.helpers import CPU, small_cfg
-    from vlpack.train.loop import Trainer
+    from vlpack.train.trainer import Trainer
 
     t = Trainer(small_cfg(tmp_path, "train.epochs=2", "train.micro_batches=2", "data.seq_len=1024"), CPU)
     steps, _ = steps_for_epochs(t.train_loader, 2, dp=1, micro_batches=2)
@@ -70,7 +70,7 @@ def test_an_epochs_run_resumes_exactly(tmp_path) -> None:
     """train.epochs: stopped after 2 steps and resumed, the run trains the same steps with the
     same losses as straight through (the step count is recomputed alike on resume)."""
     from tests.helpers import CPU, losses, small_cfg
-    from vlpack.train.loop import Trainer
+    from vlpack.train.trainer import Trainer
 
     args = ("train.epochs=1", "data.seq_len=1024")
     straight = Trainer(small_cfg(tmp_path / "a", *args), CPU)

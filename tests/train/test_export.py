@@ -17,7 +17,7 @@ from tests.helpers import CPU, small_cfg
 from vlpack.data.loader import open_dataset
 from vlpack.train import checkpoint as ckpt
 from vlpack.train.export import INDEX, export_checkpoint
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tests.helpers import CPU, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.model.build import build_model
 from vlpack.train.flops import flop_model
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 
 def test_a_frozen_weight_costs_four_flops_and_a_frozen_tower_two() -> None:

@@ -23,7 +23,7 @@ from vlpack.data.synth import default_dataset
 from vlpack.data.template import hf_messages
 from vlpack.data.types import Conversation, Message
 from vlpack.train.generate import all_prompts, evaluate, generate_ids, left_padded, turn_prompts
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

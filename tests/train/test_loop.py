@@ -1,4 +1,4 @@
-"""The trainer (train/loop.py): exact resume, faults, outputs and export, and its switches."""
+"""The trainer (train/trainer.py): exact resume, faults, outputs and export, and its switches."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import yaml
 
 from tests.helpers import CPU, losses, small_cfg
 from vlpack.train import checkpoint as ckpt
-from vlpack.train.loop import NonFiniteLossError, Trainer
 from vlpack.train.module import module_groups
+from vlpack.train.trainer import NonFiniteLossError, Trainer
 
 
 def test_resume_is_bit_identical(tmp_path: Path) -> None:
@@ -64,11 +64,11 @@ def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeyp
     """Under a clock that only an evaluation advances (44 s each), `elapsed_s`, `eta_s` and the
     summary count the evaluations; the step time (`step_s`, the summary's steps share) stays
     apart. A run stopped after step 2 and resumed continues its elapsed time."""
-    from vlpack.train import loop
+    from vlpack.train import trainer
     from vlpack.train.metrics import format_summary
 
     now = [1000.0]
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(
         perf_counter=time.perf_counter, monotonic=lambda: now[0]))
 
     def evaluate(self) -> float:
@@ -225,11 +225,11 @@ def test_resume_warning_names_an_order_change_only_where_there_is_one(
         tmp_path: Path, caplog, change: str, order_changes: bool) -> None:
     """The worker count, padding and bad-sample limits change no sample's place in the stream:
     the resume warning lists them without saying which samples come next changes."""
-    from vlpack.train.loop import _keep_changed_config
+    from vlpack.train.resume import keep_changed_config
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(small_cfg(tmp_path).to_dict()))
     caplog.set_level(logging.WARNING, logger="vlpack.train")
-    _keep_changed_config(small_cfg(tmp_path, change), tmp_path / "config.yaml", 3)
+    keep_changed_config(small_cfg(tmp_path, change), tmp_path / "config.yaml", 3)
     (text,) = [r.getMessage() for r in caplog.records]
     assert f"{change.split('=')[0]} " in text
     assert ("which samples come next" in text) is order_changes, text
@@ -241,7 +241,7 @@ def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: P
     err = capfd.readouterr().err  # with train.progress the work after the last step is named
     assert "vlpack: saving step 1…\n" in err and "vlpack: saved step 1 in " in err
     assert f"vlpack: plotting {tmp_path / 'loss.png'}" in err
-    caplog.set_level(logging.WARNING, logger="vlpack.train.loop")
+    caplog.set_level(logging.WARNING, logger="vlpack.train")
     Trainer(small_cfg(tmp_path, "train.max_steps=2", "optim.lr=2e-4", "data.seq_len=1024"),
             CPU).fit()
     text = " ".join(r.getMessage() for r in caplog.records)
@@ -276,7 +276,7 @@ def test_resume_warns_when_the_data_file_changed(tmp_path: Path, caplog, edit: b
 
 def test_the_first_step_says_what_it_waits_for() -> None:
     from vlpack.config import load_config
-    from vlpack.train.loop import _first_step_waits
+    from vlpack.train.trainer import _first_step_waits
 
     gdn = type("Spec", (), {"has_gdn": True})
     cuda = torch.device("cuda")

@@ -16,7 +16,8 @@ from tests.helpers import CPU, small_cfg, tiny_routed_experts
 from vlpack.config import LoraConfig
 from vlpack.model.build import meta_model
 from vlpack.train import memory
-from vlpack.train.loop import Trainer, train
+from vlpack.train.command import train
+from vlpack.train.trainer import Trainer
 
 
 def test_layer_bytes_by_hand() -> None:

@@ -84,7 +84,7 @@ def test_adamw8bit_trains_and_resumes_exactly(tmp_path) -> None:
     resume from the checkpoint (the 8-bit moments saved and restored) and a third step; the
     metrics' lr is a number (torchao holds each group's rate as a tensor)."""
     from tests.helpers import CPU, losses, small_cfg
-    from vlpack.train.loop import Trainer
+    from vlpack.train.trainer import Trainer
 
     args = ("train.max_steps=3", "optim.name=adamw8bit")
     Trainer(small_cfg(tmp_path / "a", *args), CPU).fit()

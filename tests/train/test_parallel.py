@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tests.helpers import CPU, SMALL, _dirty_data, finished, losses, small_cfg
 from vlpack.config import load_config
-from vlpack.train.loop import Trainer
+from vlpack.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 

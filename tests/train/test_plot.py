@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import CPU, small_cfg
 from vlpack.cli import main
-from vlpack.train.loop import Trainer
 from vlpack.train.plot import plot_runs
+from vlpack.train.trainer import Trainer
 
 
 def _run(folder: Path, rows: list[dict]) -> Path:

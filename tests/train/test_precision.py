@@ -16,8 +16,8 @@ from vlpack.config import LoraConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
 from vlpack.train import precision
-from vlpack.train.loop import Trainer
 from vlpack.train.module import TrainModule
+from vlpack.train.trainer import Trainer
 
 peft = pytest.importorskip("peft")
 

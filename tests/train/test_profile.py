@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import CPU, small_cfg
-from vlpack.train.loop import Trainer
 from vlpack.train.profile import _innermost_at, format_gaps, idle_gaps
+from vlpack.train.trainer import Trainer
 
 
 def _x(cat, name, ts, dur, tid=1, **args):

@@ -16,8 +16,8 @@ import torch
 
 from tests.helpers import CPU, small_cfg
 from vlpack.train import runlock
-from vlpack.train.loop import Trainer
 from vlpack.train.parallel import Topology
+from vlpack.train.trainer import Trainer
 
 HOLD = ("import sys, time; from vlpack.train.runlock import lock_output_dir; "
         "lock_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)")

@@ -16,10 +16,10 @@ import pytest
 
 from tests.helpers import CPU, small_cfg
 from vlpack.train import checkpoint as ckpt
-from vlpack.train import loop, tracking
-from vlpack.train.loop import Trainer
+from vlpack.train import tracking, trainer
 from vlpack.train.metrics import MetricsWriter
 from vlpack.train.tracking import numbers, start_trackers
+from vlpack.train.trainer import Trainer
 
 CONFIG = {"optim": {"lr": 1e-5}, "train": {"report_to": ["tensorboard"]}}
 ROWS = [{"step": 1, "loss": 2.5, "lr": 1e-5, "aux_loss": None, "time": 1.0e9, "samples": 4},
@@ -200,7 +200,7 @@ def test_a_tracker_that_cannot_start_ends_the_run_before_the_model_is_built(
         tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
-    monkeypatch.setattr(loop, "build_stack", _no_build)
+    monkeypatch.setattr(trainer, "build_stack", _no_build)
     cfg = small_cfg(tmp_path, "train.report_to=[tensorboard,mlflow]")
     with pytest.raises(ValueError, match=r"train\.report_to: mlflow could not start \(.*bogus.*\)\. "
                                          r"Fix: point MLFLOW_TRACKING_URI at .*; or drop mlflow from "

@@ -1,4 +1,4 @@
-"""`vlpack train`: the packed SFT loop.
+"""The trainer: builds model, data and optimizer, runs the packed SFT loop, checkpoints and resumes.
 
 One optimizer step = `train.micro_batches` bins per rank (or as many as `train.tokens_per_step`
 real tokens need, agreed across ranks). The loss of a step is the global token mean: the summed
@@ -18,8 +18,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from vlpack.train.epochs import steps_for_epochs
 from vlpack.train.export import export_live, export_live_adapter
 from vlpack.train.flops import peak_flops
 from vlpack.train.generate import HeldOutGeneration
-from vlpack.train.metrics import MetricsWriter, epoch_of, format_summary, step_row
+from vlpack.train.metrics import MetricsWriter, epoch_of, step_row
 from vlpack.train.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
 from vlpack.train.parallel import (
@@ -45,21 +43,13 @@ from vlpack.train.parallel import (
     context_group,
     init_distributed,
     per_replica,
-    shutdown,
 )
 from vlpack.train.plot import missing_matplotlib, plot_runs
-from vlpack.train.prepare import preparation
 from vlpack.train.profile import StepProfiler
 from vlpack.train.progress import Eta, Progress
+from vlpack.train.resume import keep_changed_config, resumed_bins, run_id, warn_changed_data
 from vlpack.train.runlock import claim_output_dir
-from vlpack.train.stack import (
-    build_stack,
-    check_plan,
-    describe_choice,
-    fla_autotunes,
-    plan_memory,
-    shorten_to_plan,
-)
+from vlpack.train.stack import build_stack
 from vlpack.train.step import StepResult, optimizer_step
 from vlpack.train.tracking import Tracker, start_trackers
 
@@ -72,6 +62,15 @@ class NonFiniteLossError(RuntimeError):
 
 class RunOutOfMemoryError(RuntimeError):
     """The accelerator ran out of memory in a step; the message says where and the ways out."""
+
+
+REPEAT_S = 2.0
+"""A second signal within this many seconds of the first is taken as the same interrupt."""
+EXIT_STOPPED = 75
+"""Exit status of a run stopped by SIGINT/SIGTERM after saving its checkpoint (EX_TEMPFAIL: run
+the same command again to resume)."""
+EXIT_ABORTED = 130
+"""Exit status of a run aborted by a second signal, without saving."""
 
 
 class Trainer:
@@ -89,12 +88,12 @@ class Trainer:
         """This rank's context-parallel group; its ranks read the same rows and split each."""
         _check_writable(Path(cfg.train.output_dir))
         claim_output_dir(cfg.train.output_dir, self.topo)  # one run per folder at a time
-        self.run_id: str | None = _run_id(cfg)
+        self.run_id: str | None = run_id(cfg)
         # before the model is built: a tracker that cannot start ends the run in seconds
         self.trackers: list[Tracker] = start_trackers(
             cfg.train.report_to, out_dir=cfg.train.output_dir, run_id=self.run_id,
             errors=cfg.train.report_to_errors, topo=self.topo)
-        stack = build_stack(cfg, self.topo, context=self.context, resumed_bins=_resumed_bins(cfg))
+        stack = build_stack(cfg, self.topo, context=self.context, resumed_bins=resumed_bins(cfg))
         self.model, self.spec, self.module = stack.model, stack.spec, stack.module
         self.flops, self.autocast = stack.flops, stack.autocast
         self.plan, self.ways_out = stack.plan, stack.ways_out
@@ -302,7 +301,7 @@ class Trainer:
         self._elapsed_before = st.get("elapsed_s", self.totals["seconds"])  # else its step time
         self.first_loss, self.last_loss = st["first_loss"], st["last_loss"]
         self.last_checkpoint = path
-        _warn_changed_data(st.get("data_files", {}), self.data_files, path)
+        warn_changed_data(st.get("data_files", {}), self.data_files, path)
         return path
 
     # ------------------------------------------------------------------ loop
@@ -342,7 +341,7 @@ class Trainer:
         if topo.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             if resumed:
-                _keep_changed_config(cfg, out_dir / "config.yaml", self.step)
+                keep_changed_config(cfg, out_dir / "config.yaml", self.step)
             save_config(cfg, out_dir / "config.yaml")
             if resumed:
                 print(f"vlpack: resumed from {resumed} at step {self.step}")
@@ -523,59 +522,6 @@ class Trainer:
         return summary
 
 
-UNTRACKED = ("train.resume", "train.resume_fallback", "train.overwrite", "train.progress", "train.max_steps",
-             "train.stop_after", "train.output_dir", "train.keep_checkpoints", "train.export_hf",
-             "train.export_dtype", "train.kernel_cache", "train.tuned_kernels",
-             "train.memory_check", "train.report_to_errors", "train.eval_generate_every",
-             "train.eval_generate_samples", "train.eval_generate_max_new_tokens",
-             "train.profile_steps", "train.profile_from")
-"""Settings a resumed run may change without a warning: none changes what is trained."""
-ORDER_NEUTRAL = ("data.num_workers", "data.pad_to_seq_len", "data.mrope_after_video",
-                 "data.max_consecutive_bad", "data.max_bad_fraction")
-"""Data settings that change no sample's place in the stream (the resume warning lists them
-without saying which samples come next changes)."""
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def _warn_changed_data(saved: dict[str, str], now: dict[str, str], path: Path) -> None:
-    """On resume: warn about each data file whose content differs from what the checkpoint
-    `path` recorded (the stream continues by position, over the edited rows)."""
-    for file in sorted(saved.keys() & now.keys()):
-        if saved[file] != now[file]:
-            log.warning("the data file %s changed since the checkpoint %s was saved: the stream "
-                        "continues by position, so the samples after it differ from those the "
-                        "run would have read; resume with the file as it was, or start anew "
-                        "(train.resume=none)", file, path)
-
-
-def _keep_changed_config(cfg: Config, path: Path, step: int) -> None:
-    """On resume: warn about every setting that differs from the run's config.yaml and keep the
-    old file as config.stepNNNNNNNN.yaml (the settings up to that step)."""
-    import yaml
-
-    if not path.is_file():
-        return
-    old, new = _flat(yaml.safe_load(path.read_text()) or {}), _flat(cfg.to_dict())
-    changed = [k for k in sorted(old.keys() | new.keys())
-               if old.get(k) != new.get(k) and k not in UNTRACKED]
-    if not changed:
-        return
-    kept = path.with_name(f"config.step{step:08d}.yaml")
-    shutil.copyfile(path, kept)
-    diff = ", ".join(f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in changed)
-    data = (" The data stream continues by position, so the changed data settings change which "
-            "samples come next." if any(k.startswith("data.") and k not in ORDER_NEUTRAL
-                                        for k in changed) else "")
-    log.warning("resuming at step %d with changed settings: %s.%s The settings up to step %d "
-                "are kept in %s", step, diff, data, step, kept)
-
-
 def _first_step_waits(cfg: Config, spec, device: torch.device, tuned: Path | None) -> str | None:
     """What the first step of a run waits for beyond its own work (None: nothing); `tuned`:
     the folder of fla kernel configurations in use (train/kernel_cache.py)."""
@@ -601,43 +547,6 @@ def _grace_expired(grace: float) -> None:
     os._exit(EXIT_ABORTED)
 
 
-def _resume_point(cfg: Config) -> Path | None:
-    """The checkpoint train.resume names, before anything loads: the newest complete one of
-    output_dir for `auto`, the folder given, None for `none` or a fresh folder."""
-    r = cfg.train.resume
-    if r == "none":
-        return None
-    return ckpt.latest_checkpoint(cfg.train.output_dir) if r == "auto" else Path(r)
-
-
-def _run_id(cfg: Config) -> str | None:
-    """The run's id, read before the model is built: that of the checkpoint train.resume
-    continues (None where it records none; its files are verified when it loads), else a new one."""
-    path = _resume_point(cfg)
-    if path is None:
-        return uuid.uuid4().hex[:12]
-    try:
-        return ckpt.marker(path).get("run_id")
-    except (OSError, ValueError):  # no readable marker: maybe_resume names the problem
-        return None
-
-
-def _resumed_bins(cfg: Config) -> tuple[int, int] | None:
-    """(data.seq_len, train.micro_batches) of the run train.resume continues, from the
-    config.yaml of its folder; None for a fresh run or where that file is missing."""
-    path = _resume_point(cfg)
-    saved = None if path is None else path.parent.parent / "config.yaml"
-    if saved is None or not saved.is_file():
-        return None
-    import yaml
-
-    old = yaml.safe_load(saved.read_text()) or {}
-    try:
-        return int(old["data"]["seq_len"]), int(old["train"]["micro_batches"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _check_writable(out: Path) -> None:
     """ValueError naming the folder when the run cannot write its outputs there."""
     try:
@@ -648,102 +557,3 @@ def _check_writable(out: Path) -> None:
     except OSError as e:
         raise ValueError(f"train.output_dir={out} is not writable ({type(e).__name__}: "
                          f"{e.strerror or e}): choose a folder you can write to") from None
-
-
-REPEAT_S = 2.0
-"""A second signal within this many seconds of the first is taken as the same interrupt."""
-EXIT_STOPPED = 75
-"""Exit status of a run stopped by SIGINT/SIGTERM after saving its checkpoint (EX_TEMPFAIL: run
-the same command again to resume)."""
-EXIT_ABORTED = 130
-"""Exit status of a run aborted by a second signal, without saving."""
-
-
-def run(cfg: Config) -> dict[str, Any]:
-    """Train with `cfg` in this process (joins torchrun's group when launched by it)."""
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    topo = init_distributed(cfg.parallel.cp)
-    try:
-        trainer = Trainer(cfg, topo)
-        summary = trainer.fit()
-        summary["stop_signal"] = trainer.stop_signal
-        if topo.is_main:
-            print(f"vlpack: {'stopped early' if trainer._stop else 'done'}\n{format_summary(summary)}",
-                  flush=True)
-        # no rank tears down while rank 0 still writes its plot and summary: torchrun stops every
-        # worker when one fails, so a rank's failing exit would cut rank 0's report short
-        barrier(topo)
-        return summary
-    finally:
-        shutdown()
-
-
-def print_plan(cfg: Config, device_memory: int | None = None) -> int:
-    """Print the memory plan of `cfg` on this machine (no model is built), the configuration it
-    chooses and whether it fits; with `device_memory`, for one GPU of that many bytes (less
-    `memory.CUDA_CONTEXT`) in place of this machine's device."""
-    if device_memory is not None:
-        if cfg.parallel.cp != 1:
-            raise ValueError("--device-memory plans one GPU: drop parallel.cp")
-        topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
-        free = device_memory - memory.CUDA_CONTEXT
-        if free <= 0:
-            raise ValueError(f"--device-memory {device_memory / memory.GIB:.2f} GiB is less than a "
-                             "GPU's CUDA context takes: give the card's size, e.g. 80GiB")
-        where = f"one GPU of {device_memory / memory.GIB:.1f} GiB ({free / memory.GIB:.1f} GiB free)"
-    else:
-        topo = init_distributed(cfg.parallel.cp)
-        free = memory.available_bytes(topo.device)
-        where = f"{topo.world_size} {topo.device.type} rank(s)"
-    try:
-        prep = preparation(cfg, topo)
-        sharded = prep.sharded
-        asked = cfg.data.seq_len
-        # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
-        # named by --device-memory is planned as one it keeps them for (the H100, the H200)
-        if device_memory is not None:
-            autotunes = not cfg.train.tuned_kernels
-        else:
-            autotunes = topo.device.type == "cuda" and fla_autotunes(
-                cfg, torch.cuda.get_device_name(topo.device))
-        plan, ways = plan_memory(cfg, topo, sharded=sharded, free=free, autotunes=autotunes,
-                                 prep=prep)
-        if not topo.is_main:
-            return 0
-        print(f"vlpack: memory plan of {cfg.model.name} on {where}, per device "
-              f"({plan.params / 1e9:.2f} B parameters, {plan.trainable / 1e9:.3f} B trainable; "
-              f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
-        print("\n".join(plan.lines()))
-        try:
-            check_plan(plan, cfg, topo, sharded, ways, free=free, host=device_memory is None,
-                       prep=prep)
-        except ValueError as e:
-            print(f"does not fit: {e}")
-            return 1
-        shorten_to_plan(cfg, plan, topo, free)
-        print(f"chooses: {describe_choice(cfg, plan, asked_seq_len=asked)}")
-        if free is not None:
-            print(f"fits: {free / memory.GIB:.1f} GiB free")
-        return 0
-    finally:
-        if device_memory is None:
-            shutdown()
-
-
-def train(cfg: Config, *, dry_run: bool = False, device_memory: int | None = None) -> int:
-    """`vlpack train`: train with `cfg` (or, with `dry_run`, only print its memory plan); the
-    exit status: 0 done, 1 the plan does not fit or the run stopped on a non-finite loss or out
-    of memory (one message printed), EXIT_STOPPED stopped by a signal after saving."""
-    if dry_run:
-        return print_plan(cfg, device_memory)
-    if not any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        # before the first CUDA allocation: segments that grow in place instead of a new block
-        # per size, so the allocator's fragmentation stays small next to the memory plan's
-        # headroom (docs/training.md, "What fits on one GPU")
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    try:
-        summary = run(cfg)
-    except (NonFiniteLossError, RunOutOfMemoryError) as e:
-        print(f"vlpack: error: {e}")
-        return 1
-    return EXIT_STOPPED if summary.get("stop_signal") is not None else 0
