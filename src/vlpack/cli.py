@@ -356,7 +356,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     export_checkpoint(args.source, args.out, mode="adapter" if args.adapter else "hf",
-                      dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
+                      out_dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
     return 0
 
 

@@ -32,7 +32,7 @@ def test_export_draws_a_gpu_drawn_base_again_on_the_gpu(tmp_path: Path) -> None:
                           "model.lora.alpha=8", "optim.lr=1e-2"), gpu)
     t.fit()
     assert ckpt.marker(ckpt.latest_checkpoint(tmp_path / "run"))["device"] == "cuda"
-    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", dtype="float32")
+    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", out_dtype="float32")
     got = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
     want = lora.merged_state_dict(t.model, {k: v.detach().cpu()
                                             for k, v in t.model.state_dict().items()})

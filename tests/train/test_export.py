@@ -58,7 +58,7 @@ def test_an_intermediate_checkpoint_serves_with_the_trained_logits(run, tmp_path
 
     out, first, second = run
     step_1 = out / "checkpoints" / "step_00000001"
-    folder = export_checkpoint(step_1, tmp_path / "hf", dtype="float32")
+    folder = export_checkpoint(step_1, tmp_path / "hf", out_dtype="float32")
     conv, inputs = _prompt(folder)
     trained = first.encoder.encode(conv)
     assert np.array_equal(inputs["input_ids"][0].numpy(), trained.input_ids)
@@ -147,7 +147,7 @@ def test_a_lora_export_rebuilds_the_frozen_base_as_the_trainer_held_it(tmp_path:
     t.fit()
     saved = ckpt.latest_checkpoint(tmp_path / "run")
     assert ckpt.marker(saved)["device"] == "cpu"
-    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", dtype="float32")
+    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", out_dtype="float32")
     got = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
     sd = {k: v.detach() for k, v in t.model.state_dict().items()}
     want = lora.merged_state_dict(t.model, sd)
@@ -204,7 +204,7 @@ def test_a_frozen_part_is_rebuilt_and_the_rest_read_from_the_checkpoint(tmp_path
     tower again; every exported tensor equals the trained model's."""
     t = Trainer(small_cfg(tmp_path / "run", "train.max_steps=1", "model.freeze_vision=true"), CPU)
     t.fit()
-    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", dtype="float32")
+    folder = export_checkpoint(tmp_path / "run", tmp_path / "hf", out_dtype="float32")
     got = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
     want = {k: v for k, v in t.model.state_dict().items() if k != "lm_head.weight"}
     assert sorted(got) == sorted(want)

@@ -151,7 +151,7 @@ def test_an_exported_folder_and_a_runs_hf_folder_answer_as_its_checkpoint(run: P
 
     data = default_dataset(n=24)
     kw = dict(max_new_tokens=4, limit=2)
-    served = export_checkpoint(run, tmp_path / "served", dtype="float32")
+    served = export_checkpoint(run, tmp_path / "served", out_dtype="float32")
     other = tmp_path / "run_without_checkpoints"
     other.mkdir()
     shutil.copyfile(run / "config.yaml", other / "config.yaml")

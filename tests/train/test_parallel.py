@@ -80,7 +80,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
     from vlpack.train.export import export_checkpoint
 
-    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", dtype="float32")
+    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", out_dtype="float32")
     h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
     assert h1 and set(h1) == set(h2) == set(h3)
     assert all(h1[k].shape == h2[k].shape for k in h1)
@@ -295,7 +295,7 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
         assert any(".experts.lora_A" in k for k in w1)
     from vlpack.train.export import export_checkpoint
 
-    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", dtype="float32")
+    offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", out_dtype="float32")
     h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
     assert set(h1) == set(h2) == set(h3) and not any("lora" in k for k in h1)
     assert max((h1[k] - h2[k]).abs().max().item() for k in h1) < 1e-5

@@ -234,7 +234,7 @@ def test_int8_runs_hold_the_experts_in_int8_resume_exactly_and_export_the_stored
     assert all(np.isfinite(losses(tmp_path / "a")))
 
     folder = export_checkpoint(ckpt.latest_checkpoint(tmp_path / "a"), tmp_path / "hf",
-                               dtype="bfloat16")
+                               out_dtype="bfloat16")
     from safetensors.torch import load_file
 
     exported = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}

@@ -179,8 +179,8 @@ def live_fetch(model: nn.Module) -> Fetch:
 
 
 def export_live(model: nn.Module, out_dir: str | Path, topo: Topology, cfg: Config,
-                *, dtype: str = "bfloat16") -> Path:
-    """Write the live `model` of run `cfg` as a transformers folder in `dtype` (sharded
+                *, out_dtype: str = "bfloat16") -> Path:
+    """Write the live `model` of run `cfg` as a transformers folder in `out_dtype` (sharded
     safetensors with their index, the LoRA adapter folded in, and the files a serving engine
     reads), gathering one shard at a time. Collective."""
     from vlpack.train.serving import write_serving_files
@@ -188,9 +188,9 @@ def export_live(model: nn.Module, out_dir: str | Path, topo: Topology, cfg: Conf
     out = Path(out_dir)
     if topo.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    write_weights(model, out, live_fetch(model), dtype=DTYPES[dtype], is_main=topo.is_main)
+    write_weights(model, out, live_fetch(model), dtype=DTYPES[out_dtype], is_main=topo.is_main)
     if topo.is_main:
-        write_config(model, out, DTYPES[dtype])
+        write_config(model, out, DTYPES[out_dtype])
         write_serving_files(out, cfg, model.config.model_type)
     barrier(topo)
     return out
@@ -315,16 +315,16 @@ def rebuild(cfg: Config, mark: dict) -> tuple[nn.Module, str]:
 
 
 def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode: str = "hf",
-                      dtype: str = "bfloat16", max_shard_bytes: int = SHARD_BYTES) -> Path:
+                      out_dtype: str = "bfloat16", max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Export a run's latest checkpoint, or the checkpoint `source`, to `out` (default
-    RUN/export/step_XXXXXXXX-{hf|adapter}): a transformers folder (`mode="hf"`, in `dtype`)
+    RUN/export/step_XXXXXXXX-{hf|adapter}): a transformers folder (`mode="hf"`, in `out_dtype`)
     or the LoRA adapter in peft's format (`mode="adapter"`). Returns the folder."""
     from vlpack.train.serving import write_serving_files
 
     if mode not in ("hf", "adapter"):
         raise ValueError(f"mode {mode!r}: use hf or adapter")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if out_dtype not in DTYPES:
+        raise ValueError(f"--dtype {out_dtype}: use one of {', '.join(DTYPES)}")
     path, run = resolve(source)
     mark = ckpt.marker(path)
     cfg = run_config(run, int(mark["step"]))
@@ -344,10 +344,10 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode
         print(f"vlpack: wrote the LoRA adapter of {path} to {out} (peft's format, float32; "
               f"base model {cfg.model.name})")
         return out
-    write_weights(model, out, fetch, dtype=DTYPES[dtype], max_shard_bytes=max_shard_bytes)
-    write_config(model, out, DTYPES[dtype])
+    write_weights(model, out, fetch, dtype=DTYPES[out_dtype], max_shard_bytes=max_shard_bytes)
+    write_config(model, out, DTYPES[out_dtype])
     write_serving_files(out, cfg, model.config.model_type)
-    print(f"vlpack: exported {path} to {out} in {dtype} ({note})")
+    print(f"vlpack: exported {path} to {out} in {out_dtype} ({note})")
     return out
 
 

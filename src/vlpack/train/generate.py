@@ -193,7 +193,7 @@ def load(source: str | Path, export_to: Path, device: torch.device
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg: Config | None = None
     if (path / ckpt.MARKER).is_file() or ckpt.latest_checkpoint(path) is not None:
-        folder = export_checkpoint(path, export_to, dtype=dtype)
+        folder = export_checkpoint(path, export_to, out_dtype=dtype)
         saved, run = resolve(path)
         cfg = run_config(run, int(ckpt.marker(saved)["step"]))
         what = str(saved)

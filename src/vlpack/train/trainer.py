@@ -511,7 +511,7 @@ class Trainer:
         if self.cfg.train.export_hf:
             self._say("exporting the HF folder")
             hf = export_live(self.model, out_dir / "hf", self.topo, self.cfg,
-                             dtype=self.cfg.train.export_dtype)
+                             out_dtype=self.cfg.train.export_dtype)
             summary["hf_export"] = str(hf)
         if self.topo.is_main and (why := missing_matplotlib()):
             summary["plot_skipped"] = f"no loss.png: {why}"
