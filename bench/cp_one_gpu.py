@@ -10,8 +10,8 @@ import sys
 
 import torch.distributed as dist
 
+from vlpack.check.command import check
 from vlpack.model.context import ContextGroup
-from vlpack.train.check import check
 
 dist.init_process_group("gloo")
 group = ContextGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())

@@ -17,8 +17,9 @@ FLOORS = (
     ("preset_names",),  # the presets' names, for the config's checks
     ("config",),  # the run's settings, validated
     ("config_keys", "data"),  # the config's reference; samples, encoding, packing, loading
-    ("model",),  # the model, its kernels and checks (reads data's types)
+    ("model",),  # the model and its kernels (reads data's types)
     ("train",),  # the loop, parallelism, checkpoints: assembles data and model
+    ("check",),  # `vlpack check`: builds through train/stack.py, so above train, below the CLI
     ("cli",),  # the commands
     ("__main__",),  # `python -m vlpack`
 )

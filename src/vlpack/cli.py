@@ -223,8 +223,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from vlpack.model.check import EXIT_COULD_NOT_RUN
-    from vlpack.train.check import check_command
+    from vlpack.check.command import check_command
+    from vlpack.check.run import EXIT_COULD_NOT_RUN
 
     kw = dict(backend=args.backend, dtype=args.dtype, samples=args.samples, seed=args.seed,
               data=args.data, weights=getattr(args, "init", "auto"),

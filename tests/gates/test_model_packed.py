@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from vlpack.check.run import isolation, run_packed, run_unpacked
 from vlpack.data.batch import build_thd_batch
 from vlpack.families import FAMILIES
 from vlpack.model import build_model, packed_forward
-from vlpack.model.check import isolation, run_packed, run_unpacked
 from vlpack.model.moe import RouterCapture, router_stats
 from vlpack.model.synthetic import default_mix
 

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
+from vlpack.check.command import check
 from vlpack.families import FAMILIES
 from vlpack.model import attention, fla_hopper, gdn
 from vlpack.model.bounds import Boundaries, Segments
-from vlpack.train.check import check
 
 pytestmark = [
     pytest.mark.gpu,

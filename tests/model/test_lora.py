@@ -200,7 +200,7 @@ def test_lora_on_routed_experts(tmp_path: Path):
     experts' weights (peft `target_parameters`). Packed equals unpacked in logits and in the
     adapters' gradients; the adapter loads in peft and the merged weights in the plain model,
     both with the adapted model's logits; a dense family is refused."""
-    from vlpack.model.check import compare, run_packed, run_unpacked
+    from vlpack.check.run import compare, run_packed, run_unpacked
     from vlpack.model.synthetic import default_mix
 
     model, spec = build_model("tiny-qwen3_vl_moe", dtype=torch.float32, device="cpu", seed=0)

@@ -124,7 +124,7 @@ def test_packed_equals_unpacked_with_int8_experts():
     """Packed ≡ unpacked holds over int8 experts (float32, per-segment kernels): vlpack's packed
     row over the int8 weights against the stock model, each sample alone, over a copy holding
     the dequantized float32 weights (transformers' own experts code, no vlpack kernel)."""
-    from vlpack.model.check import run_packed, run_unpacked
+    from vlpack.check.run import run_packed, run_unpacked
     from vlpack.model.synthetic import default_mix
 
     torch.manual_seed(0)

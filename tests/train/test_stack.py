@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from vlpack.check.command import check_config
 from vlpack.config import Config, ModelConfig, TrainConfig
-from vlpack.train.check import check_config
 from vlpack.train.parallel import Topology
 from vlpack.train.stack import build_check_model, build_stack
 

@@ -4,7 +4,7 @@ activation checkpointing → compile → FSDP2), from the config's `model`, `dat
 sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
 `build_stack`, so a benchmark's figures come from the model the trainer runs.
 
-`vlpack check` (train/check.py) builds through the same build stage, `build_base` (build →
+`vlpack check` (check/command.py) builds through the same build stage, `build_base` (build →
 LoRA, the model, backend, seed and weights of its config), by `build_check_model`. Not through
 `build_stack`: the check proves its contract in float32 on one whole copy of the model per
 process (under `--cp` every rank holds all of it and sums the gradients, where FSDP2 would

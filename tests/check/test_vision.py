@@ -1,4 +1,4 @@
-"""`vlpack check`'s vision-feature comparison and its position self-test (model/check_vision.py)."""
+"""`vlpack check`'s vision-feature comparison and its position self-test (check/vision.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from vlpack.check import vision as cv
 from vlpack.cli import main
 from vlpack.data.types import TOKEN_TYPE_IMAGE, TOKEN_TYPE_VIDEO
-from vlpack.model import check_vision as cv
 from vlpack.model.bounds import StaleVisionTablesError
 from vlpack.model.synthetic import default_mix
 from vlpack.model.vision import VisionTower, attend_row, vision_tables
@@ -19,7 +19,7 @@ VISION_PRESETS = ["tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-qwe
 
 
 def _model(name: str):
-    from vlpack.train.check import check_config
+    from vlpack.check.command import check_config
     from vlpack.train.stack import build_check_model
 
     torch.manual_seed(0)

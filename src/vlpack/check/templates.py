@@ -7,7 +7,7 @@ Qwen3-VL, "xml" for Qwen3.5) the reference is a Jinja template written here afte
 ones' text: the tool preamble in the system turn, the calls after the answer, and a run of tool
 results as one user turn of `<tool_response>` blocks (the format `vlpack.data.tools` documents).
 It is a second implementation, in Jinja and rendered by transformers, of what vlpack's Python
-writes; `tests/model/test_check_encoding.py` renders the hand-transcribed released text of
+writes; `tests/check/test_encoding.py` renders the hand-transcribed released text of
 `tests/data/test_tools.py` with it.
 """
 

@@ -1,4 +1,4 @@
-"""`vlpack check --cp N` on k·N processes (model/check_parallel.py): data-parallel replicas of a
+"""`vlpack check --cp N` on k·N processes (check/command.py's replicas): data-parallel replicas of a
 context-parallel group."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ real-token MoE statistics). The reference is stock transformers: each sample alo
 attention, positions from the model's own get_rope_index, stock GDN kernels, and the loss of the
 model's own `model(..., labels=...)` call (transformers shifts the labels itself).
 This module runs the comparison on a built model (`run_check`) and writes the report;
-train/check.py builds the model through train/stack.py and is the command's entry.
+check/command.py builds the model through train/stack.py and is the command's entry.
 
 What is checked, every item a failure with its name when it does not hold:
   contract (always in float32, with the reference kernels of the device):
@@ -14,9 +14,9 @@ What is checked, every item a failure with its name when it does not hold:
       vision, merger, llm, experts, router) and |Δ MoE aux loss|, within
       `TOLERANCES["float32"]`;
     - every parameter with a non-zero gradient on one side has one on the other;
-    - the vision tower's features per item, packed vs stock, within `check_vision.VISION_TOL`
+    - the vision tower's features per item, packed vs stock, within `vision.VISION_TOL`
       of their norm, and a self-test that perturbed vision positions move them well past it
-      (check_vision.py: on a small random model they barely move the logits);
+      (check/vision.py: on a small random model they barely move the logits);
     - the reference's label shift: its per-sample token-mean loss equals transformers' own;
     - a second, different bin (samples reversed, other alignment, extra tail padding) gives
       the same per-sample logits and aux loss: no state kept from the first forward;
@@ -43,14 +43,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlpack.check import vision as cv
+from vlpack.check.data import CheckUnsupportedError, format_data, load_samples
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
-from vlpack.model import check_vision as cv
 from vlpack.model import loss
 from vlpack.model.bounds import StaleVisionTablesError
 from vlpack.model.build import ModelSpec
-from vlpack.model.check_data import CheckUnsupportedError, format_data, load_samples
-from vlpack.model.check_parallel import format_replicas
 from vlpack.model.context import ContextGroup
 from vlpack.model.forward import packed_forward, unpacked_forward
 from vlpack.model.moe import RouterCapture
@@ -506,7 +505,7 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
               backend: str = "auto", samples: int = 4, seed: int = 0, data: str | None = None,
               context: ContextGroup | None = None, weights: str = "auto", replica: int = 0,
               media_root: str | None = None) -> dict:
-    """Run the check on `model` (float32, built by train/check.py's `check`, whose arguments
+    """Run the check on `model` (float32, built by check/command.py's `check`, whose arguments
     these are); returns the report dict (`passed`, and `failures` naming each item that does
     not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
 
@@ -514,7 +513,7 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     context parallelism; every rank holds the same model and reference, and the packed
     row's logits and gradients are gathered before the comparison. `replica`: this group's
     index among data-parallel replicas, each of which packs the samples in its own order
-    (`check_data.load_samples`)."""
+    (`data.load_samples`)."""
     cp = 1 if context is None else context.size
     context = context if cp > 1 else None
     dev = device
@@ -698,3 +697,10 @@ def format_report(r: dict) -> str:
     else:
         lines += ["FAILED:"] + [f"  - {f}" for f in r["failures"]]
     return "\n".join(lines)
+
+
+def format_replicas(r: dict) -> list[str]:
+    """The report's lines for its data-parallel replicas (none for a single replica)."""
+    return [f"data-parallel replica {x['replica']}: {'passed' if x['passed'] else 'FAILED'}, "
+            f"max |dlogit| {x['max_logit_diff']:.2e}, samples " + ", ".join(x["sample_keys"])
+            for x in r.get("replicas", ())]

@@ -1,9 +1,17 @@
 """`vlpack check` assembled: its flags as the config's `model` and `train` sections, its model
 built through the stack builder (train/stack.py `build_check_model`: the trainer's build stage,
-in float32), then model/check.py's comparison (`run_check`) and report.
+in float32), then check/run.py's comparison (`run_check`) and report.
 
-The assembly lives here, not in model/, because it builds through train/stack.py: model code
-imports nothing from train/ (whose parallelism imports torch.distributed).
+The check sits above train/ because it builds through train/stack.py: model code imports
+nothing from train/ (whose parallelism imports torch.distributed), and nothing in model/ or
+train/ imports the check.
+
+`vlpack check --cp N` on k·N processes runs k data-parallel replicas of a context-parallel
+group. Each replica checks its own row (the samples in another order, `data.load_samples`), so
+a collective that runs over the wrong group (keys and values gathered over the world instead
+of the context group) hands a rank rows of another replica's sample and fails the check; with
+one replica the two groups coincide and such a bug goes unseen. The replicas' reports are
+merged on every rank (`merge_replicas`): the check passes only if every replica passes.
 """
 
 from __future__ import annotations
@@ -16,8 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from vlpack.config import Config, ModelConfig, TrainConfig
-from vlpack.model.check import (
+from vlpack.check.data import refuse_init
+from vlpack.check.run import (
     EXIT_COULD_NOT_RUN,
     EXIT_FAILED,
     EXIT_PASSED,
@@ -25,8 +33,7 @@ from vlpack.model.check import (
     refuse_unsupported,
     run_check,
 )
-from vlpack.model.check_data import refuse_init
-from vlpack.model.check_parallel import merge_replicas
+from vlpack.config import Config, ModelConfig, TrainConfig
 from vlpack.model.context import ContextGroup
 from vlpack.train.prepare import autocast_dtype
 from vlpack.train.stack import build_check_model
@@ -50,7 +57,7 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
           device: str | None = None, context: ContextGroup | None = None,
           weights: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
     """Build the model of `model_name` (a preset or HF folder) and run the check on it
-    (`model.check.run_check`, which says what the arguments mean); returns the report dict.
+    (`run.run_check`, which says what the arguments mean); returns the report dict.
     `dtype` None: bfloat16 on CUDA, else float32, as `model.dtype=auto` trains. `weights`
     (`--init`): "auto" (a folder's weights) or "random" (random weights of its config,
     `seed`). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked."""
@@ -74,7 +81,7 @@ def check_command(model_name: str, *, backend: str, dtype: str | None, samples: 
     """`vlpack check`: run `check` and print its report (JSON with `as_json`); 0 passed, 1
     failed, 2 could not run. `context`: the context-parallel group of `--cp N` (made by the
     CLI); `replicas`: how many data-parallel replicas of it the world holds, each checking its
-    own row (`check_parallel`)."""
+    own row (`merge_replicas`)."""
     replica = int(os.environ.get("RANK", "0")) // context.size if replicas > 1 else 0
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -118,3 +125,17 @@ def collective_error(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and any(
         k in text for k in ("ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error", "Gloo"))
+
+
+def merge_replicas(report: dict, reports: list[dict]) -> dict:
+    """`report` of this process merged with every process's `reports` (this one's included;
+    `check_command` gathers them): `passed` only if all passed, each failure prefixed with its
+    replica (once per replica), `replicas` listing each replica's samples, result and largest
+    logit difference."""
+    first = {}
+    for r in reports:
+        first.setdefault(r["replica"], r)
+    failures = [f"replica {k}: {f}" for k, r in sorted(first.items()) for f in r["failures"]]
+    replicas = [dict(replica=k, passed=r["passed"], sample_keys=r["sample_keys"],
+                     max_logit_diff=r["max_logit_diff"]) for k, r in sorted(first.items())]
+    return {**report, "failures": failures, "passed": not failures, "replicas": replicas}

@@ -62,7 +62,7 @@ def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
                  media_root: str | None = None, model: nn.Module | None = None,
                  ) -> tuple[list[EncodedSample], str, dict]:
     """The check's samples, a description of their source, and what the report says of the
-    data (`data_kinds`, `data_skipped`, and `encoding`: `check_encoding.compare_encoding` of
+    data (`data_kinds`, `data_skipped`, and `encoding`: `encoding.compare_encoding` of
     the folder `model_name`, or of the preset, when `model` is given).
 
     `samples` to take and the `seed`; `data`: a JSONL file, "synth" or None for the synthetic
@@ -179,7 +179,7 @@ def _from_file(path: str, spec: ModelSpec, n: int, *, seed: int, model_name: str
                       data_kinds_left_out=[k for k in KINDS if k in present - covered],
                       data_skipped=skipped)
     if model is not None:
-        from vlpack.model.check_encoding import compare_encoding
+        from vlpack.check.encoding import compare_encoding
 
         info["encoding"] = compare_encoding(folder if model_name and folder.is_dir() else None,
                                             convs, spec,

@@ -64,7 +64,7 @@ def test_check_needs_two_samples(capsys):
 
 
 def test_check_crash_is_could_not_run_not_failed(monkeypatch, capsys):
-    from vlpack.model import check as check_mod
+    from vlpack.check import run as check_mod
 
     def boom(*a, **k):
         raise RuntimeError("kernel exploded")
@@ -78,7 +78,7 @@ def test_check_fails_on_one_parameter_by_name(monkeypatch, capsys):
     """Gradients are compared per parameter: Qwen3.5's `dt_bias` (a few 1e-5 of the whole
     gradient's norm) with its packed gradient zeroed, and an `A_log` whose gradient is None,
     each fail the check by name (exit 1, not 2), and the group summaries are reported."""
-    from vlpack.model import check as check_mod
+    from vlpack.check import run as check_mod
 
     orig_packed = check_mod.run_packed
     zeroed = "model.language_model.layers.0.linear_attn.dt_bias"
@@ -286,7 +286,7 @@ def test_check_on_user_data_with_videos(tmp_path, capsys, name):
 def test_a_non_finite_reference_loss_fails_by_name():
     """transformers' labels= loss NaN on a sample with labels: a named failure, not a sample
     the label comparison quietly skips."""
-    from vlpack.model.check import Run, _label_failures
+    from vlpack.check.run import Run, _label_failures
 
     ref = Run([], [], {}, None, hf_losses=[2.0, None], label_counts=[3, 4], own_shift=[6.0, 8.0])
     assert _label_failures(ref) == [
@@ -294,7 +294,7 @@ def test_a_non_finite_reference_loss_fails_by_name():
 
 
 def test_the_report_names_the_worst_parameters_first():
-    from vlpack.model.check import MAX_NAMED, _named, _worst_first
+    from vlpack.check.run import MAX_NAMED, _named, _worst_first
 
     errors = {f"p{i:02d}": float(i) for i in range(MAX_NAMED + 3)}
     lines = _named("err", {n: f"{v:g}" for n, v in _worst_first(errors)})

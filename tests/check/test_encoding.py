@@ -1,4 +1,4 @@
-"""`vlpack check --data`'s encoding check (model/check_encoding.py): vlpack's encoding of each
+"""`vlpack check --data`'s encoding check (check/encoding.py): vlpack's encoding of each
 sample against what transformers' own processor makes of it."""
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ def test_check_data_encoding_against_transformers(tmp_path, capsys, monkeypatch)
         return s
 
     monkeypatch.setattr(Encoder, "encode", token_changed)
+    from vlpack.check.encoding import compare_encoding
     from vlpack.data.sources import read_jsonl
     from vlpack.model.build import build_model
-    from vlpack.model.check_encoding import compare_encoding
 
     model, spec = build_model(str(folder), device="cpu", dtype="float32")
     convs = [read_jsonl(_rows(tmp_path, [row]))[0] for row in (_chat("Total?"), image)]
@@ -117,10 +117,10 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
     from dataclasses import replace
 
     from tests.helpers import _frames
+    from vlpack.check.encoding import compare_encoding
     from vlpack.data.encode import Encoder
     from vlpack.data.sources import read_jsonl
     from vlpack.model.build import build_model
-    from vlpack.model.check_encoding import compare_encoding
 
     field, fps, expected = PLANTS[name]
     has_torchvision = importlib.util.find_spec("torchvision") is not None
@@ -155,15 +155,15 @@ def test_check_data_video_against_transformers(tmp_path, monkeypatch, name):
 
 
 def test_reference_template_writes_tools_as_the_released_one():
-    """The preset reference's Jinja (model/check_templates.py), rendered by transformers, writes
+    """The preset reference's Jinja (check/templates.py), rendered by transformers, writes
     the hand-transcribed released text of tests/data/test_tools.py's agent conversation."""
     import tempfile
 
     from tests.data.test_tools import AGENT, EXPECTED
+    from vlpack.check.templates import reference_template
     from vlpack.data.sources import parse_record
     from vlpack.data.template import hf_messages
     from vlpack.data.tokenizer import load_tokenizer
-    from vlpack.model.check_templates import reference_template
 
     conv = parse_record(AGENT, base_dir=tempfile.gettempdir(), key="k")
     for family, (text, _) in EXPECTED.items():
@@ -175,7 +175,7 @@ def test_reference_template_writes_tools_as_the_released_one():
 def test_qwen_rule_on_literal_positions():
     """docs/data.md's example: a (3, 4, 4) video at position 3 (merged 3x2x2, temporal 3..5);
     transformers puts the next text at 5, Qwen's rule at 6."""
-    from vlpack.model.check_encoding import qwen_rule
+    from vlpack.check.encoding import qwen_rule
 
     types = np.array([0, 0, 0] + [2] * 12 + [0, 0])
     video = np.stack(np.meshgrid(np.arange(3), np.arange(2), np.arange(2), indexing="ij")
@@ -195,12 +195,12 @@ def test_check_data_encoding_on_a_preset(tmp_path, monkeypatch):
     from PIL import Image
 
     from tests.gates.test_mutations import agent_data
+    from vlpack.check.data import _encoder
+    from vlpack.check.encoding import compare_encoding
     from vlpack.data.encode import Encoder
     from vlpack.data.sources import read_jsonl
     from vlpack.data.types import IGNORE_INDEX
     from vlpack.model.build import build_model
-    from vlpack.model.check_data import _encoder
-    from vlpack.model.check_encoding import compare_encoding
 
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(
         tmp_path / "a.png")

@@ -1,4 +1,4 @@
-"""The samples `vlpack check --data` packs (model/check_data.py): the user's file, encoded as
+"""The samples `vlpack check --data` packs (check/data.py): the user's file, encoded as
 training encodes it, on a model of any vocabulary; one sample of each kind; the media root."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     naming them; once it has a sample of every kind, it reads no further (a bad record there
     does not stop it)."""
     from tests.helpers import _frames, _mp4
+    from vlpack.check.data import load_samples
     from vlpack.model.build import build_model
-    from vlpack.model.check_data import load_samples
 
     _, spec = build_model("tiny-qwen3_vl", device="meta")
     frames = _frames(tmp_path, 4, size=(64, 64))
