@@ -386,10 +386,10 @@ def test_the_checks_transformers_reference_gets_the_tools(tmp_path):
     gets the ids vlpack trains on."""
     from transformers import AutoConfig
 
+    from vlpack.check.processor import _hf_inputs, build_processor
     from vlpack.data.processor import load_image_processor
     from vlpack.data.template import load_template
     from vlpack.data.tokenizer import load_tokenizer
-    from vlpack.model.check_encoding import _hf_inputs, build_processor
 
     load_tokenizer("qwen3_vl").save_pretrained(tmp_path)
     load_image_processor("qwen3_vl").save_pretrained(tmp_path)

@@ -36,7 +36,7 @@ def run(tmp_path_factory):
 def _prompt(folder: Path):
     """transformers' processor built from `folder` (without torchvision: its image processor,
     tokenizer and chat template) and its inputs for a two-image conversation."""
-    from vlpack.model.check_encoding import _hf_inputs, build_processor
+    from vlpack.check.processor import _hf_inputs, build_processor
 
     proc, _, failed = build_processor(folder)
     assert failed is None, failed

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlpack.check.processor import _hf_inputs, _image_only, _videos, build_processor
 from vlpack.data.rope import mrope_positions
 from vlpack.data.types import Conversation, EncodedSample
 from vlpack.model.build import ModelSpec
-from vlpack.model.check_encoding import _hf_inputs, _image_only, _videos, build_processor
 
 if TYPE_CHECKING:
     from vlpack.data.encode import Encoder

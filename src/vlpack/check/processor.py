@@ -1,7 +1,6 @@
 """transformers' processor built from a checkpoint folder (`build_processor`) and its encoding of
 a conversation (`_hf_inputs`): the reference side of `vlpack check --data`'s encoding check
-(check/encoding.py), which the export tests also encode with. It imports nothing from the
-check package.
+(check/encoding.py), which the export and tool-call tests also encode with.
 """
 
 from __future__ import annotations
