@@ -231,7 +231,8 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     from vlpack.train.parallel import init_distributed, shutdown
-    from vlpack.train.stack import is_sharded, plan_memory
+    from vlpack.train.prepare import is_sharded
+    from vlpack.train.stack import plan_memory
 
     topo = init_distributed(1)
     cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")

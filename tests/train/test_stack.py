@@ -36,7 +36,7 @@ def test_int8_reads_a_folder_into_host_memory_and_draws_random_weights_on_the_de
     them (resume and export draw the same ones). On CPU the host is the device."""
     from tests.helpers import hf_test_folder
     from vlpack.config import load_config
-    from vlpack.train.stack import builds_on_host
+    from vlpack.train.prepare import builds_on_host
 
     folder = tmp_path / "moe"
     hf_test_folder(folder, "qwen3_5_moe")

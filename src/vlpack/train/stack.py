@@ -31,9 +31,7 @@ from vlpack.train.flops import FlopModel, flop_model
 from vlpack.train.kernel_cache import keep_kernel_cache, use_tuned_kernels
 from vlpack.train.module import TrainModule
 from vlpack.train.parallel import Topology, all_reduce, load_full_state
-from vlpack.train.prepare import Preparation, freezes, preparation, prepare
-from vlpack.train.prepare import builds_on_host as builds_on_host  # the stack's API as well
-from vlpack.train.prepare import is_sharded as is_sharded
+from vlpack.train.prepare import Preparation, builds_on_host, freezes, preparation, prepare
 
 log = logging.getLogger("vlpack.train")
 
