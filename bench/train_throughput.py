@@ -173,6 +173,7 @@ def variant(mode: str, args) -> str:
             + "+bf16_params" * args.bf16_params + ac
             + (f"+experts_{args.experts}" if args.experts else "")
             + (f"+lora{args.lora_rank}" if args.lora_rank else "")
+            + (f"+lora_experts_{args.lora_experts}" if args.lora_experts != "off" else "")
             + (f"+frozen_{args.frozen_dtype}"
                if args.frozen_dtype != "auto" and mode.startswith("vlpack") else "")
             + "+expandable" * expandable)
@@ -262,6 +263,7 @@ def vlpack_config(mode: str, args):
             f"data.seq_len={args.seq_len}", "data.pad_to_multiple_of=1",  # the plan's bins
             f"model.compile={str(compile_scope is not None).lower()}",
             f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
+            f"model.lora.experts={str(args.lora_experts != 'off').lower()}",
             f"model.frozen_dtype={args.frozen_dtype}",
             f"train.fsdp={'always' if args.bf16_params else 'auto'}",
             "train.memory_check=skip", "train.kernel_cache=default",
@@ -283,6 +285,12 @@ def run_mode(mode: str, args, samples, device) -> dict:
         recompute = stack.plan.recompute_share  # model.checkpoint_share=auto resolved
         if args.experts and spec.is_moe:
             model.set_experts_implementation(args.experts)
+        if args.lora_experts == "peft":  # peft's own forward: W + B·A as a parametrization
+            from peft.tuners.lora.layer import ParamWrapper
+
+            for w in model.modules():
+                if isinstance(w, ParamWrapper):
+                    w.__class__ = ParamWrapper
         params = list(module.parameters())
     else:  # stock transformers: the HF model as built, its own loss
         # stock + peft loads the base in bf16 on a GPU (a 35B base in float32 would not fit) and
@@ -368,7 +376,9 @@ def run_mode(mode: str, args, samples, device) -> dict:
     parts = timer.totals()
     # The forward outside the vision tower and the language model: the loss (liger's fused loss
     # computes its gradient here too), the embedding merge of image features, position handling.
-    parts["loss_and_glue_fwd"] = parts.pop("forward") - parts["vision_fwd"] - parts["text_fwd"]
+    # (a step whose bins hold no image runs no vision tower)
+    parts["loss_and_glue_fwd"] = (parts.pop("forward") - parts.setdefault("vision_fwd", 0.0)
+                                  - parts["text_fwd"])
     parts["unaccounted"] = wall - sum(parts.values())  # GPU idle between regions (host syncs)
     opt_s = parts.get("optimizer", 0.0)
     train_s = wall - opt_s  # forward + backward (+ data), the anchor's definition
@@ -474,6 +484,10 @@ def main(argv=None) -> int:
                         "model.lora.rank, the frozen base held in bf16 on a GPU; stock modes get "
                         "the same adapters through peft; the optimizer steps the adapters only "
                         "and MFU counts a frozen weight at 4 FLOPs")
+    p.add_argument("--lora-experts", choices=("off", "grouped", "peft"), default="off",
+                   help="with --lora-rank, LoRA on the routed experts too (model.lora.experts): "
+                        "grouped = vlpack's dispatch with the factors (model/lora.py), peft = "
+                        "peft's parametrization forming W + B·A per forward (the vlpack modes)")
     p.add_argument("--frozen-dtype", choices=("auto", "float32", "int8"), default="auto",
                    help="model.frozen_dtype of the vlpack modes: int8 holds the frozen routed "
                         "experts in int8 (model/quant.py)")
@@ -486,6 +500,8 @@ def main(argv=None) -> int:
                                                              "vlpack_grouped_mm_compiled"):
         p.error("--frozen-dtype int8 runs vlpack's experts kernel: leave --experts out or name "
                 "vlpack_grouped_mm(_compiled)")
+    if args.lora_experts != "off" and not args.lora_rank:
+        p.error("--lora-experts adapts the experts too: give --lora-rank")
     if args.checkpoint_share == "auto" and args.modes != "vlpack_packed":
         p.error("--checkpoint-share auto is model.checkpoint_share=auto, which plans packed "
                 "rows: run it with --modes vlpack_packed, the other modes with a share")

@@ -234,6 +234,11 @@ MUTATIONS = [
              "times = [i / meta.fps for i in padded]",
              "times = [(i + 1) / meta.fps for i in padded]", check="tiny-qwen3_5",
              dtypes=("float32",), data=True),
+    Mutation("LoRA on experts: B's factors read expert-major", "model/lora.py",
+             "b_EOR = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)",
+             "b_EOR = b.reshape(b.shape[0], e, -1).permute(1, 0, 2)",
+             tests=("tests/model/test_lora.py::test_lora_on_routed_experts",),
+             why_not="the check runs the base model, without LoRA"),
 ]
 
 

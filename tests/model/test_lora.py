@@ -197,9 +197,11 @@ def test_adapters_take_the_activation_dtype_and_change_no_bit():
 
 def test_lora_on_routed_experts(tmp_path: Path):
     """`model.lora.experts=true` on an MoE family: a rank-r update per expert of the routed
-    experts' weights (peft `target_parameters`). Packed equals unpacked in logits and in the
-    adapters' gradients; the adapter loads in peft and the merged weights in the plain model,
-    both with the adapted model's logits; a dense family is refused."""
+    experts' weights (peft `target_parameters`). Packed (vlpack's dispatch, the adapters as
+    grouped factors: no adapted weight is formed) equals unpacked (transformers' experts with
+    peft's parametrization W + B·A) in logits and in the adapters' gradients; the adapter loads
+    in peft and the merged weights in the plain model, both with the adapted model's logits; a
+    dense family is refused."""
     from vlpack.check.run import compare, run_packed, run_unpacked
     from vlpack.model.synthetic import default_mix
 
@@ -214,7 +216,17 @@ def test_lora_on_routed_experts(tmp_path: Path):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     model.train()
     mix = default_mix(spec, 4, seed=1)
-    d = compare(run_packed(model, spec, mix, 8), run_unpacked(model, spec, mix))
+    calls = []  # how each experts module ran: with factors, or with peft's adapted weight
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.register_forward_pre_hook(
+                lambda m, args, kwargs: calls.append(
+                    ("adapters" in kwargs, hasattr(m, "parametrizations"))), with_kwargs=True)
+    packed = run_packed(model, spec, mix, 8)
+    assert calls and set(calls) == {(True, False)}, set(calls)
+    calls.clear()
+    d = compare(packed, run_unpacked(model, spec, mix))
+    assert calls and set(calls) == {(False, True)}, set(calls)  # the reference: peft's own path
     assert max(d["logits"]) <= 1e-4 and max(d["grad"].values()) <= 1e-4, d
 
     ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(0))

@@ -82,14 +82,11 @@ def test_float32_setting_and_float32_runs_keep_everything_float32(tmp_path: Path
 def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bool) -> None:
     """Under bf16 autocast, a LoRA model whose frozen linear and expert weights are held in
     bf16 gives the float32-held model's loss and adapter gradients bit for bit (autocast casts
-    those weights to bf16 at every use anyway): the memory saving is free.
-
-    With the routed experts adapted (`model.lora.experts`) peft forms W + B·A in W's dtype, so
-    a bf16-held W gets its update in bf16: the loss agrees to 5e-5 (bf16 noise: the bf16 loss
-    itself lies 1e-5 to 3e-5 from the float32 one; dropping the experts' update moves it 9e-5)
-    and the adapters' gradients to bf16 noise (1.4% here), even for weights that are bf16
-    numbers (a checkpoint stored in bf16, as the released ones are; simulated here by rounding
-    the weights)."""
+    those weights to bf16 at every use anyway): the memory saving is free. That holds with the
+    routed experts adapted (`model.lora.experts`) too: their adapters reach vlpack's dispatch
+    as factors, never folded into the weight (peft's parametrization would form W + B·A in W's
+    dtype, rounding the update into a bf16-held weight). The weights are rounded to bf16 first,
+    as a checkpoint stored in bf16 (the released ones) is."""
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
     if experts:
         with torch.no_grad():
@@ -120,10 +117,6 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
         results.append((out.loss_sum.detach(), grads))
     (l32, g32), (l16, g16) = results
     assert g32.keys() == g16.keys() and len(g32) > 4
-    if experts:  # peft forms an adapted weight's update in that weight's dtype: bf16 noise
-        rel = max(((g32[n] - g16[n]).norm() / g32[n].norm()).item() for n in g32)
-        assert abs(l32 - l16) <= 5e-5 * l32 and rel < 0.05, (l32, l16, rel)
-        return
     assert torch.equal(l32, l16), (l32, l16)
     differ = [n for n in g32 if not torch.equal(g32[n], g16[n])]
     assert not differ, differ[:4]

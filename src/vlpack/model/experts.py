@@ -19,14 +19,24 @@ otherwise make several memory-bound passes over the routed rows (docs/benchmarks
 output, so the weight's gradient reduces over I (512 in the 35B) instead of D (2,048) and
 fuses with the gate's backward.
 
+LoRA on the routed experts (`model.lora.experts`, model/lora.py) reaches the dispatch as factors
+(`ExpertAdapter`: A [E, r, X], B [E, O, r] and the scale), not as an adapted weight: each
+projection adds `scale · (rows · A[e]ᵀ) · B[e]ᵀ` through two more grouped GEMMs over the same
+groups. Neither the per-expert update B·A nor a full-size weight gradient is ever formed (peft's
+parametrization forms W + B·A, a copy of the whole expert stack, and autograd then a gradient
+of that size to reach A and B); the update is added to the projection's output in the compute
+dtype, as for a linear layer, instead of being rounded into a bf16-held weight.
+
 Legend: T = tokens, D = hidden size, I = expert intermediate size, E = experts, K = experts per
-token, P = routed (token, expert) pairs = T * K; X, O = a projection's input and output widths.
+token, P = routed (token, expert) pairs = T * K; X, O = a projection's input and output widths;
+R = a LoRA rank padded to a multiple of 8.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,12 +103,30 @@ def _int8_backward(ctx, grad):
 int8_grouped_mm.register_autograd(_int8_backward, setup_context=_int8_setup)
 
 
+class ExpertAdapter(NamedTuple):
+    """The LoRA factors of one expert weight [E, O, X]: its update is `scale · b[e] @ a[e]` per
+    expert, `a` [E, R, X] and `b` [E, O, R] (R: the rank, padded with zeros to a multiple of 8,
+    which the GPU's grouped GEMM needs for its strides)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
 def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | None,
-             offs_E: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One grouped projection in `dtype` (out = a @ w[e].T): an int8 weight when it has scales."""
+             offs_E: torch.Tensor, dtype: torch.dtype,
+             adapter: ExpertAdapter | None = None) -> torch.Tensor:
+    """One grouped projection in `dtype` (out = a @ w[e].T): an int8 weight when it has scales;
+    plus `adapter`'s low-rank update, as two grouped GEMMs through rank R."""
     if scale_EO is None:
-        return _grouped_mm(a_PX, w_EOX.to(dtype).transpose(-2, -1), offs_E)
-    return int8_grouped_mm(a_PX.to(dtype), w_EOX, scale_EO, offs_E, True)
+        out_PO = _grouped_mm(a_PX, w_EOX.to(dtype).transpose(-2, -1), offs_E)
+    else:
+        out_PO = int8_grouped_mm(a_PX.to(dtype), w_EOX, scale_EO, offs_E, True)
+    if adapter is None:
+        return out_PO
+    low_PR = _grouped_mm(a_PX, adapter.a.to(dtype).transpose(-2, -1), offs_E)
+    return out_PO + adapter.scale * _grouped_mm(low_PR, adapter.b.to(dtype).transpose(-2, -1),
+                                                offs_E)
 
 
 class _RouteRows(torch.autograd.Function):
@@ -145,9 +173,12 @@ class _CombineRows(torch.autograd.Function):
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, gate: Callable,
               dtype: torch.dtype, gate_up_scale_E2I: torch.Tensor | None = None,
-              down_scale_ED: torch.Tensor | None = None) -> torch.Tensor:
+              down_scale_ED: torch.Tensor | None = None,
+              gate_up_adapter: ExpertAdapter | None = None,
+              down_adapter: ExpertAdapter | None = None) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
-    scales are given) with each pair's routing weight applied between them, and sum its K
+    scales are given; each with its LoRA adapter's update where one is given) with each pair's
+    routing weight applied between them, and sum its K
     outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum). The
     row gather and the sum are each other's backward: a gather and a float32 sum over K, and a
     gather by token, where indexing's backward would scatter-add."""
@@ -162,12 +193,13 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
     rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K)
-    gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype)
+    gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype,
+                           gate_up_adapter)
     h_PI = gate(gate_up_P2I)
     # The routing weight scales the down projection's input, not its output (the same product,
     # the projection being linear without bias): its gradient then sums over I, not D.
     h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
-    out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype)
+    out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype, down_adapter)
     return _CombineRows.apply(out_PD, inverse_P, token_P, K).to(x_TD.dtype)
 
 
@@ -181,9 +213,9 @@ def _compiled_silu_dispatch() -> Callable:
     """`_dispatch` with the SiLU gate, compiled once for every layer (tensors are its only
     inputs, so the 40 experts modules of a model share one graph)."""
     def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, dtype, gate_up_scale_E2I,
-                      down_scale_ED):
+                      down_scale_ED, gate_up_adapter, down_adapter):
         return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype,
-                         gate_up_scale_E2I, down_scale_ED)
+                         gate_up_scale_E2I, down_scale_ED, gate_up_adapter, down_adapter)
     return torch.compile(silu_dispatch, dynamic=True)
 
 
@@ -212,35 +244,55 @@ def _compute_dtype(experts, hidden_states: torch.Tensor) -> torch.dtype | None:
     return dtype
 
 
+Adapters = dict[str, ExpertAdapter]
+"""LoRA factors by the name of the expert weight they adapt (`gate_up_proj`, `down_proj`)."""
+
+
+def takes_adapters(experts: torch.nn.Module) -> bool:
+    """Whether `experts` runs vlpack's dispatch, so that its forward takes LoRA factors
+    (`adapters=`) instead of reading adapted weights: vlpack's implementation set on its config
+    and the plain layout."""
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    return impl in (IMPLEMENTATION, COMPILED) and _plain_layout(experts)
+
+
 def vlpack_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
+                           top_k_weights: torch.Tensor,
+                           adapters: Adapters | None = None) -> torch.Tensor:
     """The experts forward of `self` (a transformers experts module with concatenated gate/up
     weights [E, 2I, D] and down weights [E, D, I], in int8 with row scales under
     `model.frozen_dtype=int8`, model/quant.py): `_dispatch` in the autocast dtype, or outside
-    autocast in the hidden states' dtype (so a float32 `vlpack check` runs this path too);
-    another layout runs transformers' grouped_mm."""
+    autocast in the hidden states' dtype (so a float32 `vlpack check` runs this path too), with
+    the LoRA factors `adapters` (model/lora.py passes them); another layout runs transformers'
+    grouped_mm."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
+    adapters = adapters or {}
     if not _plain_layout(self):
         assert scales(self)[0] is None, "int8 experts need the plain layout"
+        assert not adapters, "LoRA factors need the plain layout (lora.py checks takes_adapters)"
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     dtype = _compute_dtype(self, hidden_states) or hidden_states.dtype
     return _dispatch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                     self.down_proj, self._apply_gate, dtype, *scales(self))
+                     self.down_proj, self._apply_gate, dtype, *scales(self),
+                     adapters.get("gate_up_proj"), adapters.get("down_proj"))
 
 
 def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                                    top_k_weights: torch.Tensor) -> torch.Tensor:
+                                    top_k_weights: torch.Tensor,
+                                    adapters: Adapters | None = None) -> torch.Tensor:
     """`vlpack_experts_forward` with its dispatch compiled (inductor fuses the gathers, the
-    casts, the weighted gate and the sum around the two grouped GEMMs): the SiLU-gated experts
+    casts, the weighted gate and the sum around the grouped GEMMs): the SiLU-gated experts
     of the Qwen MoE families under autocast; any other gate, or no autocast, runs
     `vlpack_experts_forward`."""
     dtype = _autocast_dtype(hidden_states)
     if dtype is None or not _plain_layout(self) or not _silu_gated(self):
-        return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+    adapters = adapters or {}
     with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
         return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
-                                         self.gate_up_proj, self.down_proj, dtype, *scales(self))
+                                         self.gate_up_proj, self.down_proj, dtype, *scales(self),
+                                         adapters.get("gate_up_proj"), adapters.get("down_proj"))
 
 
 @functools.cache

@@ -11,8 +11,10 @@ Default targets: the LLM's attention, Gated-DeltaNet and MLP projections (dense 
 `target_modules` names other leaf names of the text model. `vision=True` adds every linear of the
 vision tower and its mergers. `experts=True` adds the routed experts: their weights are 3-D
 parameters ([experts, ...]), not linears, and peft adapts them through `target_parameters`
-(`ParamWrapper`: one rank-r update per expert, W + B·A applied as a parametrization while the
-experts module runs, so vlpack's experts kernel sees the adapted weight).
+(`ParamWrapper`: one rank-r update per expert). peft applies W + B·A as a parametrization while
+the experts module runs; `GroupedExpertsLora`, the wrapper's subclass installed by `apply_lora`,
+overrides its `forward` to hand the factors to vlpack's experts dispatch instead
+(model/experts.py: two grouped GEMMs through the rank per projection, no per-expert B·A).
 
 Variants, peft's: `use_rslora` scales the update by alpha/sqrt(r) instead of alpha/r; `use_dora`
 adds a trained magnitude per output feature of each adapted linear (DoRA: W' = m · (W + s·BA) /
@@ -21,15 +23,17 @@ adds a trained magnitude per output feature of each adapted linear (DoRA: W' = m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlpack.config import LoraConfig as VlpackLora
-from vlpack.model.experts import routed_expert
+from vlpack.model.experts import ExpertAdapter, routed_expert, takes_adapters
 
 LLM_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "out_proj")
@@ -136,8 +140,68 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
         # the adapters' float32 (a launch forward and backward per adapter), which autocast then
         # casts back for the matmul, so the copy changes no bit.
         m.cast_input_dtype_enabled = False
+        if hasattr(m, "parameter_name"):  # an expert weight's wrapper: factors to the dispatch
+            m.__class__ = grouped_experts_lora()
     model._vlpack_lora = pc
     return len(adapted)
+
+
+@functools.cache
+def grouped_experts_lora() -> type:
+    """peft's `ParamWrapper` with `forward` overridden (`_grouped_forward`), made once and
+    registered in this module under its own name, so a model with it pickles."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    name = "GroupedExpertsLora"
+    cls = type(name, (ParamWrapper,), {"forward": _grouped_forward, "__module__": __name__,
+                                       "__qualname__": name})
+    globals()[name] = cls
+    return cls
+
+
+def __getattr__(name: str):  # an unpickled model finds the subclass before anything made it
+    if name == "GroupedExpertsLora":
+        return grouped_experts_lora()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _grouped_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The experts forward with the adapters of this wrapper and of the wrappers it nests (peft
+    nests one per adapted weight) passed to vlpack's dispatch as factors
+    (`experts.ExpertAdapter`); peft's own forward (the adapted weight as a parametrization) where
+    the experts module does not run vlpack's dispatch, or the adapters are off, merged or more
+    than one."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers, base = [self], self.base_layer
+    while isinstance(base, ParamWrapper):
+        wrappers.append(base)
+        base = base.base_layer
+    if kwargs or not takes_adapters(base) or not all(map(_factored, wrappers)):
+        return ParamWrapper.forward(self, x, *args, **kwargs)
+    return base(x, *args, adapters={w.parameter_name: expert_adapter(w) for w in wrappers})
+
+
+def _factored(wrapper: nn.Module) -> bool:
+    """Whether `wrapper` (a `ParamWrapper`) adapts a [E, O, X] expert stack with one active,
+    unmerged adapter."""
+    active = wrapper.active_adapters
+    return (not wrapper.disable_adapters and not wrapper.merged and len(active) == 1
+            and active[0] in wrapper.lora_A and wrapper.num_experts > 1
+            and wrapper._did_swap_in_out_features)
+
+
+def expert_adapter(wrapper: nn.Module) -> ExpertAdapter:
+    """The active adapter of `wrapper` (a `ParamWrapper` over an [E, O, X] expert weight) as
+    grouped factors: peft's A [E·r, X] and B [O, r·E] as A [E, R, X] and B [E, O, R], the rank
+    padded with zeros to R, a multiple of 8."""
+    name = wrapper.active_adapters[0]
+    a, b, e = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight, wrapper.num_experts
+    a_ERX = a.reshape(e, -1, a.shape[-1])
+    b_EOR = b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
+    pad = -a_ERX.shape[1] % 8
+    return ExpertAdapter(F.pad(a_ERX, (0, 0, 0, pad)), F.pad(b_EOR, (0, pad)).contiguous(),
+                         wrapper.scaling[name])
 
 
 def plan_lora(model: nn.Module, cfg: VlpackLora) -> int:
