@@ -36,7 +36,9 @@ Legend: T = packed tokens, L = tokens of one sample, V = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -492,6 +494,23 @@ def _label_failures(ref: Run) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def _cuda_norm_policy(model: nn.Module, dev: torch.device) -> Iterator[None]:
+    """On a CPU, every `nn.LayerNorm` of `model` takes its input in float32 while the block
+    runs, so CPU autocast normalises in float32 as CUDA autocast does (its float32 list); CPU
+    autocast would normalise a bf16 input in bf16, whose backward sums the bias gradient over
+    the call's tokens in low precision, so a packed row's one call over all its patches loses
+    more than the reference's call per sample. Nothing changes on a GPU."""
+    hooks = [] if dev.type != "cpu" else [
+        m.register_forward_pre_hook(lambda _, args: (args[0].float(), *args[1:]))
+        for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
     return [f"{label}: changing sample {p['changed']!r} moved the other samples' hidden "
             f"states by {p['max_hidden_diff']:.2e} > {bound:.0e}"
@@ -587,8 +606,9 @@ def _run_items(model: nn.Module, spec: ModelSpec, batch_samples: list[EncodedSam
 
     if dtype == "bfloat16":
         # the recipes' precision path: bf16 autocast over the float32 master weights (on a CPU,
-        # CPU autocast), both sides; their errors against the fp32 reference make the 2x rule
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        # CPU autocast with LayerNorm in float32, as CUDA's), both sides; their errors against
+        # the fp32 reference make the 2x rule
+        with torch.autocast(dev.type, dtype=torch.bfloat16), _cuda_norm_policy(model, dev):
             packed = run_packed(model, spec, batch_samples, pad_to, context=context)
             plain = run_unpacked(model, spec, batch_samples)
             iso16 = isolation(model, spec, batch_samples, pad_to, seed, context=context)
