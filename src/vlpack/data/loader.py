@@ -149,10 +149,8 @@ class _BinBuilder(torch.utils.data.Dataset):
     """Map-style dataset indexed by BinWork: encodes the bin's samples and builds the batch."""
 
     def __init__(self, items, encoder, d: DataConfig, *, pad_token_id: int, merge: int):
-        self.items, self.encoder = items, encoder
-        self.after_video = d.mrope_after_video
-        self.pad_token_id, self.mult, self.merge = pad_token_id, d.pad_to_multiple_of, merge
-        self.total_len = d.seq_len if d.pad_to_seq_len else None  # a padded batch ignores it
+        self.items, self.encoder, self.data = items, encoder, d
+        self.pad_token_id, self.merge = pad_token_id, merge
 
     def __len__(self) -> int:  # pragma: no cover - sampler-driven, never sized
         raise TypeError("bins are streamed")
@@ -175,14 +173,23 @@ class _BinBuilder(torch.utils.data.Dataset):
         if not samples:
             samples = [EncodedSample.filler(self.pad_token_id)]
         if work.packed:
-            batch = build_thd_batch(
-                samples, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.mult,
-                total_len=self.total_len, spatial_merge_size=self.merge,
-                mrope_after_video=self.after_video,
-            )
+            batch = packed_row(samples, self.data, pad_token_id=self.pad_token_id,
+                               spatial_merge_size=self.merge)
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
         return batch, work.plan, failed
+
+
+def packed_row(samples: Sequence[EncodedSample], d: DataConfig, *, pad_token_id: int,
+               spatial_merge_size: int) -> ThdBatch:
+    """The THD row the trainer trains on for `samples` (one planned bin), under the data
+    section `d`: each segment aligned to `data.pad_to_multiple_of`, the row padded to
+    `data.seq_len` with `data.pad_to_seq_len`, MRoPE by `data.mrope_after_video`."""
+    return build_thd_batch(
+        samples, pad_token_id=pad_token_id, pad_to_multiple_of=d.pad_to_multiple_of,
+        total_len=d.seq_len if d.pad_to_seq_len else None,
+        spatial_merge_size=spatial_merge_size, mrope_after_video=d.mrope_after_video,
+    )
 
 
 def item_at(items: Sequence[Item], i: int, epoch: int) -> Item:
