@@ -4,18 +4,21 @@
     python bench/convergence.py --recipe qwen3-vl-2b --mode padded --out runs/conv-2b
     python bench/convergence.py --recipe qwen3-vl-2b --compare --out runs/conv-2b
 
-The samples are planned once into bins of `--seq-len` tokens (the trainer's BinStream: seeded
-shuffle, BFD over the recipe's buffer; overlong samples skipped). Step k trains on the samples of
-bin k in both modes:
-`packed` as one THD row (vlpack varlen attention), `padded` as right-padded batches of at most
-`--micro` samples (sdpa), with the trainer's `optimizer_step` (global token-mean loss, the
-recipe's AdamW, schedule, clipping, loss path and MoE aux coefficient; bf16 autocast on GPU, fp32
-master weights). The two runs see the same samples with the same learning rate at every step, so
-their loss curves differ only by numerics. (With MoE, the aux loss pools each micro-batch's real
-tokens: the same tokens as the packed row only while a bin fits one padded micro-batch, i.e.
-`--micro` ≥ samples per bin.) Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot`
-reads it); `--compare` writes the overlay PNG and the final-loss comparison (`--also NAME` adds a
-further run under OUT, e.g. a second packed run: the run-to-run spread of one mode).
+Each mode builds the trainer (`Trainer`: the recipe's model stack, encoder, optimizer and
+schedule over `--steps`) on `--samples` of the built-in synthetic set, planned into bins of
+`--seq-len` tokens by the recipe's data section (the trainer's BinStream: seeded shuffle, its
+planner over its buffer; overlong samples skipped, no held-out split). Step k trains on the
+samples of the step's `train.micro_batches` bins in both modes: `packed` on the rows
+`build_loaders` gives the trainer (THD, vlpack varlen attention), `padded` on the same bins as
+right-padded batches of at most `--micro` samples (sdpa), each through the trainer's own step
+(`Trainer.train_step`: global token-mean loss, clipping, the MoE aux coefficient; bf16 autocast
+on GPU, fp32 master weights). The two runs see the same samples with the same learning rate at
+every step (the packed run checks its rows against the plan), so their loss curves differ only
+by numerics. (With MoE, the aux loss pools each micro-batch's real tokens: the same tokens as
+the packed row only while a bin fits one padded micro-batch, i.e. `--micro` ≥ samples per bin.)
+Each mode writes OUT/MODE/metrics.jsonl (`vlpack plot` reads it); `--compare` writes the
+overlay PNG and the final-loss comparison (`--also NAME` adds a further run under OUT, e.g. a
+second packed run: the run-to-run spread of one mode).
 
 A run longer than one sitting: `--stop-after S` ends it after the first step that passes S
 seconds and saves what the next sitting needs in OUT/MODE/resume.pt (the trainable parameters,
@@ -26,6 +29,7 @@ command with `--resume` goes on from there and appends to metrics.jsonl.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -34,54 +38,73 @@ from pathlib import Path
 
 import torch
 
-from vlpack.config import DataConfig, load_config
-from vlpack.data.batch import build_thd_batch
-from vlpack.data.encode import Encoder
-from vlpack.data.loader import measure_all, open_dataset
+from vlpack.config import Config, DataConfig, load_config
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.presets import get_preset
-from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.parallel import Topology
 from vlpack.train.plot import plot_runs
-from vlpack.train.stack import build_stack
-from vlpack.train.step import optimizer_step
+from vlpack.train.trainer import Trainer
 
 
-class StepBatches(torch.utils.data.Dataset):
-    """Step k → the micro-batches of bin k for one mode (encoded in DataLoader workers)."""
-
-    def __init__(self, items, encoder: Encoder, bins, mode: str, micro: int, spec,
-                 d: DataConfig):
-        self.items, self.encoder, self.bins = items, encoder, bins
-        self.mode, self.micro, self.spec, self.after_video = mode, micro, spec, d.mrope_after_video
-
-    def __len__(self) -> int:
-        return len(self.bins)
-
-    def __getitem__(self, k: int) -> list:
-        group = [self.encoder.encode(self.items[i]) for i in self.bins[k]]
-        pad = self.spec.pad_token_id
-        if self.mode == "packed":
-            # no alignment padding, as `plan` planned the bins; the recipe's MRoPE rule
-            return [build_thd_batch(group, pad_token_id=pad, pad_to_multiple_of=1,
-                                    spatial_merge_size=self.spec.merge_size,
-                                    mrope_after_video=self.after_video)]
-        return [build_padded_batch(group[i : i + self.micro], pad_token_id=pad)
-                for i in range(0, len(group), self.micro)]
+def bench_config(args, *extra: str, workers: int = 0) -> Config:
+    """The recipe with the bench's data: `--samples` synthetic samples in bins of `--seq-len`,
+    overlong ones skipped (not counted against the run), none held out, `workers` processes
+    encoding; `extra` overrides last."""
+    cut = ([f"model.name={get_preset(load_config(args.recipe).model.name).name}-{args.layers}L"]
+           if args.layers else [])
+    return load_config(args.recipe, [
+        *args.overrides, *cut, "data.source=synthetic", f"data.synthetic_samples={args.samples}",
+        f"data.seq_len={args.seq_len}", "data.overlong=skip", "data.eval_samples=0",
+        "train.eval_generate_every=0", f"data.max_consecutive_bad={args.samples}",
+        "data.max_bad_fraction=1.0", f"data.num_workers={workers}", "train.progress=false",
+        *extra])
 
 
-def plan(sizes, seq_len: int, steps: int, seed: int, buffer: int) -> list[list[int]]:
-    """The first `steps` bins of the trainer's stream over `sizes` (epochs chained)."""
-    d = DataConfig(seq_len=seq_len, packing="bfd", buffer_size=buffer, overlong="skip",
-                   pad_to_multiple_of=1, max_consecutive_bad=len(sizes), max_bad_fraction=1.0)
-    stream = BinStream(sizes=sizes, data=d, seed=seed, epochs=None)
+def plan(sizes, d: DataConfig, n: int, seed: int) -> list[list[int]]:
+    """The first `n` bins of the trainer's stream over `sizes` under the data section `d`
+    (epochs chained): the bins `build_loaders` gives a single rank, as sample indices."""
+    if d.packing == "none":
+        raise ValueError("the recipe trains padded (data.packing=none): pass a packed recipe "
+                         "(--mode padded pads its bins)")
     bins = []
-    for b in stream:
+    for b in BinStream(sizes=sizes, data=d, seed=seed, epochs=None):
         bins.append(list(b.items))
-        if len(bins) == steps:
+        if len(bins) == n:
             return bins
     raise AssertionError("an endless stream ended")
+
+
+class PaddedSteps(torch.utils.data.Dataset):
+    """Step k → the right-padded micro-batches (at most `micro` samples each) of the bins of
+    step k (encoded in DataLoader workers)."""
+
+    def __init__(self, items, encoder, steps: list[list[list[int]]], micro: int, pad: int):
+        self.items, self.encoder, self.steps, self.micro, self.pad = items, encoder, steps, micro, pad
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, k: int) -> list:
+        out = []
+        for ids in self.steps[k]:
+            group = [self.encoder.encode(self.items[i]) for i in ids]
+            out += [build_padded_batch(group[i : i + self.micro], pad_token_id=self.pad)
+                    for i in range(0, len(group), self.micro)]
+        return out
+
+
+def packed_steps(loader, items, steps: list[list[list[int]]], micro_batches: int):
+    """Step k → the trainer's rows of step k (`build_loaders`), each checked against the plan:
+    the padded run trains the same samples."""
+    it = iter(loader)
+    for k, bins in enumerate(steps):
+        rows = [next(it) for _ in range(micro_batches)]
+        for row, ids in zip(rows, bins, strict=True):
+            if row.sample_keys != [items[i].key for i in ids]:
+                raise AssertionError(f"step {k + 1}: the loader's row holds other samples than "
+                                     "the plan the padded mode trains")
+        yield rows
 
 
 def trainable_state(module: torch.nn.Module) -> dict:
@@ -89,14 +112,12 @@ def trainable_state(module: torch.nn.Module) -> dict:
     return {n: p.detach().cpu() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def train(args, cfg, items, encoder, bins, device) -> Path:
-    """`args.mode`'s run over `bins`, built by the trainer's stack builder (LoRA, frozen bf16
-    base, checkpointing and compile as the recipe says), one GPU or CPU."""
-    topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
-    stack = build_stack(cfg, topo)
-    module, spec = stack.module, stack.spec
-    opt = build_optimizer(module.parameters(), cfg.optim, device_type=device.type)
-    sched = build_scheduler(opt, cfg.optim, len(bins))
+def train(args, trainer: Trainer, steps: list[list[list[int]]]) -> Path:
+    """`args.mode`'s run over the bins of `steps` through `trainer` (its stack: LoRA, frozen
+    bf16 base, checkpointing and compile as the recipe says; one GPU or CPU): the packed mode on
+    the trainer's own rows, the padded mode on padded batches of the same bins."""
+    module, opt, sched = trainer.module, trainer.optimizer, trainer.scheduler
+    loader, m = trainer.train_loader, trainer.cfg.train.micro_batches
     run = Path(args.out) / args.mode
     run.mkdir(parents=True, exist_ok=True)
     resume = run / "resume.pt"
@@ -104,7 +125,7 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
     if args.resume:
         if not resume.is_file():
             raise ValueError(f"--resume: {resume} does not exist; run without --resume first")
-        state = torch.load(resume, map_location=device)
+        state = torch.load(resume, map_location=trainer.topo.device)
         missing = set(trainable_state(module)) ^ set(state["trainable"])
         assert not missing, f"resume.pt names other trainable parameters: {sorted(missing)[:4]}"
         with torch.no_grad():
@@ -117,27 +138,30 @@ def train(args, cfg, items, encoder, bins, device) -> Path:
         rows = (run / "metrics.jsonl").read_text().splitlines()
         (run / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[:done]))
         print(f"{args.mode}: resumed after step {done}", flush=True)
-    data = torch.utils.data.DataLoader(
-        StepBatches(items, encoder, bins[done:], args.mode, args.micro, spec, cfg.data),
-        batch_size=None,
-        num_workers=args.workers, prefetch_factor=4 if args.workers else None,
-        pin_memory=device.type == "cuda", collate_fn=lambda x: x)
+    if args.mode == "packed":
+        loader.load_state_dict({"consumed": done * m})
+        data = packed_steps(loader, loader.items, steps[done:], m)
+    else:
+        data = torch.utils.data.DataLoader(
+            PaddedSteps(loader.items, trainer.encoder, steps[done:], args.micro,
+                        trainer.spec.pad_token_id),
+            batch_size=None, num_workers=args.workers,
+            prefetch_factor=4 if args.workers else None,
+            pin_memory=trainer.topo.device.type == "cuda", collate_fn=lambda x: x)
     t0 = time.perf_counter() - before
     with open(run / "metrics.jsonl", "a" if done else "w") as f:
         for k, mbs in enumerate(data, done + 1):
-            mbs = [b.to(device, non_blocking=True) for b in mbs]
-            r = optimizer_step(module, opt, sched, mbs, topo=topo, aux_coef=cfg.train.aux_loss_coef,
-                               grad_clip=cfg.optim.grad_clip, autocast=stack.autocast)
+            r = trainer.train_step(mbs)
             seen += r.samples
             row = {"step": k, "loss": r.loss, "aux_loss": r.aux_loss, "samples": seen,
                    "lr": r.lr, "grad_norm": r.grad_norm, "seconds": time.perf_counter() - t0}
             f.write(json.dumps(row) + "\n")
             f.flush()
-            if k % 25 == 0 or k == len(bins):
-                print(f"{args.mode} step {k}/{len(bins)} loss {r.loss:.4f} "
+            if k % 25 == 0 or k == len(steps):
+                print(f"{args.mode} step {k}/{len(steps)} loss {r.loss:.4f} "
                       f"({row['seconds']:.0f} s)", flush=True)
             if args.stop_after and time.perf_counter() - t0 - before > args.stop_after \
-                    and k < len(bins):
+                    and k < len(steps):
                 torch.save({"trainable": trainable_state(module), "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": k, "samples": seen,
                             "seconds": row["seconds"]}, resume)
@@ -225,24 +249,28 @@ def main(argv=None) -> int:
         p.error("pass --mode packed|padded, or --compare")
     if args.also:
         p.error("--also goes with --compare")
+    packing = bench_config(args).data.packing  # the padded mode plans the packed run's bins
     mode = ["data.packing=none"] if args.mode == "padded" else []
-    cut = ([f"model.name={get_preset(load_config(args.recipe).model.name).name}-{args.layers}L"]
-           if args.layers else [])
-    cfg = load_config(args.recipe, [*args.overrides, *cut, *mode,
-                                    f"train.output_dir={out / args.mode}",
-                                    f"train.kernel_cache={out / 'kernel_cache'}"])
+    cfg = bench_config(args, *mode, f"train.max_steps={args.steps}",
+                       f"train.output_dir={out / args.mode}",
+                       f"train.kernel_cache={out / 'kernel_cache'}", workers=args.workers)
+    if cfg.train.tokens_per_step is not None:
+        raise ValueError("train.tokens_per_step: a step's bins are not known ahead; the bench "
+                         "plans train.micro_batches bins per step")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
-    items = open_dataset("synthetic", None, synthetic_samples=args.samples)
-    bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
-                cfg.data.buffer_size)
+    trainer = Trainer(cfg, Topology(rank=0, world_size=1, local_rank=0, device=device))
+    m = trainer.cfg.train.micro_batches  # as the memory plan left it
+    loader = trainer.train_loader
+    d = dataclasses.replace(trainer.cfg.data, packing=packing)
+    bins = plan(loader.sizes, d, args.steps * m, cfg.train.seed)
+    steps = [bins[k : k + m] for k in range(0, len(bins), m)]
     used = len({i for b in bins for i in b})
     print(f"{args.mode}: {args.steps} steps over {used} distinct samples "
-          f"({sum(map(len, bins))} sample-steps; dataset {len(items)})", flush=True)
+          f"({sum(map(len, bins))} sample-steps; dataset {len(loader.items)})", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     if not args.resume:
         (out / f"command_{args.mode}.txt").write_text("python " + " ".join(sys.argv) + "\n")
-    train(args, cfg, items, encoder, bins, device)
+    train(args, trainer, steps)
     return 0
 
 

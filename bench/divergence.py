@@ -3,14 +3,17 @@ its training precision: the tool for a gap between bench/convergence.py's two cu
 
     python bench/divergence.py --recipe qwen3.5-35b-a3b-lora --seq-len 4096 --bins 3 --out OUT
 
-The bins are bench/convergence.py's first `--bins` steps (same seed, same samples), and the model
-is the one the trainer builds (`build_stack`: LoRA, frozen bf16 base, checkpointing; bf16
-autocast on a GPU; LoRA's B starts at zero, so the forward is the base model's). Each sample of
-a bin runs five ways:
+The bins are bench/convergence.py's first `--bins` bins (its data settings, same seed, same
+samples; MRoPE by transformers' rule, `data.mrope_after_video=transformers`, which the padded
+and stock sides compute with `get_rope_index`), and the model is the one the trainer builds
+(`Trainer`: LoRA, frozen bf16 base, checkpointing; bf16 autocast on a GPU; LoRA's B starts at
+zero, so the forward is the base model's). Each sample of a bin runs five ways:
 
-  packed        the bin as one THD row: vlpack's varlen attention, experts and Gated-DeltaNet
+  packed        the bin's row from `build_loaders`, as the trainer trains it: vlpack's varlen
+                attention, experts and Gated-DeltaNet
   again         the same row a second time (the run-to-run floor of the kernels)
-  alone         the sample as its own THD row (the same path, nothing packed beside it)
+  alone         the sample as its own THD row (`loader.packed_row`: the same path, nothing
+                packed beside it)
   padded        the bin as right-padded batches of `--micro` (convergence.py's padded mode: stock
                 SDPA with the 2-D mask, transformers' experts and Gated-DeltaNet forward)
   padded_alone  the sample alone through the padded path (no padding)
@@ -18,8 +21,8 @@ a bin runs five ways:
 Reported per text layer and sample: the relative difference ‖a − b‖ / ‖b‖ of the layer's output
 on the sample's tokens for the pairs below, the share of the sample's tokens whose routed
 experts (the top-k set) agree, and each sample's loss; then the step's gradient of the trainable
-parameters for each way, from the trainer's own step (`optimizer_step`, with the MoE aux loss
-and without it): relative difference and norm. In bf16 a row's
+parameters for each way, from the trainer's own step (`Trainer.train_step`, unclipped, with the
+MoE aux loss and without it): relative difference and norm. In bf16 a row's
 kernels round differently with its length, so packed/alone differs even where nothing leaks;
 a leak shows cleanly only in float32 (`--truth`). Everything is written to OUT/divergence.json;
 a summary is printed.
@@ -44,25 +47,23 @@ from pathlib import Path
 
 import torch
 
-from vlpack.config import DataConfig, load_config
-from vlpack.data.batch import build_thd_batch
-from vlpack.data.encode import Encoder
-from vlpack.data.loader import measure_all, open_dataset
+from vlpack.config import load_config
+from vlpack.data.loader import build_loaders, packed_row
 from vlpack.data.padded import build_padded_batch
+from vlpack.data.setup import build_encoder
 from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import set_attn_implementation
 from vlpack.model.moe import routers
-from vlpack.model.presets import get_preset
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
 from vlpack.train import precision
 from vlpack.train.kernel_cache import use_tuned_kernels
 from vlpack.train.module import TrainModule
 from vlpack.train.parallel import Topology
-from vlpack.train.stack import build_base, build_stack
-from vlpack.train.step import optimizer_step
+from vlpack.train.stack import build_base
+from vlpack.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from convergence import plan  # the convergence bench's bins (same seed)
+from convergence import bench_config, packed_steps, plan  # the convergence bench's data and bins
 
 PAIRS = (("packed", "again"), ("packed", "alone"), ("alone", "padded_alone"),
          ("padded", "padded_alone"), ("packed", "padded"))
@@ -136,11 +137,16 @@ def sample_losses(model, finals, labels, autocast) -> list[float]:
     return out
 
 
-def step_gradient(module, mbs, *, topo: Topology, loss_norm: str, aux_coef: float,
-                  autocast: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The trainable parameters' gradient of the trainer's step over `mbs` (`optimizer_step`
-    itself, its optimizer a stand-in that records the gradient and leaves the weights)."""
-    names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+def real_labels(alone: list) -> list[torch.Tensor]:
+    """Each one-sample row's labels on its real tokens (a row's alignment padding cut)."""
+    return [b.labels[s:e] for b in alone for s, e in spans_of(b)]
+
+
+def step_gradient(trainer: Trainer, mbs, *, aux_coef: float) -> dict[str, torch.Tensor]:
+    """The trainable parameters' gradient of the trainer's step over `mbs` (`train_step`
+    itself with the MoE aux coefficient `aux_coef`, its optimizer a stand-in that records the
+    gradient and leaves the weights; the run's `optim.grad_clip=0`: the gradient unclipped)."""
+    names = {p: n for n, p in trainer.module.named_parameters() if p.requires_grad}
     grads: dict[str, torch.Tensor] = {}
 
     class Record(torch.optim.SGD):
@@ -148,10 +154,10 @@ def step_gradient(module, mbs, *, topo: Topology, loss_norm: str, aux_coef: floa
             grads.update({names[p]: p.grad.detach().float().clone() for p in names
                           if p.grad is not None})
 
-    opt = Record(list(names), lr=0.0)
-    optimizer_step(module, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0), mbs,
-                   topo=topo, loss_norm=loss_norm, aux_coef=aux_coef,
-                   grad_clip=0.0, autocast=autocast)  # the gradient unclipped
+    trainer.optimizer = Record(list(names), lr=0.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda k: 1.0)
+    trainer.cfg.train.aux_loss_coef = aux_coef  # the step reads it from the run's config
+    trainer.train_step(mbs)
     return grads
 
 
@@ -202,34 +208,39 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cut = ([f"model.name={get_preset(load_config(args.recipe).model.name).name}-{args.layers}L"]
-           if args.layers else [])
     truth = ["model.lora.rank=0"] if args.truth else []
-    cfg = load_config(args.recipe, [*args.overrides, *cut, *truth, "model.compile=false",
-                                    f"train.output_dir={out}"])
+    cfg = bench_config(args, *truth, "model.compile=false", "data.mrope_after_video=transformers",
+                       "optim.grad_clip=0", f"train.max_steps={args.steps}",
+                       f"train.output_dir={out}")
     if args.bins > args.steps:
         raise ValueError(f"--bins {args.bins} > --steps {args.steps}: the plan has --steps bins")
     if args.truth and not load_config(args.recipe, list(args.overrides)).model.lora.rank:
         raise ValueError("--truth casts the frozen base to bf16 as a LoRA run holds it: pass a "
                          "LoRA recipe (e.g. qwen3.5-35b-a3b-lora)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder.from_config(DataConfig(), get_preset(cfg.model.name).family, None)
-    items = open_dataset("synthetic", None, synthetic_samples=args.samples)
-    bins = plan(measure_all(items, encoder), args.seq_len, args.steps, cfg.train.seed,
-                cfg.data.buffer_size)[: args.bins]
     low = torch.bfloat16 if device.type == "cuda" else None
     topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
     if args.truth and low is None:
         print("no GPU: no bf16 autocast, so the ways compared with the truth run in float32")
+    trainer = None
     if args.truth:  # float32 weights first; cast below, after the float32 forwards
         if device.type == "cuda" and cfg.train.tuned_kernels:  # as build_stack does
             use_tuned_kernels(torch.cuda.get_device_name(device))
         model, spec = build_base(cfg, device, torch.float32)
         module = TrainModule(model, spec)
+        encoder = build_encoder(cfg.data, spec, cfg.model.name)  # as the trainer's
+        loader, _ = build_loaders(cfg.data, encoder, seed=cfg.train.seed,
+                                  pad_token_id=spec.pad_token_id,
+                                  spatial_merge_size=spec.merge_size)
     else:
-        stack = build_stack(cfg, topo)
-        model, module, spec, low = stack.model, stack.module, stack.spec, stack.autocast
+        trainer = Trainer(cfg, topo)
+        model, module, spec, low = trainer.model, trainer.module, trainer.spec, trainer.autocast
+        encoder, loader, cfg = trainer.encoder, trainer.train_loader, trainer.cfg
     module.train()
+    coefs = (0.0, cfg.train.aux_loss_coef)  # the step's MoE aux coefficients compared
+    items = loader.items
+    bins = plan(loader.sizes, cfg.data, args.bins, cfg.train.seed)
+    rows = [mbs[0] for mbs in packed_steps(loader, items, [[ids] for ids in bins], 1)]
     packed_attn = model.config._attn_implementation
     packed_experts = getattr(getattr(model.config, "text_config", model.config),
                              "_experts_implementation", None)
@@ -243,18 +254,15 @@ def main(argv=None) -> int:
             model.set_experts_implementation(STOCK_EXPERTS if on else packed_experts)
 
     pad, merge = spec.pad_token_id, spec.merge_size
-    # rows without alignment padding, positioned by the stock model's MRoPE rule (the padded
-    # and stock sides compute theirs with transformers' get_rope_index)
-    row = dict(pad_token_id=pad, pad_to_multiple_of=1, spatial_merge_size=merge,
-               mrope_after_video="transformers")
     report = {"recipe": args.recipe, "model": cfg.model.name, "seq_len": args.seq_len,
               "micro": args.micro, "truth": args.truth, "bins": []}
     encoded = [[encoder.encode(items[i]) for i in ids] for ids in bins]
     ways_of = []
-    for group in encoded:
+    for group, row in zip(encoded, rows, strict=True):
         ways = {
-            "packed": [build_thd_batch(group, **row)],
-            "alone": [build_thd_batch([s], **row) for s in group],
+            "packed": [row],
+            "alone": [packed_row([s], cfg.data, pad_token_id=pad, spatial_merge_size=merge)
+                      for s in group],
             "padded": [build_padded_batch(group[i : i + args.micro], pad_token_id=pad)
                        for i in range(0, len(group), args.micro)],
             "padded_alone": [build_padded_batch([s], pad_token_id=pad) for s in group],
@@ -268,7 +276,7 @@ def main(argv=None) -> int:
     nothing = contextlib.nullcontext
     if args.truth:
         for k, ways in enumerate(ways_of):
-            labels = [b.labels for b in ways["alone"]]
+            labels = real_labels(ways["alone"])
             with stock_reference(model):
                 hidden[k]["truth"], routes[k]["truth"] = run_forward(
                     module, model, ways["padded_alone"], nothing)
@@ -282,16 +290,14 @@ def main(argv=None) -> int:
             prm.requires_grad_(False)
         precision.hold_parameters(model, low)
     for k, ways in enumerate(ways_of):
-        labels = [b.labels for b in ways["alone"]]
+        labels = real_labels(ways["alone"])
         for w in ("packed", "again", "alone", "padded", "padded_alone"):
             stock(w.startswith("padded"))
             hidden[k][w], routes[k][w] = run_forward(module, model, ways[w], autocast)
             losses[k][w] = sample_losses(model, [h[-1] for h in hidden[k][w]], labels, autocast)
             if not args.truth:
-                for coef in (0.0, cfg.train.aux_loss_coef):
-                    grads[k][w, coef] = step_gradient(module, ways[w], topo=topo,
-                                                      loss_norm=cfg.train.loss_norm,
-                                                      aux_coef=coef, autocast=low)
+                for coef in coefs:
+                    grads[k][w, coef] = step_gradient(trainer, ways[w], aux_coef=coef)
             print(f"bin {k + 1}: {w} done", flush=True)
         stock(False)
     pairs = ([(w, "truth") for w in ("packed_fp32", "ours_fp32", "packed", "alone", "padded",
@@ -304,7 +310,7 @@ def main(argv=None) -> int:
                                for s in range(n)] for i in range(len(r[a][0]))]
                  for a, b in pairs if r[a][0]}
         gcmp = {f"{a}/{b} aux={coef}": grad_compare(grads[k][a, coef], grads[k][b, coef])
-                for a, b in pairs if not args.truth for coef in (0.0, cfg.train.aux_loss_coef)}
+                for a, b in pairs if not args.truth for coef in coefs}
         sizes = [len(s) for s in group]
         report["bins"].append({
             "step": k + 1, "sample_tokens": sizes,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tests.data.test_tools import AGENT, EXPECTED
 from vlpack.data.encode import Encoder
+from vlpack.data.media import DataFile
 from vlpack.data.sources import parse_record
 from vlpack.data.template import hf_messages
 
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
         return 2
     ok = True
     for family, path in zip(("qwen3_vl", "qwen3_5"), argv, strict=True):
-        conv = parse_record(AGENT, base_dir=tempfile.gettempdir(), key="k")
+        conv = parse_record(AGENT, file=DataFile(Path(tempfile.gettempdir())), key="k")
         enc = Encoder(family)
         text = enc.tokenizer.apply_chat_template(
             hf_messages(conv.messages), tools=list(conv.tools), tokenize=False,

@@ -82,8 +82,8 @@ def _run_energon_prepare(args: argparse.Namespace) -> int:
     from vlpack.data.energon.prepare import prepare_energon
     from vlpack.data.types import printable
 
-    r = prepare_energon(args.data, args.out, shard_size=args.shard_size, show_progress=False,
-                        media_root=args.media_root)
+    r = prepare_energon(_data_file(args), args.out, shard_size=args.shard_size,
+                        show_progress=False)
     for p in r["problems"][:20]:
         print(f"left out: {p['reason']}: {printable(p['message'])}")
     if len(r["problems"]) > 20:
@@ -117,6 +117,13 @@ def _add_media_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-root", default=None,
                    help="folder every image/video path must resolve inside (default: the "
                         "JSONL file's folder); as data.media_root")
+
+
+def _data_file(args: argparse.Namespace):
+    """`args.data` with its media inside `--media-root` (a `DataFile`), or None without data."""
+    from vlpack.data.media import DataFile
+
+    return None if args.data is None else DataFile.of(args.data, args.media_root)
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
@@ -227,8 +234,7 @@ def _run_check(args: argparse.Namespace) -> int:
     from vlpack.check.run import EXIT_COULD_NOT_RUN
 
     kw = dict(backend=args.backend, dtype=args.dtype, samples=args.samples, seed=args.seed,
-              data=args.data, weights=getattr(args, "init", "auto"),
-              media_root=getattr(args, "media_root", None), as_json=args.json)
+              data=_data_file(args), weights=getattr(args, "init", "auto"), as_json=args.json)
     if args.cp == 1:
         return check_command(args.model, **kw)
     from vlpack.train.parallel import context_group, init_distributed, shutdown
@@ -386,8 +392,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     from vlpack.train.generate import evaluate
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    evaluate(args.source, args.data, args.out, max_new_tokens=args.max_new_tokens,
-             prompts_per_batch=args.batch_size, limit=args.limit, media_root=args.media_root)
+    evaluate(args.source, _data_file(args), args.out, max_new_tokens=args.max_new_tokens,
+             prompts_per_batch=args.batch_size, limit=args.limit)
     return 0
 
 

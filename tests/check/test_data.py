@@ -38,6 +38,7 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     does not stop it)."""
     from tests.helpers import _frames, _mp4
     from vlpack.check.data import load_samples
+    from vlpack.data.media import DataFile
     from vlpack.model.build import build_model
 
     _, spec = build_model("tiny-qwen3_vl", device="meta")
@@ -55,7 +56,7 @@ def test_check_data_picks_each_kind_and_skips_bad_records(tmp_path):
     data = _rows(tmp_path, rows)
 
     def load(n: int):
-        samples, _, info = load_samples(spec, samples=n, seed=0, data=str(data),
+        samples, _, info = load_samples(spec, samples=n, seed=0, data=DataFile.of(data),
                                         model_name="tiny-qwen3_vl")
         return [s.key.split(":")[1] for s in samples], info
 

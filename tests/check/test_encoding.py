@@ -161,11 +161,12 @@ def test_reference_template_writes_tools_as_the_released_one():
 
     from tests.data.test_tools import AGENT, EXPECTED
     from vlpack.check.templates import reference_template
+    from vlpack.data.media import DataFile
     from vlpack.data.sources import parse_record
     from vlpack.data.template import hf_messages
     from vlpack.data.tokenizer import load_tokenizer
 
-    conv = parse_record(AGENT, base_dir=tempfile.gettempdir(), key="k")
+    conv = parse_record(AGENT, file=DataFile(Path(tempfile.gettempdir())), key="k")
     for family, (text, _) in EXPECTED.items():
         assert load_tokenizer(family).apply_chat_template(
             hf_messages(conv.messages), tools=list(conv.tools), tokenize=False,

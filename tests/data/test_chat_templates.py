@@ -55,13 +55,14 @@ def test_the_exported_template_writes_tools_and_reasoning(family: str, record: d
     user turn), and, as the run's template, the same labels."""
     from vlpack.config import load_config
     from vlpack.data.encode import Encoder
+    from vlpack.data.media import DataFile
     from vlpack.data.sources import parse_record
     from vlpack.data.template import FolderTemplate, hf_messages
     from vlpack.train.serving import write_serving_files
 
     write_serving_files(tmp_path, load_config("tiny"), family)
     source = (tmp_path / "chat_template.jinja").read_text()
-    conv = parse_record(record, base_dir=tmp_path, key="k")
+    conv = parse_record(record, file=DataFile(tmp_path), key="k")
     builtin = Encoder(family).encode(conv)
     tok = Encoder(family).tokenizer
     text = tok.apply_chat_template(hf_messages(conv.messages), tools=list(conv.tools),

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from vlpack.data.encode import Encoder
+from vlpack.data.media import DataFile
 from vlpack.data.processor import load_image_processor
 from vlpack.data.sources import parse_record, read_jsonl
 from vlpack.data.synth import write_synthetic
@@ -119,8 +120,8 @@ def test_both_shapes_encode_identically(tmp_path, receipt):
         {"from": "gpt", "value": "12.50"}, {"from": "human", "value": "Tax?"},
         {"from": "gpt", "value": "0.80"}], "image": receipt.name}  # fmt: skip
     enc = Encoder("qwen3_vl", max_pixels=SMALL)
-    a = enc.encode(parse_record(messages, base_dir=receipt.parent, key="k"))
-    b = enc.encode(parse_record(sharegpt, base_dir=receipt.parent, key="k"))
+    a = enc.encode(parse_record(messages, file=DataFile(receipt.parent), key="k"))
+    b = enc.encode(parse_record(sharegpt, file=DataFile(receipt.parent), key="k"))
     for field in ("input_ids", "labels", "mm_token_type_ids", "image_grid_thw", "pixel_values"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
@@ -297,7 +298,7 @@ def test_folder_preprocessor_settings_are_used(tmp_path):
     Image.fromarray(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)).save(img)
     conv = parse_record({"conversations": [{"from": "human", "value": "<image>\nWhat?"},
                                            {"from": "gpt", "value": "x"}], "image": "a.png"},
-                        base_dir=tmp_path, key="s")
+                        file=DataFile(tmp_path), key="s")
     enc = Encoder("qwen3_vl", processor_path=str(tmp_path))
     assert (enc.min_pixels, enc.max_pixels) == (40_000, 90_000)
     got = enc.encode(conv)
@@ -360,7 +361,7 @@ def test_folder_chat_template_equals_transformers(tmp_path):
                                      {"type": "image", "image": "b.png"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "3.10"}]},
     ]}
-    conv = parse_record(record, base_dir=tmp_path, key="s")
+    conv = parse_record(record, file=DataFile(tmp_path), key="s")
     enc = Encoder("qwen3_vl", tokenizer_path=str(tmp_path), processor_path=str(tmp_path),
                   chat_template=load_template("auto", tmp_path))
     got = enc.encode(conv)
@@ -434,7 +435,7 @@ def test_folder_template_precedence_and_errors(tmp_path):
         return parse_record({"messages": [{"role": "system", "content": "s"},
                                           {"role": "user", "content": user},
                                           {"role": "assistant", "content": answer}]},
-                            base_dir=tmp_path, key="k")
+                            file=DataFile(tmp_path), key="k")
 
     assert (enc.encode(conv("fine")).labels != IGNORE_INDEX).sum() > 0
     for bad, match, reason in (

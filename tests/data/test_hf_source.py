@@ -19,7 +19,7 @@ from vlpack.cli import main
 from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
-from vlpack.data.media import ORIENTATION
+from vlpack.data.media import ORIENTATION, DataFile
 from vlpack.data.types import BadSampleError, Conversation, ImageRef
 
 datasets = pytest.importorskip("datasets")
@@ -216,12 +216,12 @@ def test_image_paths_keep_the_media_root(data, enc, tmp_path, monkeypatch) -> No
     assert np.array_equal(enc.encode(rows[0]).pixel_values, enc.encode(ref).pixel_values)
     assert isinstance(rows[1], BadSampleError) and rows[1].reason == "media_outside_root"
     assert "paths.parquet[1]" in str(rows[1])
-    wide = open_dataset("hf", str(tmp_path / "pq" / "paths.parquet"), media_root=str(tmp_path))
+    wide = open_dataset("hf", DataFile.of(tmp_path / "pq" / "paths.parquet", tmp_path))
     assert isinstance(wide[1], Conversation)
     monkeypatch.chdir(tmp_path / "pq")  # a relative root, as a command line gives it
     for spelling in ("..", "../", "./../pq/.."):
-        wide = open_dataset("hf", "paths.parquet", media_root=spelling)
-        assert isinstance(wide[1], Conversation) and wide.root == tmp_path.resolve(), spelling
+        wide = open_dataset("hf", DataFile.of("paths.parquet", spelling))
+        assert isinstance(wide[1], Conversation) and wide.file.root == tmp_path.resolve(), spelling
 
 
 def test_dataset_dict_and_missing_path_name_the_fix(data, tmp_path) -> None:

@@ -17,7 +17,15 @@ from vlpack.config import load_config
 from vlpack.data.encode import Encoder
 from vlpack.data.energon.prepare import prepare_energon
 from vlpack.data.loader import build_loaders, open_dataset
-from vlpack.data.media import BAD_PATH, ORIENTATION, OUTSIDE_ROOT, image_size, media_path, open_image
+from vlpack.data.media import (
+    BAD_PATH,
+    ORIENTATION,
+    OUTSIDE_ROOT,
+    DataFile,
+    image_size,
+    media_path,
+    open_image,
+)
 from vlpack.data.sources import iter_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
 
@@ -51,9 +59,10 @@ def tree(tmp_path: Path) -> Path:
 
 
 def _verdicts(path: Path, media_root=None) -> dict[str, str]:
-    """{key: "ok" or the reason} of every record as the JSONL path reads it."""
+    """{key: "ok" or the reason} of every record as the JSONL path reads it, its media inside
+    `media_root` (None: its folder)."""
     out = {}
-    for i, item in enumerate(iter_jsonl(path, media_root)):
+    for i, item in enumerate(iter_jsonl(DataFile.of(path, media_root))):
         key = item.key if not isinstance(item, BadSampleError) else str(item).split(":")[0]
         out[key or str(i)] = item.reason if isinstance(item, BadSampleError) else "ok"
     return out
@@ -90,6 +99,31 @@ def test_training_reads_with_the_same_policy(tree: Path) -> None:
         load_config(None, ["data.source=synthetic", "data.media_root=/tmp"])
 
 
+def test_each_mixture_source_bounds_its_media_by_its_own_folder(tmp_path: Path) -> None:
+    """`data.mix` builds a `DataFile` per source: by default each source's root is its own
+    folder (a's image is out of b's root), and one `data.media_root` bounds them all."""
+    from vlpack.config import DataConfig, MixSource
+    from vlpack.data.loader import open_mix
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "x.png")
+    _write(tmp_path / "a", _rec("a_own", "x.png"))
+    _write(tmp_path / "b", _rec("b_own", "x.png"), _rec("b_in_a", "../a/x.png"))
+    mix = [MixSource(path=str(tmp_path / n / "set.jsonl"), name=n) for n in ("a", "b")]
+
+    def verdicts(**kw) -> list[str]:
+        items = open_mix(DataConfig(source="synthetic", mix=mix, **kw), seed=0)
+        return [getattr(e, "reason", "ok") for rows in items.sources for e in rows]
+
+    assert verdicts() == ["ok", "ok", OUTSIDE_ROOT]
+    assert verdicts(media_root=str(tmp_path)) == ["ok", "ok", "ok"]
+    assert [rows.file.root for rows in open_mix(DataConfig(source="synthetic", mix=mix), 0)
+            .sources] == [(tmp_path / n).resolve() for n in ("a", "b")]
+    with pytest.raises(ValueError, match="already has its media root"):
+        DataFile.of(DataFile.of(tmp_path / "a" / "set.jsonl"), tmp_path)
+
+
 def _members(out: Path) -> dict[str, bytes]:
     got = {}
     for shard in sorted(out.glob("*.tar")):
@@ -112,7 +146,7 @@ def test_energon_prepare_packages_nothing_that_escapes_or_lies(tree: Path, capsy
         "000000000.img0.png", "000000001.img0.png"]
     assert not any(b"root:" in b for b in members.values())
     # With every path allowed, /etc/passwd still does not enter a shard: it does not decode.
-    lax = prepare_energon(tree, tree.parent.parent.parent / "lax", media_root="/")
+    lax = prepare_energon(DataFile.of(tree, "/"), tree.parent.parent.parent / "lax")
     reasons = {p["message"].split(":")[0]: p["reason"] for p in lax["problems"]}
     assert reasons == {"passwd": "corrupt_image", "fake": "corrupt_image"}
     assert lax["samples"] == 5

@@ -18,6 +18,7 @@ from vlpack.config import DataConfig, VideoSettings
 from vlpack.data import size_cache
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, build_loaders, measure_all, open_dataset
+from vlpack.data.media import DataFile
 from vlpack.data.size_cache import sample_sizes
 from vlpack.data.types import BadSampleError, SampleSize
 
@@ -294,7 +295,8 @@ def test_a_relative_media_root_is_keyed_by_the_folder_it_names(data, enc, monkey
     for cwd in (data.parent, data.parent / "copy"):
         cwd.mkdir(exist_ok=True)
         monkeypatch.chdir(cwd)
-        sample_sizes(open_dataset("jsonl", str(data)), enc, data, media_root=".")
+        file = DataFile.of(data, ".")
+        sample_sizes(open_dataset("jsonl", file), enc, file)
     assert [k["data.media_root"] for k in keys] == [str(data.parent), str(data.parent / "copy")]
 
 

@@ -12,6 +12,7 @@ from vlpack.cli import main
 from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
 from vlpack.data.loader import PackedLoader, open_dataset
+from vlpack.data.media import DataFile
 from vlpack.data.sources import iter_conversations, iter_jsonl, parse_record, read_jsonl
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message
 
@@ -20,7 +21,7 @@ BASE = Path("/data/set")
 
 def _parse(obj, key="k"):
     # media_root "/": these tests are about record shapes; tests/data/test_media.py tests the root
-    return parse_record(obj, base_dir=BASE, key=key, media_root="/")
+    return parse_record(obj, file=DataFile(BASE / "d.jsonl", Path("/")), key=key)
 
 
 def _reason(obj) -> str:
@@ -262,7 +263,7 @@ def test_a_record_from_a_shard_is_refused_too(tmp_path: Path) -> None:
     """The Energon task encoder parses records itself (no JSONL line to check)."""
     record = json.loads(_turns("x \\ud800").replace("\\\\ud800", "\\ud800"))
     with pytest.raises(BadSampleError, match="lone surrogate") as info:
-        parse_record(record, base_dir=tmp_path, key="s\udc00k")
+        parse_record(record, file=DataFile(tmp_path), key="s\udc00k")
     assert info.value.reason == "bad_json"
     str(info.value).encode("utf-8")  # the message itself can be printed
 
@@ -339,7 +340,7 @@ def test_a_record_names_at_most_max_visual_items(tmp_path: Path) -> None:
     n = MAX_VISUAL_ITEMS
     ok = {"conversations": [{"from": "human", "value": "<image>" * n + "q"},
                             {"from": "gpt", "value": "a"}], "images": ["a.png"] * n}
-    assert len(parse_record(ok, base_dir=tmp_path, key="k").images) == n
+    assert len(parse_record(ok, file=DataFile(tmp_path), key="k").images) == n
     over = [dict(ok, images=["a.png"] * (n + 1)),
             {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}] * n
                            + [{"type": "video", "video": "v.mp4"}]},
@@ -347,7 +348,7 @@ def test_a_record_names_at_most_max_visual_items(tmp_path: Path) -> None:
             dict(ok, videos=["v.mp4"])]
     for record in over:
         with pytest.raises(BadSampleError, match=f"names {n + 1:,} images and videos") as e:
-            parse_record(record, base_dir=tmp_path / "nowhere", key="k")
+            parse_record(record, file=DataFile(tmp_path / "nowhere"), key="k")
         assert e.value.reason == "too_many_visuals"
 
 
@@ -377,5 +378,5 @@ def test_a_data_file_in_the_home_folder_warns_that_all_of_it_is_readable(
     (record,) = caplog.records
     assert record.getMessage().startswith(f"media paths may name any file under {tmp_path} ")
     assert "data.media_root" in record.getMessage()
-    open_dataset("jsonl", str(tmp_path / "d.jsonl"), media_root=str(tmp_path / "sub"))
+    open_dataset("jsonl", DataFile.of(str(tmp_path / "d.jsonl"), str(tmp_path / "sub")))
     assert len(caplog.records) == 1  # a narrower root given: no warning

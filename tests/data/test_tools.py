@@ -12,6 +12,7 @@ import pytest
 
 from vlpack.config import DataConfig
 from vlpack.data.encode import Encoder
+from vlpack.data.media import DataFile
 from vlpack.data.sources import parse_record
 from vlpack.data.types import IGNORE_INDEX, BadSampleError
 
@@ -103,7 +104,7 @@ def test_builtin_template_writes_tools_as_the_released_one(family, tmp_path):
     arguments) and two results is the released template's text, token for token; the labels
     are each answer with its calls and <|im_end|>, and nothing of the tools or the results."""
     enc = Encoder(family)
-    sample = enc.encode(parse_record(AGENT, base_dir=tmp_path, key="k"))
+    sample = enc.encode(parse_record(AGENT, file=DataFile(tmp_path), key="k"))
     text, supervised = EXPECTED[family]
     assert sample.input_ids.tolist() == enc.tokenizer.encode(text, add_special_tokens=False)
     assert _runs(enc, sample) == supervised
@@ -115,12 +116,12 @@ def test_qwen2_families_refuse_tools_and_keep_tool_turns(tmp_path):
     a run of results is one user turn in the Qwen3 families."""
     for family in ("qwen2_vl", "qwen2_5_vl"):
         with pytest.raises(BadSampleError, match=r"k: the qwen2.*writes neither tools") as e:
-            Encoder(family).encode(parse_record(AGENT, base_dir=tmp_path, key="k"))
+            Encoder(family).encode(parse_record(AGENT, file=DataFile(tmp_path), key="k"))
         assert e.value.reason == "tools_unsupported"
     rec = _record([{"role": "user", "content": "q"},
                    {"role": "assistant", "content": "<tool_call>f</tool_call>"},
                    {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}])
-    conv = parse_record(rec, base_dir=tmp_path, key="k")
+    conv = parse_record(rec, file=DataFile(tmp_path), key="k")
     for family, result in (("qwen2_vl", "<|im_start|>tool\nr<|im_end|>\n"),
                            ("qwen3_vl", "<|im_start|>user\n<tool_response>\nr\n"
                                         "</tool_response><|im_end|>\n")):
@@ -147,7 +148,7 @@ def test_loss_false_and_the_empty_think_block_in_the_labels(supervise_empty_thin
     the calling turn (after the last user query before it) its think block, call and
     <|im_end|>; `supervise_empty_think=False` drops only the empty think blocks."""
     enc = Encoder("qwen3_5", supervise_empty_think=supervise_empty_think)
-    sample = enc.encode(parse_record(_MASKED, base_dir=tmp_path, key="k"))
+    sample = enc.encode(parse_record(_MASKED, file=DataFile(tmp_path), key="k"))
     text = enc.tokenizer.decode(sample.input_ids)
     assert text.endswith(
         "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
@@ -166,7 +167,7 @@ def test_a_reasoning_block_stays_supervised_without_the_empty_one(tmp_path):
     rec = _record([{"role": "user", "content": "q"},
                    {"role": "assistant", "content": "<think>why</think>a"}])
     enc = Encoder("qwen3_5", supervise_empty_think=False)
-    sample = enc.encode(parse_record(rec, base_dir=tmp_path, key="k"))
+    sample = enc.encode(parse_record(rec, file=DataFile(tmp_path), key="k"))
     assert _runs(enc, sample) == ["<think>\nwhy\n</think>\n\na<|im_end|>"]
 
 
@@ -210,7 +211,7 @@ def test_folder_template_with_tools_equals_transformers(tmp_path):
         {"role": "assistant", "content": "Rain."}], tools=[WEATHER])  # fmt: skip
     enc = Encoder("qwen3_vl", tokenizer_path=str(tmp_path),
                   chat_template=load_template("auto", tmp_path))
-    got = enc.encode(parse_record(rec, base_dir=tmp_path, key="k"))
+    got = enc.encode(parse_record(rec, file=DataFile(tmp_path), key="k"))
     ref = AutoTokenizer.from_pretrained(tmp_path)
     messages = [{k: v for k, v in m.items() if k != "loss"} for m in rec["messages"]]
     messages[5] = {**messages[5], "content": "",
@@ -242,7 +243,7 @@ def test_a_folder_template_that_drops_tools_or_calls_is_a_bad_sample(tmp_path):
                        (_record([*calls[:1], {"role": "assistant", "content": "a"}],
                                 tools=[WEATHER]), "does not write the tools")):
         with pytest.raises(BadSampleError, match=r"plain\.jinja: the template " + match) as e:
-            enc.encode(parse_record(rec, base_dir=tmp_path, key="k"))
+            enc.encode(parse_record(rec, file=DataFile(tmp_path), key="k"))
         assert e.value.reason == "template_mismatch"
 
 
@@ -262,8 +263,8 @@ def test_sharegpt_tool_turns_encode_as_messages(tmp_path):
                             {"role": "assistant", "content": "Sunny.", "loss": False},
                             *_MASKED["messages"][4:]]
     enc = Encoder("qwen3_5")
-    a = enc.encode(parse_record(sharegpt, base_dir=tmp_path, key="k"))
-    b = enc.encode(parse_record(messages, base_dir=tmp_path, key="k"))
+    a = enc.encode(parse_record(sharegpt, file=DataFile(tmp_path), key="k"))
+    b = enc.encode(parse_record(messages, file=DataFile(tmp_path), key="k"))
     assert a.input_ids.tolist() == b.input_ids.tolist()
     assert a.labels.tolist() == b.labels.tolist()
 
@@ -310,7 +311,7 @@ _ANSWER = {"role": "assistant", "content": "a"}
 ])  # fmt: skip
 def test_bad_tool_data_is_a_named_bad_sample(record, reason, match, tmp_path):
     with pytest.raises(BadSampleError, match=match) as e:
-        parse_record(record, base_dir=tmp_path, key="k")
+        parse_record(record, file=DataFile(tmp_path), key="k")
     assert e.value.reason == reason
 
 
@@ -322,10 +323,10 @@ def test_special_tokens_in_tool_calls_or_tools_are_refused(tmp_path):
         _ANSWER])  # fmt: skip
     with pytest.raises(BadSampleError, match=re.escape("the assistant text of turn 1 holds "
                                                        "'<|im_end|>'")):
-        enc.encode(parse_record(forged, base_dir=tmp_path, key="k"))
+        enc.encode(parse_record(forged, file=DataFile(tmp_path), key="k"))
     tools = [{"name": "f", "description": "<|endoftext|>"}]
     with pytest.raises(BadSampleError, match=re.escape("k: the tools holds '<|endoftext|>'")):
-        enc.encode(parse_record(_record([_USER, _ANSWER], tools=tools), base_dir=tmp_path,
+        enc.encode(parse_record(_record([_USER, _ANSWER], tools=tools), file=DataFile(tmp_path),
                                 key="k"))
 
 
@@ -399,7 +400,7 @@ def test_the_checks_transformers_reference_gets_the_tools(tmp_path):
     assert skipped is None, skipped
     # the folder's tokenizer is the built-in one, saved: the encoder keeps its cached copy
     enc = Encoder("qwen3_vl", chat_template=load_template("auto", tmp_path))
-    conv = parse_record({**AGENT, "messages": AGENT["messages"][1:]}, base_dir=tmp_path, key="k")
+    conv = parse_record({**AGENT, "messages": AGENT["messages"][1:]}, file=DataFile(tmp_path), key="k")
     ids = enc.encode(conv).input_ids.tolist()
     assert _hf_inputs(proc, conv)["input_ids"][0].tolist() == ids
     assert enc.tokenizer.decode(ids).startswith("<|im_start|>system\nTools:\n- get_weather: {")
@@ -418,7 +419,7 @@ def test_reasoning_content_goes_into_the_think_block(tmp_path):
         {"role": "tool", "content": "sun"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "it said sun"}],
         tools=[WEATHER])  # fmt: skip
-    conv = parse_record(rec, base_dir=tmp_path, key="k")
+    conv = parse_record(rec, file=DataFile(tmp_path), key="k")
     enc = Encoder("qwen3_5", supervise_empty_think=False)
     sample = enc.encode(conv)
     assert enc.tokenizer.decode(sample.input_ids).endswith(
@@ -435,7 +436,7 @@ def test_reasoning_content_goes_into_the_think_block(tmp_path):
     vl = Encoder("qwen3_vl")
     assert "said" not in vl.tokenizer.decode(vl.encode(conv).input_ids)
     with pytest.raises(BadSampleError, match=r'k: turn 0: "reasoning_content" must be'):
-        parse_record(_record([{**_USER, "reasoning_content": "x"}, _ANSWER]), base_dir=tmp_path,
+        parse_record(_record([{**_USER, "reasoning_content": "x"}, _ANSWER]), file=DataFile(tmp_path),
                      key="k")
 
 
@@ -446,7 +447,7 @@ def test_a_user_turn_that_wraps_a_tool_response_is_not_a_query(tmp_path):
                    {"role": "user", "content": " <tool_response>\nr\n</tool_response>\n"},
                    {"role": "assistant", "content": "done"}])
     enc = Encoder("qwen3_5")
-    text = enc.tokenizer.decode(enc.encode(parse_record(rec, base_dir=tmp_path, key="k")).input_ids)
+    text = enc.tokenizer.decode(enc.encode(parse_record(rec, file=DataFile(tmp_path), key="k")).input_ids)
     assert text == ("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
                     "<tool_call>f</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nr\n"
                     "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -25,6 +25,7 @@ from PIL import Image
 from tests.helpers import _frames, _mp4
 from vlpack.data import video as vid
 from vlpack.data.encode import Encoder
+from vlpack.data.media import DataFile
 from vlpack.data.rope import mrope_positions
 from vlpack.data.sources import parse_record
 from vlpack.data.types import TOKEN_TYPE_VIDEO, BadSampleError, VideoRef
@@ -46,7 +47,7 @@ def test_sources_read_video_items_and_placeholders(tmp_path: Path) -> None:
         {"type": "video", "video": ["a.png", "b.png"], "fps": 4},
         {"type": "text", "text": "and"},
         {"type": "video", "video": "clip.mp4"},
-        {"type": "image", "image": "im.png"}]), base_dir=tmp_path, key="k")
+        {"type": "image", "image": "im.png"}]), file=DataFile(tmp_path), key="k")
     v1, v2, im = conv.visuals
     assert v1 == VideoRef(frames=(tmp_path / "a.png", tmp_path / "b.png"), fps=4.0)
     assert v2 == VideoRef(path=tmp_path / "clip.mp4")
@@ -54,7 +55,7 @@ def test_sources_read_video_items_and_placeholders(tmp_path: Path) -> None:
     share = parse_record({"conversations": [
         {"from": "human", "value": "<video> then <image> then <video>"},
         {"from": "gpt", "value": "ok"}], "videos": ["x.mp4", ["f0.png", "f1.png"]],
-        "images": ["i.png"]}, base_dir=tmp_path, key="s")
+        "images": ["i.png"]}, file=DataFile(tmp_path), key="s")
     kinds = [type(c).__name__ for c in share.messages[0].content]
     assert kinds == ["VideoRef", "str", "ImageRef", "str", "VideoRef"]
     assert share.visuals[2].frames == (tmp_path / "f0.png", tmp_path / "f1.png")
@@ -72,7 +73,7 @@ def test_sources_read_video_items_and_placeholders(tmp_path: Path) -> None:
 ])
 def test_bad_video_records_are_named(record: dict, reason: str) -> None:
     with pytest.raises(BadSampleError) as e:
-        parse_record(record, base_dir=".", key="rec7")
+        parse_record(record, file=DataFile(Path(".")), key="rec7")
     assert e.value.reason == reason and "rec7" in str(e.value)
 
 
@@ -163,7 +164,7 @@ def test_patch_layout_against_loops(tmp_path: Path, fam: str, n: int) -> None:
 
 
 def _conv(tmp_path: Path, content: list, key: str = "k"):
-    return parse_record(_record(tmp_path, content), base_dir=tmp_path, key=key)
+    return parse_record(_record(tmp_path, content), file=DataFile(tmp_path), key=key)
 
 
 @pytest.mark.parametrize("fam", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
@@ -212,7 +213,7 @@ def test_truncation_never_splits_a_video(tmp_path: Path) -> None:
     conv = parse_record({"messages": [
         {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"},
         {"role": "user", "content": [{"type": "video", "video": names}]},
-        {"role": "assistant", "content": "a clip"}]}, base_dir=tmp_path, key="k")
+        {"role": "assistant", "content": "a clip"}]}, file=DataFile(tmp_path), key="k")
     s = enc.encode(conv)
     video = np.flatnonzero(s.mm_token_type_ids == TOKEN_TYPE_VIDEO)
     gap = np.flatnonzero(np.diff(video) > 1)[0] + 1  # past its first temporal patch

@@ -34,6 +34,7 @@ from vlpack.check.run import (
     run_check,
 )
 from vlpack.config import Config, ModelConfig, TrainConfig
+from vlpack.data.media import DataFile
 from vlpack.model.context import ContextGroup
 from vlpack.train.prepare import autocast_dtype
 from vlpack.train.stack import build_check_model
@@ -53,9 +54,9 @@ def check_config(model_name: str, *, backend: str = "auto", dtype: str | None = 
 
 
 def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
-          samples: int = 4, seed: int = 0, data: str | None = None,
+          samples: int = 4, seed: int = 0, data: DataFile | None = None,
           device: str | None = None, context: ContextGroup | None = None,
-          weights: str = "auto", replica: int = 0, media_root: str | None = None) -> dict:
+          weights: str = "auto", replica: int = 0) -> dict:
     """Build the model of `model_name` (a preset or HF folder) and run the check on it
     (`run.run_check`, which says what the arguments mean); returns the report dict.
     `dtype` None: bfloat16 on CUDA, else float32, as `model.dtype=auto` trains. `weights`
@@ -70,14 +71,12 @@ def check(model_name: str, *, backend: str = "auto", dtype: str | None = None,
     cfg = check_config(model_name, backend=backend, dtype=dtype, seed=seed, weights=weights)
     model, spec = build_check_model(cfg, dev)
     return run_check(model, spec, dtype=dtype, device=dev, backend=backend, samples=samples,
-                     seed=seed, data=data, context=context, weights=weights, replica=replica,
-                     media_root=media_root)
+                     seed=seed, data=data, context=context, weights=weights, replica=replica)
 
 
 def check_command(model_name: str, *, backend: str, dtype: str | None, samples: int, seed: int,
-                  data: str | None, weights: str = "auto", media_root: str | None = None,
-                  as_json: bool = False, context: ContextGroup | None = None,
-                  replicas: int = 1) -> int:
+                  data: DataFile | None, weights: str = "auto", as_json: bool = False,
+                  context: ContextGroup | None = None, replicas: int = 1) -> int:
     """`vlpack check`: run `check` and print its report (JSON with `as_json`); 0 passed, 1
     failed, 2 could not run. `context`: the context-parallel group of `--cp N` (made by the
     CLI); `replicas`: how many data-parallel replicas of it the world holds, each checking its
@@ -86,8 +85,7 @@ def check_command(model_name: str, *, backend: str, dtype: str | None, samples: 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         r = check(model_name, backend=backend, dtype=dtype, samples=samples, seed=seed,
-                  data=data, context=context, weights=weights, replica=replica,
-                  media_root=media_root)
+                  data=data, context=context, weights=weights, replica=replica)
     except Exception as e:  # any reason the check could not run is exit status 2, not 1
         if os.environ.get("VLPACK_TRACEBACK"):
             raise

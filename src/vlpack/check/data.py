@@ -7,6 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
+from vlpack.data.media import DataFile
 from vlpack.data.types import Conversation, EncodedSample, ImageRef, VideoRef
 from vlpack.model.build import ModelSpec, folder_has_weights
 from vlpack.model.synthetic import default_mix, fit_ids
@@ -57,19 +58,19 @@ def kinds_of(conv: Conversation) -> set[str]:
     return out or {"text"}
 
 
-def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
+def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: DataFile | None,
                  model_name: str | None = None, replica: int = 0,
-                 media_root: str | None = None, model: nn.Module | None = None,
+                 model: nn.Module | None = None,
                  ) -> tuple[list[EncodedSample], str, dict]:
     """The check's samples, a description of their source, and what the report says of the
     data (`data_kinds`, `data_skipped`, and `encoding`: `encoding.compare_encoding` of
     the folder `model_name`, or of the preset, when `model` is given).
 
-    `samples` to take and the `seed`; `data`: a JSONL file, "synth" or None for the synthetic
-    mix, its media inside `media_root` (None: its folder); `model_name`: a folder whose
-    tokenizer and chat template encode the data, as `vlpack train` uses them; `replica`: a
-    data-parallel replica's index, whose row holds the samples rotated by it, so that no two
-    replicas pack the same row."""
+    `samples` to take and the `seed`; `data`: a JSONL file with its media root, the path
+    "synth" (the built-in synthetic receipts) or None for the synthetic mix; `model_name`: a
+    folder whose tokenizer and chat template encode the data, as `vlpack train` uses them;
+    `replica`: a data-parallel replica's index, whose row holds the samples rotated by it, so
+    that no two replicas pack the same row."""
     n = int(samples)
     if n < 2:
         raise CheckUnsupportedError("--samples must be >= 2: the check packs several samples "
@@ -79,7 +80,7 @@ def load_samples(spec: ModelSpec, *, samples: int, seed: int, data: str | None,
         source, info = "synthetic (multi-image, text-only, padded)", {}
     else:
         rows, source, info = _from_file(data, spec, n, seed=seed, model_name=model_name,
-                                        media_root=media_root, model=model)
+                                        model=model)
     k = int(replica or 0) % len(rows)
     return rows[k:] + rows[:k], source, info
 
@@ -108,15 +109,14 @@ def _encoder(spec: ModelSpec, folder: Path):
                                folder_processor=False)
 
 
-def _scan(path: Path, n: int, skipped: list[str], media_root: str | None = None
-          ) -> list[Conversation]:
-    """The good records of `path` in file order, read until one of each kind the file holds
+def _scan(file: DataFile, n: int, skipped: list[str]) -> list[Conversation]:
+    """The good records of `file` in file order, read until one of each kind the file holds
     and `n` records are in hand (or `SCAN_LIMIT`); bad ones met on the way go to `skipped`."""
     from vlpack.data.sources import iter_jsonl
     from vlpack.data.types import BadSampleError
 
     good, seen = [], set()
-    for i, item in enumerate(iter_jsonl(path, media_root)):
+    for i, item in enumerate(iter_jsonl(file)):
         if isinstance(item, BadSampleError):
             skipped.append(str(item))
         else:
@@ -152,16 +152,17 @@ def _pick(good: list[Conversation], n: int, encode, skipped: list[str],
     return [chosen[i] for i in sorted(chosen)]
 
 
-def _from_file(path: str, spec: ModelSpec, n: int, *, seed: int, model_name: str | None,
-               media_root: str | None, model: nn.Module | None):
+def _from_file(file: DataFile, spec: ModelSpec, n: int, *, seed: int, model_name: str | None,
+               model: nn.Module | None):
     folder = Path(model_name or "")
     enc = _encoder(spec, folder)
-    if path == "synth":
+    if file.path == Path("synth"):
         from vlpack.data.synth import default_dataset
 
-        path = default_dataset(max(n, 16), seed=seed)
+        file = DataFile(default_dataset(max(n, 16), seed=seed), file.media_root)
+    path = file.path
     skipped: list[str] = []
-    good = _scan(Path(path), n, skipped, media_root)
+    good = _scan(file, n, skipped)
     picked = _pick(good, n, enc.encode, skipped)
     if len(picked) < 2:
         raise CheckUnsupportedError(

@@ -48,6 +48,7 @@ from torch import nn
 from vlpack.check import vision as cv
 from vlpack.check.data import CheckUnsupportedError, format_data, load_samples
 from vlpack.data.batch import build_thd_batch
+from vlpack.data.media import DataFile
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 from vlpack.model import loss
 from vlpack.model.bounds import StaleVisionTablesError
@@ -521,9 +522,9 @@ def _isolation_failures(label: str, iso: dict, bound: float) -> list[str]:
 
 
 def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.device,
-              backend: str = "auto", samples: int = 4, seed: int = 0, data: str | None = None,
-              context: ContextGroup | None = None, weights: str = "auto", replica: int = 0,
-              media_root: str | None = None) -> dict:
+              backend: str = "auto", samples: int = 4, seed: int = 0,
+              data: DataFile | None = None, context: ContextGroup | None = None,
+              weights: str = "auto", replica: int = 0) -> dict:
     """Run the check on `model` (float32, built by check/command.py's `check`, whose arguments
     these are); returns the report dict (`passed`, and `failures` naming each item that does
     not hold). Raises `CheckUnsupportedError` (a ValueError) when it cannot run as asked.
@@ -539,7 +540,7 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
     model.train()
     batch_samples, source, data_info = load_samples(
         spec, samples=samples, seed=seed, data=data, model_name=spec.name, replica=replica,
-        media_root=media_root, model=model)
+        model=model)
     pad_to = pad_unit(cp)
     report: dict = dict(model=spec.name, family=spec.family, backend=backend,
                         attn_implementation=spec.attn_implementation, dtype=dtype,

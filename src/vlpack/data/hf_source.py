@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
-from vlpack.data.media import media_path
+from vlpack.data.media import DataFile
 from vlpack.data.sources import (
     IMAGE_PLACEHOLDER,
     MAX_RECORD_BYTES,
@@ -134,14 +134,15 @@ def _check_columns(columns: list[str], path: Path) -> None:
 
 class HFRows(Sequence[Item]):
     """The rows of a Hugging Face dataset as `Conversation`s (bad rows as their
-    `BadSampleError`), converted when indexed; picklable (workers reopen the memory-map)."""
+    `BadSampleError`), converted when indexed; picklable (workers reopen the memory-map).
+    Image and video paths are joined to the dataset's folder and must resolve inside the file's
+    media root (a bare path: that folder)."""
 
-    def __init__(self, path: str | Path, media_root: str | Path | None = None, *,
-                 _table: Any = None, _rows: range | None = None) -> None:
-        p = Path(path)
+    def __init__(self, file: DataFile | str | Path, *, _table: Any = None,
+                 _rows: range | None = None) -> None:
+        self.file = DataFile.of(file)
+        p = self.file.path
         self.path, self.name = p, p.name
-        self.base = (p if p.is_dir() else p.parent).absolute()
-        self.root = Path(media_root if media_root is not None else self.base).resolve()
         self.table = (_table if _table is not None else load_hf(p)).with_format("arrow")
         self.rows = _rows if _rows is not None else range(len(self.table))
         if _table is None:
@@ -157,7 +158,7 @@ class HFRows(Sequence[Item]):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return HFRows(self.path, self.root, _table=self.table, _rows=self.rows[i])
+            return HFRows(self.file, _table=self.table, _rows=self.rows[i])
         row = self.rows[i]
         return self.item(row, self.table[row].to_pylist()[0])
 
@@ -195,8 +196,7 @@ class HFRows(Sequence[Item]):
             if (order := _by_index(obj, "video", n_videos, key)) and "videos" in obj:
                 obj["videos"] = [obj["videos"][j] for j in order]
             _placeholders(obj)
-            conv = parse_record(obj, base_dir=self.base, key=key, media_root=self.root,
-                                images=images)
+            conv = parse_record(obj, file=self.file, key=key, images=images)
             return conv if not has_id else _with_where(conv, where)
         except BadSampleError as e:
             if has_id:
@@ -212,7 +212,7 @@ class HFRows(Sequence[Item]):
                                  "images as a datasets Image feature (bytes or a path)")
         if value.get("bytes"):
             return ImageRef(path=Path(f"{key} image {j}"), data=value["bytes"])
-        return ImageRef(path=media_path(value["path"], self.base, self.root, key, "image"))
+        return ImageRef(path=self.file.media(value["path"], key, "image"))
 
 
 def _with_where(conv: Conversation, where: str) -> Conversation:

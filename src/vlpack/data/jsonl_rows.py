@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import overload
 
 from vlpack.data.file_scan import scan
+from vlpack.data.media import DataFile
 from vlpack.data.sources import MAX_RECORD_BYTES, check_jsonl_path, iter_jsonl, parse_line, too_large
 from vlpack.data.types import BadSampleError, Conversation
 
@@ -29,13 +30,12 @@ Item = Conversation | BadSampleError
 class JsonlRows(Sequence[Item]):
     """The records of a JSONL file (good ones as `Conversation`, bad ones as their
     `BadSampleError`), read and parsed when indexed; picklable (a worker reopens the file).
-    Media paths must resolve inside `media_root` (None: the file's folder)."""
+    Media paths must resolve inside the file's media root (a bare path: its folder)."""
 
-    def __init__(self, path: str | Path, media_root: str | Path | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, file: DataFile | str | Path) -> None:
+        self.file = DataFile.of(file)
+        self.path = self.file.path
         check_jsonl_path(self.path)
-        self.media_root = media_root
-        self.base_dir = self.path.parent.absolute()
         found = scan(self.path)
         self.starts, self.lines, self.size = found.starts, found.lines, found.size
         self.rows = range(len(self.starts))
@@ -65,12 +65,12 @@ class JsonlRows(Sequence[Item]):
             raw = raw[:nl + 1]
         elif len(raw) > MAX_RECORD_BYTES:  # parse_line refuses it by its length alone
             return too_large(self.path, int(self.lines[i]), self._line_length(lo, hi))
-        return parse_line(raw, self.path, int(self.lines[i]), self.base_dir, self.media_root)
+        return parse_line(raw, self.file, int(self.lines[i]))
 
     def __iter__(self) -> Iterator[Item]:
         """The records in order, read sequentially (a view's by index)."""
         if self.rows == range(len(self.starts)):
-            return iter_jsonl(self.path, self.media_root)
+            return iter_jsonl(self.file)
         return (self[j] for j in range(len(self)))
 
     def _line_length(self, lo: int, hi: int) -> int:

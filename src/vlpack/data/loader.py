@@ -21,6 +21,7 @@ from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.admission import BadLimits
 from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.media import DataFile
 from vlpack.data.mixture import EntrySizes, Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
 from vlpack.data.size_cache import measure_one, measuring_bar
@@ -30,13 +31,14 @@ from vlpack.data.types import BadSampleError, Conversation, EncodedSample
 Item = Conversation | BadSampleError
 
 
-def open_dataset(source: str, path: str | None, *, synthetic_samples: int | None = None,
-                 media_root: str | None = None) -> Sequence[Item]:
+def open_dataset(source: str, file: DataFile | str | Path | None, *,
+                 synthetic_samples: int | None = None) -> Sequence[Item]:
     """All records of a dataset, good ones as Conversation, bad ones as their error (media
-    paths must resolve inside `media_root`, None: the data file's folder), read and parsed
-    when indexed: a JSONL file by `jsonl_rows.JsonlRows`, a Hugging Face dataset (`hf`) by
-    `hf_source.HFRows`, the built-in set (`synthetic`) of `synthetic_samples` samples (which
-    that source needs: `data.synthetic_samples`)."""
+    paths must resolve inside the file's media root; a bare path: the data file's folder),
+    read and parsed when indexed: a JSONL file by `jsonl_rows.JsonlRows`, a Hugging Face
+    dataset (`hf`) by `hf_source.HFRows`, the built-in set (`synthetic`, no file, its media
+    inside its own folder) of `synthetic_samples` samples (which that source needs:
+    `data.synthetic_samples`). The rows hold the `DataFile` they read (`rows.file`)."""
     from vlpack.data.jsonl_rows import JsonlRows
 
     if source == "synthetic":
@@ -46,22 +48,22 @@ def open_dataset(source: str, path: str | None, *, synthetic_samples: int | None
             raise ValueError("open_dataset('synthetic', ...) reads the built-in set: pass "
                              "synthetic_samples=N (the run's data.synthetic_samples)")
 
-        path = str(default_dataset(n=synthetic_samples))
+        file = default_dataset(n=synthetic_samples)
     elif source == "hf":
         from vlpack.data.hf_source import HFRows
 
-        rows = HFRows(path, media_root)
+        rows = HFRows(file)
         if not len(rows):
-            raise ValueError(f"data.path={path} holds no rows")
+            raise ValueError(f"data.path={rows.path} holds no rows")
         return rows
     elif source != "jsonl":
         raise ValueError(f"data.source={source!r} is not readable here; use jsonl, hf or "
                          "synthetic")
-    items = JsonlRows(path, media_root)
-    warn_if_broad(Path(media_root) if media_root else items.base_dir, "data.media_root")
+    items = JsonlRows(file)
+    warn_if_broad(items.file.root, "data.media_root")
     if not len(items):
-        raise ValueError(f"data file {path} holds no records: each line must hold one JSON "
-                         "conversation (see docs/data.md)")
+        raise ValueError(f"data file {items.path} holds no records: each line must hold one "
+                         "JSON conversation (see docs/data.md)")
     return items
 
 
@@ -76,10 +78,17 @@ def warn_if_broad(root: Path, setting: str) -> None:
             "folder that holds them", real, setting)
 
 
+def data_file(path: str | None, d: DataConfig) -> DataFile | None:
+    """`path` (`data.path` or a `data.mix` source's) with its media inside `data.media_root`
+    (None: the file's folder); None without a path (the synthetic set)."""
+    return None if path is None else DataFile.of(path, d.media_root)
+
+
 def open_mix(d: DataConfig, seed: int) -> Mixture:
-    """The weighted mixture of `data.mix`'s sources, drawn with `seed` (data/mixture.py)."""
-    sources = [open_dataset(m.source, m.path, synthetic_samples=d.synthetic_samples,
-                            media_root=d.media_root) for m in d.mix]
+    """The weighted mixture of `data.mix`'s sources, drawn with `seed` (data/mixture.py); each
+    source's media inside `data.media_root`, by default its own folder."""
+    sources = [open_dataset(m.source, data_file(m.path, d),
+                            synthetic_samples=d.synthetic_samples) for m in d.mix]
     return Mixture(sources, [m.name for m in d.mix], [m.weight for m in d.mix], seed)
 
 
@@ -100,15 +109,6 @@ def measure_all(items: Sequence[Item], encoder, *, show_progress: bool = False) 
     return out
 
 
-def source_path(source: str, path: str | None, synthetic_samples: int) -> str | None:
-    """The file or folder a source reads (the generated JSONL for `synthetic`), or None."""
-    if source == "synthetic":
-        from vlpack.data.synth import default_dataset
-
-        return str(default_dataset(n=synthetic_samples))
-    return path if source in ("jsonl", "hf") else None
-
-
 def data_fingerprints(d: DataConfig) -> dict[str, str]:
     """The content fingerprint of each data file or folder the run reads (`data.path` or each
     `data.mix` path of a `jsonl` or `hf` source), by path: what a checkpoint records so that a
@@ -122,20 +122,19 @@ def data_fingerprints(d: DataConfig) -> dict[str, str]:
 
 def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int = 0,
                     show_progress: bool = False) -> Sequence[SizeOrError]:
-    """`measure_all` of `items` (a source or a `data.mix`), each source's sizes read from the
-    size cache or measured with `data.num_workers` processes and cached (size_cache.py)."""
+    """`measure_all` of `items` (a source or a `data.mix` of them, as `open_dataset` and
+    `open_mix` give them), each source's sizes read from the size cache (keyed by the
+    `DataFile` the source read) or measured with `data.num_workers` processes and cached
+    (size_cache.py)."""
     from vlpack.data.size_cache import sample_sizes
 
-    def one(rows: Sequence[Item], source: str, path: str | None) -> Sequence[SizeOrError]:
-        return sample_sizes(rows, encoder, source_path(source, path, d.synthetic_samples),
-                            workers=d.num_workers, rank=rank, show_progress=show_progress,
-                            media_root=d.media_root)
+    def one(rows) -> Sequence[SizeOrError]:
+        return sample_sizes(rows, encoder, rows.file, workers=d.num_workers, rank=rank,
+                            show_progress=show_progress)
 
     if isinstance(items, Mixture):
-        per_source = [one(rows, m.source, m.path) for rows, m in zip(items.sources, d.mix,
-                                                                     strict=True)]
-        return EntrySizes(items, per_source)
-    return one(items, d.source, d.path)
+        return EntrySizes(items, [one(rows) for rows in items.sources])
+    return one(items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +149,8 @@ class _BinBuilder(torch.utils.data.Dataset):
     """Map-style dataset indexed by BinWork: encodes the bin's samples and builds the batch."""
 
     def __init__(self, items, encoder, d: DataConfig, *, pad_token_id: int, merge: int):
-        self.items, self.encoder = items, encoder
-        self.after_video = d.mrope_after_video
-        self.pad_token_id, self.mult, self.merge = pad_token_id, d.pad_to_multiple_of, merge
-        self.total_len = d.seq_len if d.pad_to_seq_len else None  # a padded batch ignores it
+        self.items, self.encoder, self.data = items, encoder, d
+        self.pad_token_id, self.merge = pad_token_id, merge
 
     def __len__(self) -> int:  # pragma: no cover - sampler-driven, never sized
         raise TypeError("bins are streamed")
@@ -176,14 +173,23 @@ class _BinBuilder(torch.utils.data.Dataset):
         if not samples:
             samples = [EncodedSample.filler(self.pad_token_id)]
         if work.packed:
-            batch = build_thd_batch(
-                samples, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.mult,
-                total_len=self.total_len, spatial_merge_size=self.merge,
-                mrope_after_video=self.after_video,
-            )
+            batch = packed_row(samples, self.data, pad_token_id=self.pad_token_id,
+                               spatial_merge_size=self.merge)
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
         return batch, work.plan, failed
+
+
+def packed_row(samples: Sequence[EncodedSample], d: DataConfig, *, pad_token_id: int,
+               spatial_merge_size: int) -> ThdBatch:
+    """The THD row the trainer trains on for `samples` (one planned bin), under the data
+    section `d`: each segment aligned to `data.pad_to_multiple_of`, the row padded to
+    `data.seq_len` with `data.pad_to_seq_len`, MRoPE by `data.mrope_after_video`."""
+    return build_thd_batch(
+        samples, pad_token_id=pad_token_id, pad_to_multiple_of=d.pad_to_multiple_of,
+        total_len=d.seq_len if d.pad_to_seq_len else None,
+        spatial_merge_size=spatial_merge_size, mrope_after_video=d.mrope_after_video,
+    )
 
 
 def item_at(items: Sequence[Item], i: int, epoch: int) -> Item:
@@ -351,7 +357,7 @@ def build_loaders(
                              spatial_merge_size=spatial_merge_size, rank=rank,
                              world_size=world_size, report_skips=report_skips), None
     items = open_mix(d, seed) if d.mix else open_dataset(
-        d.source, d.path, synthetic_samples=d.synthetic_samples, media_root=d.media_root)
+        d.source, data_file(d.path, d), synthetic_samples=d.synthetic_samples)
     n_eval = d.eval_samples
     if d.mix and n_eval:  # a held-out tail would share rows with the training draws
         if rank == 0:

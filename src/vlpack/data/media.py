@@ -9,7 +9,8 @@ training read only what the dataset names, so a dataset from elsewhere cannot pu
 exists must be a regular file (not a folder, FIFO or device), and one the OS cannot check (a
 name too long, a NUL byte, a symlink loop, no permission) is refused as `bad_media_path`, as is
 an inline `data:` URI (named as one, with the fix: the image as a file beside the JSONL). The
-resolved path is what every later open uses, so the file read is the file checked.
+resolved path is what every later open uses, so the file read is the file checked. A
+`DataFile` carries a data file with its root, so every reader of the file bounds its media alike.
 
 Formats: images are opened only as the raster formats of `IMAGE_FORMATS` (no EPS, which Pillow
 hands to Ghostscript, nor any other format it can identify).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import io
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,48 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """The Pillow formats vlpack opens images and video frames as; any other file, whatever its
 name, is a bad image. JPEG includes the MPO files many phones write (Pillow's JPEG opener
 returns them; "MPO" itself has no opener and may not be listed)."""
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A data file and the folder its media must resolve inside: a JSONL file or a Hugging Face
+    dataset (a folder, or a .parquet/.arrow file), with `data.media_root` (`--media-root`).
+    Built once from the config or the command line (`of`); a mixture builds one per source,
+    each with the shared `data.media_root`, so each source's default root is its own folder."""
+
+    path: Path
+    """The data file, or the dataset's folder, as given (messages name it so)."""
+    media_root: Path | None = None
+    """The media root as given; None: the file's folder."""
+    folder: Path = field(init=False, repr=False, compare=False)
+    """The folder relative media paths are joined to (absolute): the file's folder, or the path
+    itself when it is a folder."""
+    root: Path = field(init=False, repr=False, compare=False)
+    """The folder every media path must resolve inside: `media_root`, else `folder`, resolved
+    when the value is built (`..` and symlinks followed, a relative root against the working
+    directory of that moment)."""
+
+    def __post_init__(self) -> None:
+        folder = (self.path if self.path.is_dir() else self.path.parent).absolute()
+        object.__setattr__(self, "folder", folder)
+        root = folder if self.media_root is None else self.media_root
+        object.__setattr__(self, "root", root.resolve())
+
+    @classmethod
+    def of(cls, path: str | Path | DataFile, media_root: str | Path | None = None) -> DataFile:
+        """`path` with its media inside `media_root` (None: the file's folder); a `DataFile`
+        is returned as it is (it holds its own root)."""
+        if isinstance(path, DataFile):
+            if media_root is not None:
+                raise ValueError(f"{path.path} already has its media root: build the DataFile "
+                                 "with the root, not beside it")
+            return path
+        return cls(Path(path), None if media_root is None else Path(media_root))
+
+    def media(self, raw: str, key: str, what: str) -> Path:
+        """`media_path` of the path `raw` that the record `key` names: joined to `folder`,
+        inside `root`."""
+        return media_path(raw, self.folder, self.root, key, what)
 
 
 def media_path(raw: str, base: Path, root: Path, key: str, what: str) -> Path:

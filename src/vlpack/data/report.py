@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from vlpack.config import DataConfig, TrainConfig
-from vlpack.data.loader import describe, measure_all, open_dataset, source_path
+from vlpack.data.loader import data_file, describe, measure_all, open_dataset
 from vlpack.data.stream import BinStream
 from vlpack.data.types import printable
 
@@ -119,14 +119,11 @@ def pack_command(d: DataConfig, *, family: str, as_json: bool = False) -> int:
     from vlpack.data.encode import Encoder
     from vlpack.data.size_cache import sample_sizes
 
-    items = open_dataset(d.source, d.path, synthetic_samples=d.synthetic_samples,
-                         media_root=d.media_root)
+    items = open_dataset(d.source, data_file(d.path, d), synthetic_samples=d.synthetic_samples)
     encoder = Encoder.from_config(d, family, d.tokenizer)  # data.tokenizer: the checkpoint
-    path = source_path(d.source, d.path, d.synthetic_samples)
     report = pack_report(
         items, encoder, d, seed=TrainConfig().seed, show_progress=not as_json,
-        sizes_of=lambda: sample_sizes(items, encoder, path, show_progress=not as_json,
-                                      media_root=d.media_root),
+        sizes_of=lambda: sample_sizes(items, encoder, items.file, show_progress=not as_json),
     )
     print(json.dumps(report) if as_json else format_report(report))
     return 0

@@ -1,6 +1,6 @@
 """Sample sizes measured once, in parallel, and cached on disk.
 
-`sample_sizes(items, encoder, path)` returns what `loader.measure_all` returns — each sample's
+`sample_sizes(items, encoder, file)` returns what `loader.measure_all` returns — each sample's
 `SampleSize`, or the `BadSampleError` of a bad one — as a compact `SizeIndex` (12 bytes per
 sample). The sizes are stored in `$VLPACK_CACHE/sizes/` (default `~/.cache/vlpack`) under a key
 made of:
@@ -10,6 +10,8 @@ made of:
   one pass, `file_scan.py`, and not again while the file's status is unchanged); a folder (a
   Hugging Face dataset) by each file's name, byte count and modification time (its image bytes
   can be many GB, too many to hash at each start);
+- its media root (the `DataFile`'s): a given `data.media_root` as the folder it resolves to,
+  the default (the data file's folder) as none, so it moves with a copy;
 - every attribute of the encoder (`Encoder.length_settings`: family, tokenizer content, chat
   template, pixel bounds, video settings, think supervision, ...), so a new encoder setting is
   part of the key without anyone adding it here;
@@ -48,6 +50,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vlpack.data.file_scan import cache_root, scan
+from vlpack.data.media import DataFile
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, SampleSize, VideoRef, located
 
 FORMAT = 2
@@ -402,21 +405,22 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", rank)))
 
 
-def sample_sizes(items: Sequence, encoder, path: str | Path | None, *, workers: int = 0,
-                 rank: int = 0, show_progress: bool = False, media_root: str | None = None
-                 ) -> SizeIndex:
-    """Every sample's size or error (as `loader.measure_all`), from the cache when it holds
-    them for this source content, media root and these encoder settings, else measured with
-    `workers` processes and stored. Off the node's first process, waits for that process's
-    file."""
+def sample_sizes(items: Sequence, encoder, file: DataFile | str | Path | None, *,
+                 workers: int = 0, rank: int = 0, show_progress: bool = False) -> SizeIndex:
+    """Every sample's size or error (as `loader.measure_all`) of `items`, the records of
+    `file` (None: not cached), from the cache when it holds them for this source content,
+    media root and these encoder settings, else measured with `workers` processes and stored.
+    Off the node's first process, waits for that process's file."""
     folder = cache_dir()
-    if folder is None or path is None or not hasattr(encoder, "length_settings"):
+    if folder is None or file is None or not hasattr(encoder, "length_settings"):
         return SizeIndex.of([p for part in measure_parallel(items, encoder, workers=workers,
                                                             show_progress=show_progress)
                              for p in _part_sizes(part)])
+    file = DataFile.of(file)
+    path = file.path
     # a given root as the folder it names (a relative one names another folder from another
     # working directory); the default root, the data file's folder, moves with a copy
-    root = None if media_root is None else str(Path(media_root).resolve())
+    root = None if file.media_root is None else str(file.root)
     settings = {**encoder.length_settings(), "data.media_root": root}
     source = source_fingerprint(path)
     file = folder / f"{source[-32:]}-{settings_key(settings)}.npz"

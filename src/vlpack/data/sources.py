@@ -29,7 +29,8 @@ path or a list of frame paths). Images and videos mix freely in user turns.
 
 Paths are relative to the JSONL file's folder unless absolute, and must resolve inside the media
 root (`data.media_root`, by default the JSONL file's folder; `vlpack.data.media` gives the policy
-and its reason): one that escapes is refused here, by name. Files are not opened here: a missing
+and its reason, and its `DataFile` carries a file with its root to every reader here): one that
+escapes is refused here, by name. Files are not opened here: a missing
 or corrupt one is reported when the sample is encoded or measured.
 
 Agent and tool-call data (`vlpack.data.tools` renders it per family)::
@@ -67,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from vlpack.data.media import media_path
+from vlpack.data.media import DataFile
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, Message, ToolCall, VideoRef
 
 log = logging.getLogger(__name__)
@@ -94,24 +95,22 @@ RESERVED = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|
 """Strings that would turn into vision tokens if they appeared in text."""
 
 
-def iter_jsonl(
-    path: str | Path, media_root: str | Path | None = None
-) -> Iterator[Conversation | BadSampleError]:
+def iter_jsonl(file: DataFile | str | Path) -> Iterator[Conversation | BadSampleError]:
     """Stream the records of a JSONL file: a `Conversation` per good record, the
     `BadSampleError` (not raised) per bad one, so a loader can skip and count by `reason`.
-    Media paths must resolve inside `media_root` (None: the file's folder)."""
-    return (item for _, item in iter_jsonl_lines(path, media_root))
+    Media paths must resolve inside the file's media root (a bare path: its folder)."""
+    return (item for _, item in iter_jsonl_lines(file))
 
 
 def iter_jsonl_lines(
-    path: str | Path, media_root: str | Path | None = None
+    file: DataFile | str | Path,
 ) -> Iterator[tuple[bytes | None, Conversation | BadSampleError]]:
     """`iter_jsonl`'s records, each with its line's bytes (None for a line over
     `MAX_RECORD_BYTES`, which is never held): one definition of a record and a blank line for
     every reader of a JSONL file."""
-    path = Path(path)
+    file = DataFile.of(file)
+    path = file.path
     check_jsonl_path(path)
-    base_dir = path.parent.absolute()
     with path.open("rb") as f:
         lineno = 0
         while raw := f.readline(MAX_RECORD_BYTES + 1):
@@ -122,7 +121,7 @@ def iter_jsonl_lines(
                     size += len(rest)  # the rest of the line, a MiB at a time, never held
                 yield None, too_large(path, lineno, size + len(rest))
             elif raw.strip():
-                yield raw, parse_line(raw, path, lineno, base_dir, media_root)
+                yield raw, parse_line(raw, file, lineno)
 
 
 def too_large(path: Path, lineno: int, size: int) -> BadSampleError:
@@ -157,10 +156,10 @@ def check_jsonl_path(path: Path) -> None:
         raise ValueError(f"data file {path} does not exist: pass the path of a .jsonl file")
 
 
-def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
-               media_root: str | Path | None = None) -> Conversation | BadSampleError:
-    """The record on line `lineno` (1-based) of the JSONL file `path`: its `Conversation`, or
+def parse_line(raw: bytes, file: DataFile, lineno: int) -> Conversation | BadSampleError:
+    """The record on line `lineno` (1-based) of the JSONL file `file`: its `Conversation`, or
     the `BadSampleError` (returned, not raised) that names the line and the fix."""
+    path = file.path
     where = f"{path.name}:{lineno}"
     if len(raw) > MAX_RECORD_BYTES:
         return too_large(path, lineno, len(raw))
@@ -178,7 +177,7 @@ def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
     has_id = isinstance(obj, dict) and obj.get("id") not in (None, "")
     key = str(obj["id"]) if has_id else where
     try:
-        conv = parse_record(obj, base_dir=base_dir, key=key, media_root=media_root)
+        conv = parse_record(obj, file=file, key=key)
         return conv if key == where else dataclasses.replace(conv, where=where)
     except BadSampleError as e:
         if key != where:  # name the line too, so the record can be found
@@ -187,11 +186,11 @@ def parse_line(raw: bytes, path: Path, lineno: int, base_dir: Path,
 
 
 def iter_conversations(
-    path: str | Path, skipped: Counter[str] | None = None, media_root: str | Path | None = None
+    file: DataFile | str | Path, skipped: Counter[str] | None = None
 ) -> Iterator[Conversation]:
     """The good conversations of a JSONL file; bad records are logged and counted by reason
     into `skipped` when given."""
-    for item in iter_jsonl(path, media_root):
+    for item in iter_jsonl(file):
         if isinstance(item, BadSampleError):
             log.warning("skipping sample: %s", item)
             if skipped is not None:
@@ -200,10 +199,10 @@ def iter_conversations(
         yield item
 
 
-def read_jsonl(path: str | Path, media_root: str | Path | None = None) -> list[Conversation]:
+def read_jsonl(file: DataFile | str | Path) -> list[Conversation]:
     """All conversations of a JSONL file; raises the first `BadSampleError`."""
     out = []
-    for item in iter_jsonl(path, media_root):
+    for item in iter_jsonl(file):
         if isinstance(item, BadSampleError):
             raise item
         out.append(item)
@@ -211,12 +210,11 @@ def read_jsonl(path: str | Path, media_root: str | Path | None = None) -> list[C
 
 
 def parse_record(
-    obj: Any, *, base_dir: str | Path, key: str, media_root: str | Path | None = None,
-    images: list[ImageRef] | None = None,
+    obj: Any, *, file: DataFile, key: str, images: list[ImageRef] | None = None,
 ) -> Conversation:
-    """Turn one decoded JSON record into a `Conversation`; raises `BadSampleError` whose
-    message names `key`, the problem and the fix. Media paths are joined to `base_dir` and must
-    resolve inside `media_root` (None: `base_dir`). `images`, when given, are the record's
+    """Turn one decoded JSON record of `file` into a `Conversation`; raises `BadSampleError`
+    whose message names `key`, the problem and the fix. Media paths are joined to the file's
+    folder and must resolve inside its root (`DataFile.media`). `images`, when given, are the record's
     top-level images already read (a Hugging Face dataset's `Image` column, `hf_source.py`)
     in place of its `image`/`images` paths."""
     if (bad := _unusable(obj)) is not None:  # records that did not come through iter_jsonl
@@ -235,11 +233,9 @@ def parse_record(
     if n_items > MAX_VISUAL_ITEMS:  # before a path is resolved or an array sized
         _bad(key, "too_many_visuals", f"the record names {n_items:,} images and videos, over "
              f"the {MAX_VISUAL_ITEMS:,} a sample may hold: split it into several records")
-    base = Path(base_dir)
-    root = Path(base_dir if media_root is None else media_root).resolve()
 
     def join(p: str, what: str = "image") -> Path:
-        return media_path(p, base, root, key, what)
+        return file.media(p, key, what)
 
     videos = [_video_ref(v, None, join, key) for v in _record_videos(obj, key)]
     refs = [ImageRef(path=join(p)) for p in paths] if images is None else list(images)

@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlpack.config import DataConfig
-from vlpack.data.loader import open_dataset
+from vlpack.data.loader import data_file, open_dataset
 from vlpack.data.types import BadSampleError, Conversation, located, printable
 
 _ENCODER = None  # the worker process's encoder (set by _init_worker)
@@ -55,11 +55,11 @@ def _judge_range(lo: int, hi: int, seq_len: int | None) -> list[tuple[str, str] 
 def validate(d: DataConfig, family: str, *, seq_len: int | None = None, workers: int = 1,
              show_progress: bool = False) -> dict[str, Any]:
     """Encode every record of `d.path` (a JSONL file or a Hugging Face dataset, its media inside
-    `d.media_root`) with the encoder `d` and `family` describe; the counts and every bad
-    sample, in file order. Each worker reads the records it judges."""
+    `d.media_root`, by default its folder) with the encoder `d` and `family` describe; the
+    counts and every bad sample, in file order. Each worker reads the records it judges."""
     from vlpack.data.sources import source_kind
 
-    items = open_dataset(source_kind(d.path), d.path, media_root=d.media_root)  # refuses an empty file
+    items = open_dataset(source_kind(d.path), data_file(d.path, d))  # refuses an empty file
     ranges = [(i, min(i + 64, len(items))) for i in range(0, len(items), 64)]
     bar = tqdm(total=len(items), desc="validating samples", unit="sample", disable=not show_progress)
     verdicts: list[tuple[str, str] | None] = []

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlpack.data.media import DataFile
 from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, EncodedSample
 from vlpack.train import answer_metrics
 
@@ -215,20 +216,22 @@ def load(source: str | Path, export_to: Path, device: torch.device
     return model, spec, build_encoder(cfg.data, spec, cfg.model.name), what  # as trained
 
 
-def evaluate(source: str | Path, data: str | Path, out: str | Path | None = None, *,
+def evaluate(source: str | Path, data: DataFile | str | Path, out: str | Path | None = None, *,
              max_new_tokens: int = MAX_NEW_TOKENS, prompts_per_batch: int = 8, limit: int | None = None,
-             media_root: str | None = None, device: str | None = None) -> Path:
-    """`vlpack eval`: generate the answers of `data` with the model of `source`, write
-    `predictions.jsonl` and `metrics.json` into `out` (default SOURCE/eval) and return it."""
+             device: str | None = None) -> Path:
+    """`vlpack eval`: generate the answers of `data` (a JSONL file; a bare path: its media
+    inside its folder) with the model of `source`, write `predictions.jsonl` and
+    `metrics.json` into `out` (default SOURCE/eval) and return it."""
     from vlpack.data.sources import check_jsonl_path, read_jsonl
 
-    data = Path(data)
+    file = DataFile.of(data)
+    data = file.path
     check_jsonl_path(data)
     if max_new_tokens < 1 or prompts_per_batch < 1:
         raise ValueError("--max-new-tokens and --batch-size must be at least 1")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(out) if out is not None else check_source(source) / "eval"
-    convs = read_jsonl(data, media_root)[:limit]
+    convs = read_jsonl(file)[:limit]
     check_answers(convs, str(data))  # before the model is exported and loaded
     check_source(source)
     out_dir.mkdir(parents=True, exist_ok=True)

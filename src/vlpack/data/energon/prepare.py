@@ -7,7 +7,7 @@ as `KEY.vid0.mp4`, the frames of a frame-list video as `KEY.vid1f000.jpg`, `KEY.
 JSONL path's `file:line` when the record had none), so both paths name samples alike.
 
 Nothing is packaged that the dataset merely names: media paths must resolve inside the media
-root (`media_root`, by default the JSONL file's folder; `vlpack.data.media`), and every file's
+root (the `DataFile`'s, by default the JSONL file's folder; `vlpack.data.media`), and every file's
 bytes must decode as what it claims before they are written: an image or frame must decode in
 full with Pillow as one of vlpack's image formats (its member is named by the decoded format,
 `.jpg` for JPEG, `.png` for PNG, ...), a video file must open with PyAV as one of vlpack's
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from vlpack.data.energon import require_energon
-from vlpack.data.media import BAD_PATH
+from vlpack.data.media import BAD_PATH, DataFile
 from vlpack.data.sources import iter_jsonl_lines
 from vlpack.data.types import BadSampleError, Conversation, ImageRef, printable
 
@@ -45,20 +45,21 @@ REPORT_NAME = "vlpack-prepare.json"
 
 
 def prepare_energon(
-    data: str | Path, out_dir: str | Path, *, shard_size: int = 1000, show_progress: bool = False,
-    media_root: str | Path | None = None,
+    file: DataFile | str | Path, out_dir: str | Path, *, shard_size: int = 1000,
+    show_progress: bool = False,
 ) -> dict[str, Any]:
-    """Write shards of `data` (a JSONL file) into `out_dir` and run `energon prepare` on them;
+    """Write shards of `file` (a JSONL file) into `out_dir` and run `energon prepare` on them;
     returns the report (also saved as `out_dir/vlpack-prepare.json`). Media paths must resolve
-    inside `media_root` (None: the JSONL file's folder)."""
+    inside the file's media root (a bare path: the JSONL file's folder)."""
     require_energon("vlpack data energon-prepare")
-    data, out = Path(data), Path(out_dir)
+    file, out = DataFile.of(file), Path(out_dir)
+    data = file.path
     if shard_size < 1:
         raise ValueError(f"--shard-size must be ≥ 1 sample, got {shard_size}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: give a new or empty folder for the Energon dataset")
     out.mkdir(parents=True, exist_ok=True)
-    shards, n, problems = _write_shards(data, out, shard_size, media_root)
+    shards, n, problems = _write_shards(file, out, shard_size)
     skipped = Counter(p["reason"] for p in problems)
     if not n:
         first = "".join(f"\n  {p['reason']}: {printable(p['message'])}" for p in problems[:5])
@@ -72,15 +73,15 @@ def prepare_energon(
     return report
 
 
-def _write_shards(data: Path, out: Path, shard_size: int,
-                  media_root: str | Path | None) -> tuple[int, int, list[dict[str, str]]]:
+def _write_shards(file: DataFile, out: Path, shard_size: int
+                  ) -> tuple[int, int, list[dict[str, str]]]:
     """Shards `shard-000000.tar`, ... of `shard_size` samples; returns (shards, samples, the
     left-out records as {"reason", "message"} in file order)."""
     problems: list[dict[str, str]] = []
     n = 0
     tar: tarfile.TarFile | None = None
     try:
-        for raw, item in iter_jsonl_lines(data, media_root):
+        for raw, item in iter_jsonl_lines(file):
             if isinstance(item, BadSampleError):
                 problems.append({"reason": item.reason, "message": str(item)})
                 continue
@@ -88,7 +89,7 @@ def _write_shards(data: Path, out: Path, shard_size: int,
             try:
                 _refuse_special_tokens(item)
                 record = json.loads(raw.decode("utf-8-sig"))  # as parse_line read it
-                members = _sample_members(record, item, data.parent.absolute())
+                members = _sample_members(record, item, file.folder)
             except BadSampleError as e:
                 problems.append({"reason": e.reason, "message": str(e)})
                 continue

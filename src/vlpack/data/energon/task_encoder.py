@@ -41,6 +41,7 @@ from megatron.energon.errors import FatalSampleError
 from vlpack.config import DataConfig
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitError
 from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.media import DataFile
 from vlpack.data.plan import OnlinePlanner, check_algo
 from vlpack.data.sources import parse_record
 from vlpack.data.types import BadSampleError, EncodedSample, printable
@@ -171,7 +172,7 @@ class QwenVLTaskEncoder(TaskEncoder):
             for name, payload in sample.media.items():
                 if "/" not in name:
                     (Path(tmp) / name).write_bytes(payload)
-            return self.encoder.encode(parse_record(record, base_dir=tmp, key=key))
+            return self.encoder.encode(parse_record(record, file=DataFile(Path(tmp)), key=key))
 
     def _admit(self, sample: EncodedSample) -> tuple[EncodedSample, str]:
         """The overlong policy of the JSONL path (`admission.Admission`), on an encoded sample."""
