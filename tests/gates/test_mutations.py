@@ -3,10 +3,13 @@
 Every mutation is a literal text edit of one file of `src/vlpack` (each edit must match exactly
 once, so the gate fails loudly when the code it plants into changes). The copy is put first on
 PYTHONPATH and the mutation's catchers run against it in a fresh process:
-  - `vlpack check` on a tiny preset, in float32 and in bfloat16 (or the `dtypes` whose path the
-    plant is in): it must exit 1 (failed), not 0 (passed) or 2 (could not run); a plant in the
-    encoding runs it with `--data` (`agent_data`), so its samples are compared with transformers'
-    processor;
+  - `vlpack check` on a tiny preset, once: it must exit 1 (failed), not 0 (passed) or 2 (could
+    not run). `--dtype bfloat16` runs every float32 item and then the bf16 ones, so one run
+    serves both precisions: a plant whose `dtypes` hold float32 must fail a float32 item of it
+    (as `--dtype float32` alone would fail), a plant only autocast runs (`dtypes` bfloat16
+    alone) a bf16 item; a plant in the encoding runs it with `--data` (`agent_data`), so its
+    samples are compared with transformers' processor, in float32 (the encoding has no
+    precision);
   - named tests of the fast suite: they must fail.
 A plant in a path the check exercises (model/, data/batch.py, data/rope.py) must have the check
 among its catchers, or say in `why_not` why the check cannot see it.
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from vlpack.check.run import TOLERANCES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,13 +42,15 @@ class Mutation:
     check: str | None = None  # the tiny preset `vlpack check` must fail on (fp32 and bf16)
     tests: tuple[str, ...] = ()  # test node ids that must fail
     margin: float | None = None  # the fp32 contract's logit error must exceed margin x tol
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the check's precisions that must fail
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the check's items that must fail
     extra: tuple[tuple[str, str], ...] = ()  # more (old, new) edits of the same file
     why_not: str = ""  # why the check cannot see a plant in a path it exercises
     data: bool = False  # the check runs on `agent_data` (--data), so the encoding is compared
 
 
 CP = "the check's context parallelism runs under torchrun (--cp); the gate runs one process"
+BF16_ITEMS = ("bf16 rule:", "bfloat16 ")
+"""How the check's bf16 items name their failures (check/run.py); every other is a float32 item."""
 FLA_PROBE = """    except Exception:
         return None
     return conv, gdr"""
@@ -276,14 +283,18 @@ def test_planted_bug_is_caught(m: Mutation, tmp_path: Path) -> None:
     assert m.check or m.tests, "a mutation needs a catcher"
     env = _plant(tmp_path, m)
     if m.check:
-        for dtype in m.dtypes:
-            rc, report, err = _check(env, m.check, dtype,
-                                     agent_data(tmp_path / "data") if m.data else None)
-            assert rc == 1, f"vlpack check --dtype {dtype} exited {rc} on {m.name!r}: {err}"
-            assert report["failures"], m.name
-            if m.margin is not None and dtype == "float32":
-                got, tol = report["contract_float32"]["max_logit_diff"], report["tolerances"]["logits"]
-                assert got >= m.margin * tol, f"{m.name}: {got:.1e} is not {m.margin}x {tol:.0e}"
+        dtype = "bfloat16" if "bfloat16" in m.dtypes else "float32"
+        rc, report, err = _check(env, m.check, dtype,
+                                 agent_data(tmp_path / "data") if m.data else None)
+        assert rc == 1, f"vlpack check --dtype {dtype} exited {rc} on {m.name!r}: {err}"
+        bf16 = [f for f in report["failures"] if f.startswith(BF16_ITEMS)]
+        caught = bf16 if m.dtypes == ("bfloat16",) else [
+            f for f in report["failures"] if not f.startswith(BF16_ITEMS)]
+        assert caught, (f"no {m.dtypes[0]} item of the check failed on {m.name!r}: "
+                        f"{report['failures']}")
+        if m.margin is not None:
+            got, tol = report["contract_float32"]["max_logit_diff"], TOLERANCES["float32"]["logits"]
+            assert got >= m.margin * tol, f"{m.name}: {got:.1e} is not {m.margin}x {tol:.0e}"
     if m.tests:
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
                               *m.tests], env=env, capture_output=True, text=True, cwd=ROOT,

@@ -1,0 +1,64 @@
+"""The packed/padded gap of bench/convergence.py against the spread between runs.
+
+    python bench/convergence_spread.py OUT/s0 OUT/s1 OUT/s2 --repeat OUT/s0r --tail 20
+
+Each folder holds one `packed/` and one `padded/` run of the same seed (`train.seed`: the same
+initial weights and the same samples in the same steps for both modes). Per seed: the final loss
+(mean of the last `--tail` steps) of each mode and their signed relative gap (packed − padded) /
+padded. Across seeds: the gaps' mean and standard deviation. `--repeat` names a folder that ran a
+seed again: its runs against that seed's give the within-mode spread of a repeat (non-deterministic
+kernels), the floor a packing defect must exceed to show. Prints a markdown table and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def final_loss(run: Path, tail: int) -> tuple[float, int]:
+    """(mean loss of the last `tail` steps, steps) of one run's metrics.jsonl."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    if len(losses) < tail:
+        raise ValueError(f"{run}: {len(losses)} steps, fewer than --tail {tail}")
+    return sum(losses[-tail:]) / tail, len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("seeds", nargs="+", type=Path, help="folders with packed/ and padded/")
+    p.add_argument("--repeat", type=Path, action="append", default=[],
+                   help="a folder that ran the seed of the folder of the same name minus its "
+                        "last letter again (s0r repeats s0)")
+    p.add_argument("--tail", type=int, default=20)
+    args = p.parse_args(argv)
+    rows, gaps = [], []
+    print("| run | steps | packed | padded | (packed − padded) / padded |")
+    print("|---|---:|---:|---:|---:|")
+    for folder in args.seeds + args.repeat:
+        (pk, n1), (pd, n2) = (final_loss(folder / m, args.tail) for m in ("packed", "padded"))
+        gap = (pk - pd) / pd
+        rows.append(dict(run=folder.name, steps=min(n1, n2), packed=pk, padded=pd, gap=gap))
+        gaps += [gap] if folder in args.seeds else []
+        print(f"| {folder.name} | {min(n1, n2)} | {pk:.4f} | {pd:.4f} | {100 * gap:+.2f}% |")
+    out = dict(tail=args.tail, runs=rows, gap_mean=statistics.fmean(gaps),
+               gap_sd=statistics.stdev(gaps) if len(gaps) > 1 else None)
+    for rep in args.repeat:
+        base = next(r for r in rows if r["run"] == rep.name[:-1])
+        again = next(r for r in rows if r["run"] == rep.name)
+        out[f"repeat_{rep.name}"] = {m: (again[m] - base[m]) / base[m] for m in ("packed", "padded")}
+    sd = "—" if out["gap_sd"] is None else f"{100 * out['gap_sd']:.2f}%"
+    print(f"\ngap over {len(gaps)} seeds: mean {100 * out['gap_mean']:+.2f}%, sd {sd}")
+    for rep in args.repeat:
+        r = out[f"repeat_{rep.name}"]
+        print(f"{rep.name} against {rep.name[:-1]}: packed {100 * r['packed']:+.2f}%, "
+              f"padded {100 * r['padded']:+.2f}%")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
