@@ -55,9 +55,9 @@ from vlpack.model.moe import routers
 from vlpack.model.presets import get_preset
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
 from vlpack.train import precision
+from vlpack.train.dist.parallel import Topology
 from vlpack.train.kernel_cache import use_tuned_kernels
 from vlpack.train.module import TrainModule
-from vlpack.train.parallel import Topology
 from vlpack.train.stack import build_base, build_stack
 from vlpack.train.step import optimizer_step
 

@@ -59,9 +59,9 @@ from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
 from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
+from vlpack.train.dist.parallel import Topology
 from vlpack.train.flops import flop_model
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import Topology
 from vlpack.train.prepare import Preparation, prepare
 from vlpack.train.profile import StepProfiler, count_host_syncs
 from vlpack.train.stack import build_stack

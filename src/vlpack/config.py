@@ -541,7 +541,7 @@ class TrainConfig:
     """FSDP2: free each block's gathered parameters after its forward (and gather them again for
     its backward). `false` keeps them from forward to backward: one all-gather fewer per block
     and micro-batch, for the memory of the unsharded bf16 parameters. The root unit (embedding,
-    lm_head, final norm, vision merger) always keeps them (vlpack.train.parallel.apply_fsdp)."""
+    lm_head, final norm, vision merger) always keeps them (vlpack.train.dist.parallel.apply_fsdp)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 gradient reduce-scatter dtype. `bfloat16` halves its traffic; the sum over ranks is
     then rounded to bf16 before the fp32 optimizer sees it."""

@@ -352,7 +352,7 @@ def test_dora_and_rslora_train_under_fsdp_and_export(tmp_path: Path):
     plain run's trained logits."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from vlpack.train.parallel import shutdown
+    from vlpack.train.dist.parallel import shutdown
 
     args = ["train.max_steps=3", *LORA, "model.lora.use_dora=true", "model.lora.use_rslora=true"]
     plain = Trainer(small_cfg(tmp_path / "a", *args), CPU)

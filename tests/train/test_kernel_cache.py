@@ -125,7 +125,7 @@ def test_fla_is_pointed_at_its_configurations_before_the_model_is_imported(monke
 
     from vlpack.config import load_config
     from vlpack.train import stack
-    from vlpack.train.parallel import Topology
+    from vlpack.train.dist.parallel import Topology
 
     calls: list = []
 

@@ -230,7 +230,7 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from vlpack.train.parallel import init_distributed, shutdown
+    from vlpack.train.dist.parallel import init_distributed, shutdown
     from vlpack.train.prepare import is_sharded
     from vlpack.train.stack import plan_memory
 

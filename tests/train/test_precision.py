@@ -132,7 +132,7 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
 def _fsdp_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from vlpack.train.parallel import init_distributed, shutdown
+    from vlpack.train.dist.parallel import init_distributed, shutdown
 
     topo = init_distributed()
     try:

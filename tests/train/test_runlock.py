@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import CPU, small_cfg
 from vlpack.train import runlock
-from vlpack.train.parallel import Topology
+from vlpack.train.dist.parallel import Topology
 from vlpack.train.trainer import Trainer
 
 HOLD = ("import sys, time; from vlpack.train.runlock import lock_output_dir; "

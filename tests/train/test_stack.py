@@ -8,7 +8,7 @@ import torch
 
 from vlpack.check.command import check_config
 from vlpack.config import Config, ModelConfig, TrainConfig
-from vlpack.train.parallel import Topology
+from vlpack.train.dist.parallel import Topology
 from vlpack.train.stack import build_check_model, build_stack
 
 

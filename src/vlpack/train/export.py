@@ -31,7 +31,7 @@ from torch import nn
 
 from vlpack.config import Config, load_config
 from vlpack.train import checkpoint as ckpt
-from vlpack.train.parallel import Topology, barrier
+from vlpack.train.dist.parallel import Topology, barrier
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ Per device, in training:
 
 One process builds the model on its device (at the build dtype: bf16 when frozen weights are held
 in bf16, else float32; `build_bytes`). An FSDP2 run builds shapes only on every device, and rank
-0 builds the whole model once in host memory (`vlpack.train.parallel.load_full_state`). CPU ranks
+0 builds the whole model once in host memory (`vlpack.train.dist.parallel.load_full_state`). CPU ranks
 of one host share its memory (`sharing`).
 """
 

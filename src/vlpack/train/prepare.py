@@ -22,8 +22,8 @@ from torch import nn
 
 from vlpack.config import Config, LoraConfig
 from vlpack.train import precision
+from vlpack.train.dist.parallel import Topology, apply_fsdp, ensure_process_group
 from vlpack.train.module import freeze
-from vlpack.train.parallel import Topology, apply_fsdp, ensure_process_group
 
 if TYPE_CHECKING:
     from vlpack.train.memory import MemoryPlan

@@ -27,10 +27,10 @@ from torch import nn
 from vlpack.config import Config
 from vlpack.model.build import ModelSpec
 from vlpack.train import memory
+from vlpack.train.dist.parallel import Topology, all_reduce, load_full_state
 from vlpack.train.flops import FlopModel, flop_model
 from vlpack.train.kernel_cache import keep_kernel_cache, use_tuned_kernels
 from vlpack.train.module import TrainModule
-from vlpack.train.parallel import Topology, all_reduce, load_full_state
 from vlpack.train.prepare import Preparation, builds_on_host, freezes, preparation, prepare
 
 log = logging.getLogger("vlpack.train")

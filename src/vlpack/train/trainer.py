@@ -28,14 +28,7 @@ from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders, data_fingerprints
 from vlpack.train import checkpoint as ckpt
 from vlpack.train import memory
-from vlpack.train.epochs import steps_for_epochs
-from vlpack.train.export import export_live, export_live_adapter
-from vlpack.train.flops import peak_flops
-from vlpack.train.generate import HeldOutGeneration
-from vlpack.train.metrics import MetricsWriter, epoch_of, step_row
-from vlpack.train.module import module_groups
-from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
-from vlpack.train.parallel import (
+from vlpack.train.dist.parallel import (
     Topology,
     all_gather_object,
     all_reduce,
@@ -44,6 +37,13 @@ from vlpack.train.parallel import (
     init_distributed,
     per_replica,
 )
+from vlpack.train.epochs import steps_for_epochs
+from vlpack.train.export import export_live, export_live_adapter
+from vlpack.train.flops import peak_flops
+from vlpack.train.generate import HeldOutGeneration
+from vlpack.train.metrics import MetricsWriter, epoch_of, step_row
+from vlpack.train.module import module_groups
+from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
 from vlpack.train.plot import missing_matplotlib, plot_runs
 from vlpack.train.profile import StepProfiler
 from vlpack.train.progress import Eta, Progress
