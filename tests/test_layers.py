@@ -19,7 +19,7 @@ FLOORS = (
     ("config_keys", "data"),  # the config's reference; samples, encoding, packing, loading
     ("model",),  # the model and its kernels (reads data's types)
     ("train",),  # the loop, parallelism, checkpoints: assembles data and model
-    ("check",),  # `vlpack check`: builds through train/stack.py, so above train, below the CLI
+    ("check",),  # `vlpack check`: builds through train/build/stack.py, so above train, below the CLI
     ("cli",),  # the commands
     ("__main__",),  # `python -m vlpack`
 )

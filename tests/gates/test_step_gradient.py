@@ -24,8 +24,8 @@ from tests.helpers import GradRecorder, run_ranks
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model, set_attn_implementation
 from vlpack.model.synthetic import synthetic_sample
+from vlpack.train.build.module import TrainModule
 from vlpack.train.dist.parallel import Topology
-from vlpack.train.module import TrainModule
 from vlpack.train.step import optimizer_step
 
 NAME, AUX = "tiny-qwen3_vl_moe", 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlpack.train import memory
+from vlpack.train.build import memory
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vlpack.config import OptimConfig, load_config
-from vlpack.train.module import module_groups
+from vlpack.train.build.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler, own_rates, warmup_steps
 
 

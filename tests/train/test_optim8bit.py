@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vlpack.config import OptimConfig
-from vlpack.train import memory
+from vlpack.train.build import memory
 from vlpack.train.optim import build_optimizer, build_scheduler
 
 pytest.importorskip("torchao.optim", reason="torchao is installed in CI's last step only "

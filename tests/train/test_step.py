@@ -10,7 +10,7 @@ from vlpack.config import load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.padded import build_padded_batch
 from vlpack.model.build import build_model
-from vlpack.train.module import TrainModule
+from vlpack.train.build.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.step import optimizer_step
 

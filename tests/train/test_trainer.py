@@ -16,7 +16,7 @@ import yaml
 
 from tests.helpers import CPU, losses, small_cfg
 from vlpack.train import checkpoint as ckpt
-from vlpack.train.module import module_groups
+from vlpack.train.build.module import module_groups
 from vlpack.train.trainer import NonFiniteLossError, Trainer
 
 

@@ -152,7 +152,7 @@ def _setup(name: str = "tiny-qwen3_vl", loss: str = "plain", padded: bool = Fals
     from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import build_model
     from vlpack.model.synthetic import default_mix
-    from vlpack.train.module import TrainModule
+    from vlpack.train.build.module import TrainModule
     if name.endswith("-untied"):
         name = _untied()
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)

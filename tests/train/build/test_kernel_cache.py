@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlpack.train.kernel_cache import (
+from vlpack.train.build.kernel_cache import (
     FLA_CONFIGS,
     FLA_DIR,
     FLA_MODE,
@@ -96,7 +96,7 @@ def test_the_tool_keeps_tritons_fastest_configuration(tmp_path: Path) -> None:
     import json
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
+    sys.path.insert(0, str(Path(__file__).parents[3] / "tools"))
     try:
         import fla_configs
     finally:
@@ -124,7 +124,7 @@ def test_fla_is_pointed_at_its_configurations_before_the_model_is_imported(monke
     import torch
 
     from vlpack.config import load_config
-    from vlpack.train import stack
+    from vlpack.train.build import stack
     from vlpack.train.dist.parallel import Topology
 
     calls: list = []

@@ -1,4 +1,4 @@
-"""Frozen weights held in the compute dtype (train/precision.py): which parameter gets which
+"""Frozen weights held in the compute dtype (train/build/precision.py): which parameter gets which
 dtype, in one process and under FSDP2, and that holding them in bf16 changes no result."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tests.helpers import CPU, make_sample, run_ranks, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
-from vlpack.train import precision
-from vlpack.train.module import TrainModule
+from vlpack.train.build import precision
+from vlpack.train.build.module import TrainModule
 from vlpack.train.trainer import Trainer
 
 peft = pytest.importorskip("peft")
