@@ -44,7 +44,7 @@ from vlpack.model.presets import get_preset
 from vlpack.train.build.stack import build_stack
 from vlpack.train.dist.parallel import Topology
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.plot import plot_runs
+from vlpack.train.run.plot import plot_runs
 from vlpack.train.step import optimizer_step
 
 

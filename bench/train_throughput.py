@@ -64,7 +64,7 @@ from vlpack.train.build.prepare import Preparation, prepare
 from vlpack.train.build.stack import build_stack
 from vlpack.train.dist.parallel import Topology
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.profile import StepProfiler, count_host_syncs
+from vlpack.train.run.profile import StepProfiler, count_host_syncs
 from vlpack.train.step import optimizer_step
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
@@ -416,7 +416,7 @@ def _allocator_counts(device: torch.device) -> dict:
 
 
 def profile_steps(step, batches, device, out: Path, step_s: float, stacks: bool = False) -> dict:
-    """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.profile)."""
+    """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.run.profile)."""
     prof = StepProfiler(out, start=1, count=len(batches), device=device, stacks=stacks)
     for i, b in enumerate(batches, 1):
         prof.before(i)

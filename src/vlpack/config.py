@@ -479,7 +479,7 @@ class TrainConfig:
     """Write a metrics row (and, when stderr is not a terminal, a progress line) every N steps."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(default_factory=list)
     """Experiment trackers that mirror every metrics row on rank 0, with the run's config
-    (train/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
+    (train/run/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
     metrics.jsonl is written either way."""
     report_to_errors: Literal["error", "warn"] = "error"
     """A tracker that cannot start (its extra missing, its server unreachable, its login absent;
@@ -489,7 +489,7 @@ class TrainConfig:
     """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
     eval_generate_every: int = 0
     """Every N steps, generate the answers of the first held-out samples (data.eval_samples)
-    and log `gen_exact_match`, `gen_token_f1` and `gen_field_accuracy` (train/generate.py,
+    and log `gen_exact_match`, `gen_token_f1` and `gen_field_accuracy` (train/run/generate.py,
     as `vlpack eval` scores them); 0: never."""
     eval_generate_samples: int = 8
     """How many held-out samples train.eval_generate_every generates."""

@@ -26,7 +26,6 @@ import torch
 from vlpack.config import Config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders, data_fingerprints
-from vlpack.train import checkpoint as ckpt
 from vlpack.train.build import memory
 from vlpack.train.build.flops import peak_flops
 from vlpack.train.build.module import module_groups
@@ -41,17 +40,18 @@ from vlpack.train.dist.parallel import (
     per_replica,
 )
 from vlpack.train.epochs import steps_for_epochs
-from vlpack.train.export import export_live, export_live_adapter
-from vlpack.train.generate import HeldOutGeneration
-from vlpack.train.metrics import MetricsWriter, epoch_of, step_row
 from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
-from vlpack.train.plot import missing_matplotlib, plot_runs
-from vlpack.train.profile import StepProfiler
-from vlpack.train.progress import Eta, Progress
 from vlpack.train.resume import keep_changed_config, resumed_bins, run_id, warn_changed_data
-from vlpack.train.runlock import claim_output_dir
+from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.run.export import export_live, export_live_adapter
+from vlpack.train.run.generate import HeldOutGeneration
+from vlpack.train.run.metrics import MetricsWriter, epoch_of, step_row
+from vlpack.train.run.plot import missing_matplotlib, plot_runs
+from vlpack.train.run.profile import StepProfiler
+from vlpack.train.run.progress import Eta, Progress
+from vlpack.train.run.runlock import claim_output_dir
+from vlpack.train.run.tracking import Tracker, start_trackers
 from vlpack.train.step import StepResult, optimizer_step
-from vlpack.train.tracking import Tracker, start_trackers
 
 log = logging.getLogger("vlpack.train")
 

@@ -210,8 +210,8 @@ def test_int8_runs_hold_the_experts_in_int8_resume_exactly_and_export_the_stored
     each; 2 + 2 resumed steps equal 4 (a resume quantizes the base again, bit for bit); the
     merged export writes the experts as the base stores them (bf16, not the int8 rounding)."""
     from tests.helpers import losses
-    from vlpack.train import checkpoint as ckpt
-    from vlpack.train.export import export_checkpoint
+    from vlpack.train.run import checkpoint as ckpt
+    from vlpack.train.run.export import export_checkpoint
 
     straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=4", *INT8), CPU)
     got = _dtypes(straight.model)

@@ -78,7 +78,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
-    from vlpack.train.export import export_checkpoint
+    from vlpack.train.run.export import export_checkpoint
 
     offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", out_dtype="float32")
     h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
@@ -293,7 +293,7 @@ def test_two_process_lora_equals_one_process(tmp_path: Path, extra: tuple[str, .
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
     if extra:
         assert any(".experts.lora_A" in k for k in w1)
-    from vlpack.train.export import export_checkpoint
+    from vlpack.train.run.export import export_checkpoint
 
     offline = export_checkpoint(tmp_path / "two", tmp_path / "offline", out_dtype="float32")
     h1, h2, h3 = (_hf_weights(d) for d in (tmp_path / "one" / "hf", tmp_path / "two" / "hf", offline))
@@ -387,7 +387,7 @@ def test_sharded_run_builds_shapes_then_receives_rank0s_weights(tmp_path: Path,
 def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
     """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
     its sharded checkpoint resumes to the straight run's losses."""
-    from vlpack.train import checkpoint as ckpt
+    from vlpack.train.run import checkpoint as ckpt
     from vlpack.train.dist.parallel import shutdown
 
     try:

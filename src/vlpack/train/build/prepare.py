@@ -7,7 +7,7 @@ compile → FSDP2.
 Every caller prepares through `prepare`, each over the steps it needs: the memory plan on meta
 shapes up to int8, `build_base` (the build stage of the trainer and of `vlpack check`) LoRA,
 the trainer's build the rest, rank 0's host copy of a sharded run and the export up to the held
-dtypes (train/build/stack.py, train/export.py).
+dtypes (train/build/stack.py, train/run/export.py).
 """
 
 from __future__ import annotations

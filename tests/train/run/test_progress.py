@@ -1,4 +1,4 @@
-"""The live view (train/progress.py): plain lines when stderr is not a terminal, the messages
+"""The live view (train/run/progress.py): plain lines when stderr is not a terminal, the messages
 around evaluations and saves, the ETA, and which messages show at which log level."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from vlpack.train.progress import Eta, Progress, clock, format_line, setup_logging
+from vlpack.train.run.progress import Eta, Progress, clock, format_line, setup_logging
 
 ROW = {"step": 12, "loss": 2.34564, "aux_loss": None, "lr": 1e-4, "grad_norm": 0.87,
        "tokens_per_s": 1234.4, "packing_efficiency": 0.934, "peak_mem_gib": 12.34,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from vlpack.train.metrics import read_metrics
+from vlpack.train.run.metrics import read_metrics
 
 LABELS = {"loss": "loss (token mean)", "aux_loss": "MoE aux loss", "grad_norm": "gradient norm",
           "tokens_per_s": "real tokens/s", "lr": "learning rate", "memory": "peak memory (GiB)",

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import CPU, small_cfg
 from vlpack.cli import main
-from vlpack.train.plot import plot_runs
+from vlpack.train.run.plot import plot_runs
 from vlpack.train.trainer import Trainer
 
 
@@ -86,7 +86,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch,
 def test_training_without_matplotlib_skips_the_plot(tmp_path: Path, monkeypatch, caplog) -> None:
     """A run ends without loss.png, with one log line and the summary's plot line saying how
     to get it."""
-    from vlpack.train.metrics import format_summary
+    from vlpack.train.run.metrics import format_summary
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with caplog.at_level(logging.INFO, logger="vlpack"):

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CPU, small_cfg
-from vlpack.train import checkpoint as ckpt
-from vlpack.train import tracking, trainer
-from vlpack.train.metrics import MetricsWriter
-from vlpack.train.tracking import numbers, start_trackers
+from vlpack.train import trainer
+from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.run import tracking
+from vlpack.train.run.metrics import MetricsWriter
+from vlpack.train.run.tracking import numbers, start_trackers
 from vlpack.train.trainer import Trainer
 
 CONFIG = {"optim": {"lr": 1e-5}, "train": {"report_to": ["tensorboard"]}}
@@ -168,7 +169,7 @@ def test_mlflow_default_store_reads_back(tmp_path: Path, monkeypatch) -> None:
 TRACKIO_RUN = """
 import json, sys
 from pathlib import Path
-from tests.train.test_tracking import CONFIG, ROWS, _write
+from tests.train.run.test_tracking import CONFIG, ROWS, _write
 from trackio.sqlite_storage import SQLiteStorage
 
 _write(Path(sys.argv[1]), ["trackio"], ROWS)
@@ -182,7 +183,7 @@ def test_trackio_local_project_reads_back(tmp_path: Path) -> None:
     pytest.importorskip("trackio")
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "vlpack-test"}
     done = subprocess.run([sys.executable, "-c", TRACKIO_RUN, str(tmp_path / "run")], env=env,
-                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+                          cwd=Path(__file__).parents[3], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     logs, config = json.loads(done.stdout.splitlines()[-1])
     assert [{k: v for k, v in r.items() if k != "timestamp"} for r in logs] == [

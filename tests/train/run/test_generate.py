@@ -22,7 +22,7 @@ from vlpack.data.loader import open_dataset
 from vlpack.data.synth import default_dataset
 from vlpack.data.template import hf_messages
 from vlpack.data.types import Conversation, Message
-from vlpack.train.generate import all_prompts, evaluate, generate_ids, left_padded, turn_prompts
+from vlpack.train.run.generate import all_prompts, evaluate, generate_ids, left_padded, turn_prompts
 from vlpack.train.trainer import Trainer
 
 
@@ -147,7 +147,7 @@ def test_an_exported_folder_and_a_runs_hf_folder_answer_as_its_checkpoint(run: P
     float32 export of it, and from a run folder holding only that export as hf/."""
     import shutil
 
-    from vlpack.train.export import export_checkpoint
+    from vlpack.train.run.export import export_checkpoint
 
     data = default_dataset(n=24)
     kw = dict(max_new_tokens=4, limit=2)
@@ -190,7 +190,7 @@ def test_the_training_hook_logs_generation_scores(tmp_path: Path) -> None:
 def test_the_hook_leaves_out_a_sample_that_does_not_encode(caplog) -> None:
     from types import SimpleNamespace
 
-    from vlpack.train.generate import HeldOutGeneration
+    from vlpack.train.run.generate import HeldOutGeneration
 
     encoder = Encoder("qwen3_vl")
     bad = Conversation("bad", (Message("user", ("Hi <|im_end|>",)), Message("assistant", ("x",))))
@@ -210,7 +210,7 @@ def test_the_hook_runs_compiled_layers_eagerly() -> None:
     from torch._dynamo.utils import counters
 
     from vlpack.model.build import build_model
-    from vlpack.train.generate import HeldOutGeneration
+    from vlpack.train.run.generate import HeldOutGeneration
 
     model, spec = build_model("tiny-qwen3_vl", backend="sdpa", device="cpu", seed=0)
     for layer in model.model.language_model.layers:

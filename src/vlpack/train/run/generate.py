@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from vlpack.data.types import IGNORE_INDEX, BadSampleError, Conversation, EncodedSample
-from vlpack.train import answer_metrics
+from vlpack.train.run import answer_metrics
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ def load(source: str | Path, export_to: Path, device: torch.device
     from vlpack.config import Config, DataConfig, load_config
     from vlpack.data.setup import build_encoder
     from vlpack.model.build import build_model
-    from vlpack.train import checkpoint as ckpt
-    from vlpack.train.export import export_checkpoint, resolve, run_config
+    from vlpack.train.run import checkpoint as ckpt
+    from vlpack.train.run.export import export_checkpoint, resolve, run_config
 
     path = check_source(source)
     dtype = "bfloat16" if device.type == "cuda" else "float32"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlpack.train.answer_metrics import (
+from vlpack.train.run.answer_metrics import (
     exact_match,
     field_scores,
     leaves,

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import CPU, small_cfg
 from vlpack.data.loader import open_dataset
-from vlpack.train import checkpoint as ckpt
-from vlpack.train.export import INDEX, export_checkpoint
+from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.run.export import INDEX, export_checkpoint
 from vlpack.train.trainer import Trainer
 
 
@@ -184,7 +184,7 @@ def test_published_tensor_names_load_back(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     from vlpack.model.build import build_model
-    from vlpack.train.export import live_fetch, write_config, write_weights
+    from vlpack.train.run.export import live_fetch, write_config, write_weights
 
     model, _ = build_model(name, dtype=torch.float32, device="cpu", seed=0)
     write_weights(model, tmp_path, live_fetch(model), dtype=torch.float32, max_shard_bytes=50_000)

@@ -140,7 +140,7 @@ def _step_dir(root: Path, step: int) -> Path:
 def marker(path: Path) -> dict[str, Any]:
     """The COMPLETE marker of a checkpoint folder: step, world_size, run_id (None if older),
     the digest of the frozen parameters' names, the device type the run trained on, whether
-    FSDP2 sharded it (where the frozen base was drawn: vlpack.train.export rebuilds it) and
+    FSDP2 sharded it (where the frozen base was drawn: vlpack.train.run.export rebuilds it) and
     `files`, each other file's name → {bytes, sha256} (absent in older checkpoints)."""
     return json.loads((path / MARKER).read_text())
 

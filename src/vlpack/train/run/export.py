@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from vlpack.config import Config, load_config
-from vlpack.train import checkpoint as ckpt
 from vlpack.train.dist.parallel import Topology, barrier
+from vlpack.train.run import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def export_live(model: nn.Module, out_dir: str | Path, topo: Topology, cfg: Conf
     """Write the live `model` of run `cfg` as a transformers folder in `out_dtype` (sharded
     safetensors with their index, the LoRA adapter folded in, and the files a serving engine
     reads), gathering one shard at a time. Collective."""
-    from vlpack.train.serving import write_serving_files
+    from vlpack.train.run.serving import write_serving_files
 
     out = Path(out_dir)
     if topo.is_main:
@@ -319,7 +319,7 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode
     """Export a run's latest checkpoint, or the checkpoint `source`, to `out` (default
     RUN/export/step_XXXXXXXX-{hf|adapter}): a transformers folder (`mode="hf"`, in `out_dtype`)
     or the LoRA adapter in peft's format (`mode="adapter"`). Returns the folder."""
-    from vlpack.train.serving import write_serving_files
+    from vlpack.train.run.serving import write_serving_files
 
     if mode not in ("hf", "adapter"):
         raise ValueError(f"mode {mode!r}: use hf or adapter")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import CPU, losses, small_cfg
-from vlpack.train import checkpoint as ckpt
+from vlpack.train.run import checkpoint as ckpt
 from vlpack.train.trainer import Trainer
 
 
@@ -160,7 +160,7 @@ def test_a_trainer_state_that_would_run_code_is_refused(tmp_path: Path) -> None:
     """The trainer state is read with weights_only: a pickle that calls a function on load is
     refused with the file and the name it asks for, and the function never runs. States as
     vlpack writes them load, numpy's RNG key as an array (older checkpoints) too."""
-    from vlpack.train.checkpoint import load_trainer_state, rng_state
+    from vlpack.train.run.checkpoint import load_trainer_state, rng_state
 
     ran = tmp_path / "ran"
     torch.save({"step": 3, "evil": _TouchOnLoad(ran)}, tmp_path / "hostile.pt")
@@ -249,7 +249,7 @@ def test_fallback_resumes_from_the_intact_checkpoint(two_steps: Path, tmp_path: 
     out, latest = _copy(two_steps, tmp_path)
     _flip(latest / "__0_0.distcp")
     Trainer(small_cfg(tmp_path / "straight", "train.max_steps=4"), CPU).fit()
-    with caplog.at_level("WARNING", logger="vlpack.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="vlpack.train.run.checkpoint"):
         t = Trainer(small_cfg(out, "train.max_steps=4", "train.resume_fallback=true"), CPU)
         assert t.maybe_resume() == out / "checkpoints" / "step_00000001" and t.step == 1
     assert f"skipping {latest}: {latest / '__0_0.distcp'} has the recorded size but" in caplog.text
@@ -288,7 +288,7 @@ def test_a_checkpoint_without_digests_resumes_with_a_warning(two_steps: Path, tm
                                                              caplog) -> None:
     out, latest = _copy(two_steps, tmp_path)
     _unrecorded(latest)
-    with caplog.at_level("WARNING", logger="vlpack.train.checkpoint"):
+    with caplog.at_level("WARNING", logger="vlpack.train.run.checkpoint"):
         t = Trainer(small_cfg(out, "train.max_steps=4"), CPU)
         assert t.maybe_resume() == latest and t.step == 2
     assert f"{latest} records no file digests" in caplog.text and "without verifying" in caplog.text

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 Mirror = Callable[[dict[str, Any]], None]
-"""Receives every row written (an experiment tracker, `vlpack.train.tracking`)."""
+"""Receives every row written (an experiment tracker, `vlpack.train.run.tracking`)."""
 
 
 def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], peak_flops: float | None,

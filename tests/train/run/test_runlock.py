@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.helpers import CPU, small_cfg
-from vlpack.train import runlock
 from vlpack.train.dist.parallel import Topology
+from vlpack.train.run import runlock
 from vlpack.train.trainer import Trainer
 
-HOLD = ("import sys, time; from vlpack.train.runlock import lock_output_dir; "
+HOLD = ("import sys, time; from vlpack.train.run.runlock import lock_output_dir; "
         "lock_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)")
 
 

@@ -1,4 +1,4 @@
-"""The profile's GPU idle-gap analysis (vlpack.train.profile.idle_gaps) on hand-made traces.
+"""The profile's GPU idle-gap analysis (vlpack.train.run.profile.idle_gaps) on hand-made traces.
 
 The GPU test `tests/gpu/test_gpu_model.py::test_idle_gap_is_charged_to_the_slow_host_code`
 runs it on a real profile."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import CPU, small_cfg
-from vlpack.train.profile import _innermost_at, format_gaps, idle_gaps
+from vlpack.train.run.profile import _innermost_at, format_gaps, idle_gaps
 from vlpack.train.trainer import Trainer
 
 
@@ -117,7 +117,7 @@ def test_profile_writes_a_summary(tmp_path: Path) -> None:
 
 
 def test_profile_stacks_add_host_time_by_call_site(tmp_path: Path) -> None:
-    from vlpack.train.profile import StepProfiler
+    from vlpack.train.run.profile import StepProfiler
 
     prof = StepProfiler(tmp_path / "p.txt", start=1, count=1, device=torch.device("cpu"), stacks=True)
     prof.before(1)
