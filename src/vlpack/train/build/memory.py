@@ -121,7 +121,7 @@ class MemoryPlan:
     shard_bytes: int = 0
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
     build_dtype: torch.dtype = torch.float32
-    """The dtype the model is built in (train/precision.build_dtype)."""
+    """The dtype the model is built in (train/build/precision.py build_dtype)."""
     recompute_share: float = 0.0
     """The share of each layer stack that recomputes in this plan (0: none)."""
     seq_len: int = 0
