@@ -41,10 +41,10 @@ from vlpack.data.loader import measure_all, open_dataset
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.presets import get_preset
-from vlpack.train.build.stack import build_stack
-from vlpack.train.dist.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
 from vlpack.train.optim import build_optimizer, build_scheduler
 from vlpack.train.run.plot import plot_runs
+from vlpack.train.setup.stack import build_stack
 from vlpack.train.step import optimizer_step
 
 

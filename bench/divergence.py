@@ -54,11 +54,11 @@ from vlpack.model.build import set_attn_implementation
 from vlpack.model.moe import routers
 from vlpack.model.presets import get_preset
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
-from vlpack.train.build import precision
-from vlpack.train.build.kernel_cache import use_tuned_kernels
-from vlpack.train.build.module import TrainModule
-from vlpack.train.build.stack import build_base, build_stack
-from vlpack.train.dist.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
+from vlpack.train.setup import precision
+from vlpack.train.setup.kernel_cache import use_tuned_kernels
+from vlpack.train.setup.module import TrainModule
+from vlpack.train.setup.stack import build_base, build_stack
 from vlpack.train.step import optimizer_step
 
 sys.path.insert(0, str(Path(__file__).parent))

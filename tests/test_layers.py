@@ -20,7 +20,7 @@ FLOORS = (
     ("config_keys", "data"),  # the config's reference; samples, encoding, packing, loading
     ("model",),  # the model and its kernels (reads data's types)
     ("train",),  # the loop, parallelism, checkpoints: assembles data and model
-    ("check",),  # `vlpack check`: builds through train/build/stack.py, so above train, below the CLI
+    ("check",),  # `vlpack check`: builds through train/setup/stack.py, so above train, below the CLI
     ("cli",),  # the commands
     ("__main__",),  # `python -m vlpack`
 )
@@ -28,8 +28,8 @@ FLOORS = (
 import its own modules and those of lower floors; parts on one floor import none of each other."""
 
 TRAIN_FLOORS = (
-    ("dist",),  # the process group, FSDP2, SLURM: no other train module
-    ("build",),  # the model a run trains: memory plan, preparation, the stack
+    ("distributed",),  # the process group, FSDP2, SLURM: no other train module
+    ("setup",),  # the model a run trains: memory plan, preparation, the stack
     ("run",),  # what a run writes and reads: checkpoints, export, metrics, the held-out eval
     ("epochs", "optim", "resume", "step"),  # the loop's parts
     ("trainer",),  # the loop
@@ -124,11 +124,11 @@ def test_no_train_module_imports_from_its_own_floor_or_above():
 
 def test_the_floor_check_sees_an_upward_import_inside_train():
     """The check itself: the distributed floor importing the trainer is found, and only that."""
-    graph = {"vlpack.train.dist.parallel": {"vlpack.train.dist.slurm", "vlpack.train.trainer",
-                                            "vlpack.model.context"},
-             "vlpack.train.trainer": {"vlpack.train.dist.parallel", "vlpack.train.build.stack"}}
+    parallel, trainer = "vlpack.train.distributed.parallel", "vlpack.train.trainer"
+    graph = {parallel: {"vlpack.train.distributed.slurm", trainer, "vlpack.model.context"},
+             trainer: {parallel, "vlpack.train.setup.stack", "vlpack.train.run.checkpoint"}}
     assert _upward(graph, TRAIN_FLOORS, "vlpack.train", 2) == [
-        "vlpack.train.dist.parallel imports vlpack.train.trainer (floor 4 >= 0)"]
+        "vlpack.train.distributed.parallel imports vlpack.train.trainer (floor 4 >= 0)"]
 
 
 def test_no_import_cycle_between_modules():

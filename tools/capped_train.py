@@ -17,7 +17,7 @@ import sys
 import torch
 
 from vlpack.train import parallelize
-from vlpack.train.build import precision
+from vlpack.train.setup import precision
 
 _hold = precision.hold_int8_experts
 

@@ -231,8 +231,8 @@ def _run_check(args: argparse.Namespace) -> int:
               media_root=getattr(args, "media_root", None), as_json=args.json)
     if args.cp == 1:
         return check_command(args.model, **kw)
-    from vlpack.train.dist.parallel import context_group, init_distributed, shutdown
-    from vlpack.train.dist.slurm import torchrun_env
+    from vlpack.train.distributed.parallel import context_group, init_distributed, shutdown
+    from vlpack.train.distributed.slurm import torchrun_env
 
     try:
         if args.cp < 1:

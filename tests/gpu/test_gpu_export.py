@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import small_cfg
-from vlpack.train.dist.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
 
 pytestmark = [
     pytest.mark.gpu,

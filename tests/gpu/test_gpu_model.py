@@ -319,8 +319,8 @@ def test_host_syncs_do_not_grow_with_depth(name):
     from vlpack.model.build import build_model
     from vlpack.model.presets import get_preset, reduced_depth
     from vlpack.model.synthetic import default_mix
-    from vlpack.train.build.module import TrainModule
     from vlpack.train.run.profile import count_host_syncs
+    from vlpack.train.setup.module import TrainModule
 
     depth = get_preset(name).text["num_hidden_layers"]
     ours = {}
@@ -429,8 +429,8 @@ def test_frozen_weights_held_in_bf16_change_no_result_on_the_gpu(name: str) -> N
     from vlpack.data.batch import build_thd_batch
     from vlpack.model import lora
     from vlpack.model.build import build_model
-    from vlpack.train.build.module import TrainModule
-    from vlpack.train.build.precision import hold_parameters
+    from vlpack.train.setup.module import TrainModule
+    from vlpack.train.setup.precision import hold_parameters
 
     model, spec = build_model(name, dtype=torch.float32, device="cuda", seed=0)
     torch.manual_seed(1)
@@ -470,7 +470,7 @@ def test_padded_qwen3_5_trains_with_fla_on_the_gpu() -> None:
     from vlpack.data.batch import build_thd_batch
     from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import build_model
-    from vlpack.train.build.module import TrainModule
+    from vlpack.train.setup.module import TrainModule
 
     rng = np.random.default_rng(0)
     losses, grads = [], []

@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from tests.helpers import CPU, losses, small_cfg
-from vlpack.train.build.module import module_groups
 from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.setup.module import module_groups
 from vlpack.train.trainer import NonFiniteLossError, Trainer
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from vlpack.config import Config
-from vlpack.train.build import memory
-from vlpack.train.build.prepare import preparation
-from vlpack.train.build.stack import check_plan, describe_choice, fla_autotunes, plan_memory, shorten_to_plan
-from vlpack.train.dist.parallel import Topology, barrier, init_distributed, shutdown
+from vlpack.train.distributed.parallel import Topology, barrier, init_distributed, shutdown
 from vlpack.train.run.metrics import format_summary
+from vlpack.train.setup import memory
+from vlpack.train.setup.prepare import preparation
+from vlpack.train.setup.stack import check_plan, describe_choice, fla_autotunes, plan_memory, shorten_to_plan
 from vlpack.train.trainer import EXIT_STOPPED, NonFiniteLossError, RunOutOfMemoryError, Trainer
 
 

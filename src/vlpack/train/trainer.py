@@ -26,11 +26,7 @@ import torch
 from vlpack.config import Config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders, data_fingerprints
-from vlpack.train.build import memory
-from vlpack.train.build.flops import peak_flops
-from vlpack.train.build.module import module_groups
-from vlpack.train.build.stack import build_stack
-from vlpack.train.dist.parallel import (
+from vlpack.train.distributed.parallel import (
     Topology,
     all_gather_object,
     all_reduce,
@@ -51,6 +47,10 @@ from vlpack.train.run.profile import StepProfiler
 from vlpack.train.run.progress import Eta, Progress
 from vlpack.train.run.runlock import claim_output_dir
 from vlpack.train.run.tracking import Tracker, start_trackers
+from vlpack.train.setup import memory
+from vlpack.train.setup.flops import peak_flops
+from vlpack.train.setup.module import module_groups
+from vlpack.train.setup.stack import build_stack
 from vlpack.train.step import StepResult, optimizer_step
 
 log = logging.getLogger("vlpack.train")
@@ -524,7 +524,7 @@ class Trainer:
 
 def _first_step_waits(cfg: Config, spec, device: torch.device, tuned: Path | None) -> str | None:
     """What the first step of a run waits for beyond its own work (None: nothing); `tuned`:
-    the folder of fla kernel configurations in use (train/build/kernel_cache.py)."""
+    the folder of fla kernel configurations in use (train/setup/kernel_cache.py)."""
     waits = []
     if device.type == "cuda" and spec.has_gdn:
         waits.append(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import CPU, small_cfg
-from vlpack.train.dist.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
 from vlpack.train.run import runlock
 from vlpack.train.trainer import Trainer
 

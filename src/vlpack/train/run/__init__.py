@@ -2,4 +2,4 @@
 exported folder and its serving files (export.py, serving.py), per-step metrics, trackers, the
 live view and plots (metrics.py, tracking.py, progress.py, plot.py), step profiles (profile.py),
 the output folder's lock (runlock.py) and the held-out evaluation (generate.py,
-answer_metrics.py). It imports train/dist/ and train/build/, never the loop above it."""
+answer_metrics.py). It imports train/distributed/ and train/setup/, never the loop above it."""

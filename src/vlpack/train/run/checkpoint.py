@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from vlpack.pickles import load_weights_only
-from vlpack.train.dist.parallel import Topology, all_gather_object, all_reduce, barrier
+from vlpack.train.distributed.parallel import Topology, all_gather_object, all_reduce, barrier
 
 MARKER = "COMPLETE"
 HEADROOM = 1.1

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vlpack.config import Config, load_config
-from vlpack.train.dist.parallel import Topology, barrier
+from vlpack.train.distributed.parallel import Topology, barrier
 from vlpack.train.run import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ def rebuild(cfg: Config, mark: dict) -> tuple[nn.Module, str]:
     """The model of run `cfg` on the CPU with its frozen base as the trainer built it (only
     shapes when nothing is frozen), and a sentence saying where the base came from."""
     from vlpack.model.build import build_model
-    from vlpack.train.build.prepare import preparation, prepare
+    from vlpack.train.setup.prepare import preparation, prepare
 
     m = cfg.model
     trained_on = torch.device(mark.get("device", "cpu"))
@@ -354,7 +354,7 @@ def export_checkpoint(source: str | Path, out: str | Path | None = None, *, mode
 def _adapter_shapes(cfg: Config) -> tuple[nn.Module, str]:
     """The run's model with its LoRA layers, as shapes only (an adapter needs no base)."""
     from vlpack.model.build import meta_model
-    from vlpack.train.build.prepare import Preparation, prepare
+    from vlpack.train.setup.prepare import Preparation, prepare
 
     model = meta_model(cfg.model.name)
     prepare(model, Preparation(model_name=cfg.model.name, lora=cfg.model.lora), last="lora")

@@ -3,7 +3,7 @@
 A training row (`step_row`) holds the step's figures (loss, aux_loss, lr, grad_norm, tokens,
 tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s; `recompute_flops_share`: the share
 of the FLOPs the step performed that went into recomputing checkpointed layers, which MFU does not
-count, train/build/flops.py), the memory of the step's busiest
+count, train/setup/flops.py), the memory of the step's busiest
 moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
 allocator: what other processes cannot use), and where the run stands: `time` (Unix seconds),
 `elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier

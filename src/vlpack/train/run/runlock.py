@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vlpack.train.dist.parallel import Topology
+    from vlpack.train.distributed.parallel import Topology
 
 LOCK_NAME = ".vlpack-train.lock"
 
@@ -125,7 +125,7 @@ def release_output_dir(out: str | Path) -> None:
 def claim_output_dir(out: str | Path, topo: Topology) -> None:
     """Rank 0 takes the output folder's lock; every rank raises the same
     `OutputDirLockedError` when another run holds it (collective under torchrun)."""
-    from vlpack.train.dist.parallel import broadcast_object
+    from vlpack.train.distributed.parallel import broadcast_object
 
     error = None
     if topo.is_main:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 if TYPE_CHECKING:
-    from vlpack.train.dist.parallel import Topology
+    from vlpack.train.distributed.parallel import Topology
 
 log = logging.getLogger("vlpack.train")
 
@@ -220,7 +220,7 @@ def start_trackers(names: list[str], *, out_dir: str | Path, run_id: str | None 
     error and the fix (collective under torchrun); with `errors="warn"` it is logged and left
     out. Each tracker's `begin(config, resume_step)` follows once the run's config is final and
     its checkpoint, if any, has loaded."""
-    from vlpack.train.dist.parallel import broadcast_object
+    from vlpack.train.distributed.parallel import broadcast_object
 
     trackers: list[Tracker] = []
     error = None

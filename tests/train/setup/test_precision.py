@@ -1,4 +1,4 @@
-"""Frozen weights held in the compute dtype (train/build/precision.py): which parameter gets which
+"""Frozen weights held in the compute dtype (train/setup/precision.py): which parameter gets which
 dtype, in one process and under FSDP2, and that holding them in bf16 changes no result."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tests.helpers import CPU, make_sample, run_ranks, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
-from vlpack.train.build import precision
-from vlpack.train.build.module import TrainModule
+from vlpack.train.setup import precision
+from vlpack.train.setup.module import TrainModule
 from vlpack.train.trainer import Trainer
 
 peft = pytest.importorskip("peft")
@@ -132,7 +132,7 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
 def _fsdp_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from vlpack.train.dist.parallel import init_distributed, shutdown
+    from vlpack.train.distributed.parallel import init_distributed, shutdown
 
     topo = init_distributed()
     try:

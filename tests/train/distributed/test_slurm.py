@@ -1,4 +1,4 @@
-"""srun's task variables become torchrun's (train/dist/slurm.py): literal environments, by hand."""
+"""srun's task variables become torchrun's (train/distributed/slurm.py): literal environments, by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vlpack.train.dist.slurm import expand_tasks_per_node, first_host, torchrun_env
+from vlpack.train.distributed.slurm import expand_tasks_per_node, first_host, torchrun_env
 
 # what srun gives task 5 of `srun --nodes 2 --ntasks-per-node 4` on gpu07 and gpu08
 SRUN_TASK_5 = {
@@ -76,7 +76,7 @@ def test_bad_environment_is_named():
 
 def test_init_distributed_reads_srun(monkeypatch):
     """init_distributed joins as the rank srun names (a 1-task step: no peers to wait for)."""
-    from vlpack.train.dist.parallel import init_distributed
+    from vlpack.train.distributed.parallel import init_distributed
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "")  # recorded, so the values init_distributed sets are undone

@@ -7,7 +7,7 @@ compile → FSDP2.
 Every caller prepares through `prepare`, each over the steps it needs: the memory plan on meta
 shapes up to int8, `build_base` (the build stage of the trainer and of `vlpack check`) LoRA,
 the trainer's build the rest, rank 0's host copy of a sharded run and the export up to the held
-dtypes (train/build/stack.py, train/run/export.py).
+dtypes (train/setup/stack.py, train/run/export.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from vlpack.config import Config, LoraConfig
-from vlpack.train.build import precision
-from vlpack.train.build.module import freeze
-from vlpack.train.dist.parallel import Topology, apply_fsdp, ensure_process_group
+from vlpack.train.distributed.parallel import Topology, apply_fsdp, ensure_process_group
+from vlpack.train.setup import precision
+from vlpack.train.setup.module import freeze
 
 if TYPE_CHECKING:
-    from vlpack.train.build.memory import MemoryPlan
+    from vlpack.train.setup.memory import MemoryPlan
 
 Step = Literal["lora", "freeze", "hold", "int8", "checkpoint", "compile", "fsdp"]
 STEPS: tuple[Step, ...] = ("lora", "freeze", "hold", "int8", "checkpoint", "compile", "fsdp")
@@ -49,7 +49,7 @@ class Preparation:
     """The dtype a step autocasts to (None: float32, no autocast)."""
     frozen_dtype: torch.dtype | None = None
     """The dtype frozen linear and expert weights are held in, the rest float32
-    (train/build/precision.py; None: every parameter float32)."""
+    (train/setup/precision.py; None: every parameter float32)."""
     build_dtype: torch.dtype = torch.float32
     """The dtype the model is built in (`precision.build_dtype`)."""
     int8_experts: bool = False

@@ -5,7 +5,7 @@ out-of-memory kill. `vlpack train ... --dry-run` prints the plan.
 
 Per device, in training:
 
-  weights      every parameter at the dtype it is held in (train/build/precision.py: frozen matmul
+  weights      every parameter at the dtype it is held in (train/setup/precision.py: frozen matmul
                weights in bf16 on a GPU, the rest float32; frozen routed experts in int8 with
                float32 row scales under model.frozen_dtype=int8), 1/world of them under FSDP2
   gradients    4 bytes per trainable parameter (float32), 1/world under FSDP2 (a LoRA run's
@@ -36,7 +36,7 @@ Per device, in training:
 
 One process builds the model on its device (at the build dtype: bf16 when frozen weights are held
 in bf16, else float32; `build_bytes`). An FSDP2 run builds shapes only on every device, and rank
-0 builds the whole model once in host memory (`vlpack.train.dist.parallel.load_full_state`). CPU ranks
+0 builds the whole model once in host memory (`vlpack.train.distributed.parallel.load_full_state`). CPU ranks
 of one host share its memory (`sharing`).
 """
 
@@ -66,7 +66,7 @@ HEADROOM = 0.05
 of it, docs/training.md) and kernels' workspaces."""
 AUTOTUNE_RESERVE = 8 * GIB
 """What a first step in which Triton autotunes fla's Gated-DeltaNet kernels takes beyond the
-plan's tensors (on a GPU vlpack keeps no kernel configurations for, train/build/kernel_cache.py): the
+plan's tensors (on a GPU vlpack keeps no kernel configurations for, train/setup/kernel_cache.py): the
 Qwen3.5-35B-A3B recipe on an H100 ran out of memory there twice with 71.8 and 72.1 GiB
 allocated of 78.7 GiB free, where the same runs served from kept configurations peaked at 73.2
 and 75.7 GiB."""
@@ -121,7 +121,7 @@ class MemoryPlan:
     shard_bytes: int = 0
     """Per device, the parameter shards alone (what exists while rank 0's copy does)."""
     build_dtype: torch.dtype = torch.float32
-    """The dtype the model is built in (train/build/precision.py build_dtype)."""
+    """The dtype the model is built in (train/setup/precision.py build_dtype)."""
     recompute_share: float = 0.0
     """The share of each layer stack that recomputes in this plan (0: none)."""
     seq_len: int = 0
@@ -130,7 +130,7 @@ class MemoryPlan:
     """The model's decoder layers (`recompute_share` of them recompute)."""
     fitting_seq_len: int | None = None
     """Where this plan does not fit: the longest halving of `seq_len` whose plan does, 0 where
-    none does (train/build/stack.py `shorter_bins`); None where no halving was planned."""
+    none does (train/setup/stack.py `shorter_bins`); None where no halving was planned."""
 
     @property
     def train_bytes(self) -> int:

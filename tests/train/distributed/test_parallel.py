@@ -128,7 +128,7 @@ def _worker(rank: int, port: int, out: str, name: str = "tiny-qwen3_vl",
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from vlpack.train.dist.parallel import apply_fsdp, init_distributed, shutdown
+    from vlpack.train.distributed.parallel import apply_fsdp, init_distributed, shutdown
 
     topo = init_distributed()
     model, module, batches = _setup(name, loss, padded)
@@ -152,7 +152,7 @@ def _setup(name: str = "tiny-qwen3_vl", loss: str = "plain", padded: bool = Fals
     from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import build_model
     from vlpack.model.synthetic import default_mix
-    from vlpack.train.build.module import TrainModule
+    from vlpack.train.setup.module import TrainModule
     if name.endswith("-untied"):
         name = _untied()
     model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
@@ -200,7 +200,7 @@ def test_text_only_rank_does_not_hang_and_matches_one_process(
     assert not hung, "a rank hung: the vision tower must run on every rank"
     assert all(p.exitcode == 0 for p in procs)
     # One process, both bins as micro-batches of one step: the same global token mean.
-    from vlpack.train.dist.parallel import Topology
+    from vlpack.train.distributed.parallel import Topology
     from vlpack.train.step import optimizer_step
 
     model, module, batches = _setup(name, loss, padded)
@@ -226,7 +226,7 @@ def test_fsdp_blocks_see_the_same_inputs_in_forward_and_recomputation(name: str)
     Uncast inputs must also meet no fp32/bf16 mismatch in any family's blocks (checkpointing,
     then sharding, as the Trainer orders them)."""
     from vlpack.model.recompute import enable_activation_checkpointing
-    from vlpack.train.dist.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
+    from vlpack.train.distributed.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
 
     model, module, batches = _setup(name)
     topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -250,7 +250,7 @@ def test_fsdp_root_keeps_fp32_loss_weights() -> None:
     """`train.loss_norm=sample` hands the root fp32 per-token weights (1 / the sample's label
     count). FSDP2's mixed precision cast a module's floating inputs to bf16, which rounded them
     (by up to 0.4%) on several GPUs and not on one. The loss must see them as given."""
-    from vlpack.train.dist.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
+    from vlpack.train.distributed.parallel import Topology, apply_fsdp, ensure_process_group, shutdown
     from vlpack.train.step import sample_mean_weights
 
     model, module, batches = _setup()
@@ -315,7 +315,7 @@ def test_fsdp_root_keeps_its_parameters_for_backward(tmp_path: Path, monkeypatch
     from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_flatten
 
-    from vlpack.train.dist.parallel import shutdown
+    from vlpack.train.distributed.parallel import shutdown
 
     def pytree_hooks(self, output):  # torch <= 2.11's registration
         if torch.is_grad_enabled():
@@ -359,7 +359,7 @@ def test_sharded_run_builds_shapes_then_receives_rank0s_weights(tmp_path: Path,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     import vlpack.model.build as build
-    from vlpack.train.dist.parallel import shutdown
+    from vlpack.train.distributed.parallel import shutdown
 
     devices, original = [], build.build_model
 
@@ -387,8 +387,8 @@ def test_sharded_run_builds_shapes_then_receives_rank0s_weights(tmp_path: Path,
 def test_fsdp_on_one_process_equals_plain_and_resumes(tmp_path: Path) -> None:
     """`train.fsdp=always` on one process (a one-rank group): the same losses as the plain run;
     its sharded checkpoint resumes to the straight run's losses."""
+    from vlpack.train.distributed.parallel import shutdown
     from vlpack.train.run import checkpoint as ckpt
-    from vlpack.train.dist.parallel import shutdown
 
     try:
         plain = Trainer(small_cfg(tmp_path / "plain", "train.max_steps=4"), CPU)
@@ -426,7 +426,7 @@ def test_cpu_offload_on_one_process(tmp_path: Path) -> None:
     the host is the device: the copies to and from an accelerator are not exercised here.)"""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from vlpack.train.dist.parallel import shutdown
+    from vlpack.train.distributed.parallel import shutdown
 
     with pytest.raises(ValueError, match=r"not sharded: set train\.fsdp=always"):
         Trainer(small_cfg(tmp_path / "plain", "train.cpu_offload=true"), CPU)

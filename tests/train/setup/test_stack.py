@@ -1,4 +1,4 @@
-"""train/build/stack.py: `vlpack check` builds through the trainer's build stage."""
+"""train/setup/stack.py: `vlpack check` builds through the trainer's build stage."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from vlpack.check.command import check_config
 from vlpack.config import Config, ModelConfig, TrainConfig
-from vlpack.train.build.stack import build_check_model, build_stack
-from vlpack.train.dist.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
+from vlpack.train.setup.stack import build_check_model, build_stack
 
 
 def test_check_builds_the_model_the_trainer_trains(tmp_path):
@@ -36,7 +36,7 @@ def test_int8_reads_a_folder_into_host_memory_and_draws_random_weights_on_the_de
     them (resume and export draw the same ones). On CPU the host is the device."""
     from tests.helpers import hf_test_folder
     from vlpack.config import load_config
-    from vlpack.train.build.prepare import builds_on_host
+    from vlpack.train.setup.prepare import builds_on_host
 
     folder = tmp_path / "moe"
     hf_test_folder(folder, "qwen3_5_moe")

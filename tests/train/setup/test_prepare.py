@@ -1,4 +1,4 @@
-"""train/build/prepare.py: one preparation, resolved once, applied in one order."""
+"""train/setup/prepare.py: one preparation, resolved once, applied in one order."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tests.helpers import CPU
 from vlpack.config import load_config
 from vlpack.model.build import meta_model
-from vlpack.train.build.prepare import STEPS, Preparation, preparation, prepare
+from vlpack.train.setup.prepare import STEPS, Preparation, preparation, prepare
 
 TRAIN = Path(__file__).resolve().parents[3] / "src" / "vlpack" / "train"
 
@@ -21,7 +21,7 @@ def test_the_order_is_written_once() -> None:
     sites = [f"{f.relative_to(TRAIN)}: {line.strip()}" for f in sorted(TRAIN.rglob("*.py"))
              for line in f.read_text().splitlines()
              if call.search(line) and not line.lstrip().startswith("def ")]
-    assert sites and all(s.startswith("build/prepare.py: ") for s in sites), sites
+    assert sites and all(s.startswith("setup/prepare.py: ") for s in sites), sites
     assert STEPS == ("lora", "freeze", "hold", "int8", "checkpoint", "compile", "fsdp")
 
 

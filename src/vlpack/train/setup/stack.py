@@ -1,4 +1,4 @@
-"""The stack builder: memory plan → build → the preparation (train/build/prepare.py: LoRA → freeze →
+"""The stack builder: memory plan → build → the preparation (train/setup/prepare.py: LoRA → freeze →
 frozen weights' dtype → int8 experts, quantized on the device, from host memory for a folder →
 activation checkpointing → compile → FSDP2), from the config's `model`, `data` and `train`
 sections. `vlpack train`, `bench/convergence.py` and `bench/train_throughput.py` build through
@@ -26,12 +26,12 @@ from torch import nn
 
 from vlpack.config import Config
 from vlpack.model.build import ModelSpec
-from vlpack.train.build import memory
-from vlpack.train.build.flops import FlopModel, flop_model
-from vlpack.train.build.kernel_cache import keep_kernel_cache, use_tuned_kernels
-from vlpack.train.build.module import TrainModule
-from vlpack.train.build.prepare import Preparation, builds_on_host, freezes, preparation, prepare
-from vlpack.train.dist.parallel import Topology, all_reduce, load_full_state
+from vlpack.train.distributed.parallel import Topology, all_reduce, load_full_state
+from vlpack.train.setup import memory
+from vlpack.train.setup.flops import FlopModel, flop_model
+from vlpack.train.setup.kernel_cache import keep_kernel_cache, use_tuned_kernels
+from vlpack.train.setup.module import TrainModule
+from vlpack.train.setup.prepare import Preparation, builds_on_host, freezes, preparation, prepare
 
 log = logging.getLogger("vlpack.train")
 
@@ -60,7 +60,7 @@ class Stack:
 def plan_memory(cfg: Config, topo: Topology, *, sharded: bool, free: int | None = None,
                 autotunes: bool = False, shorten: bool | None = None,
                 prep: Preparation | None = None) -> tuple[memory.MemoryPlan, list[str]]:
-    """The run's memory plan per device (train/build/memory.py), from the model's shapes on the meta
+    """The run's memory plan per device (train/setup/memory.py), from the model's shapes on the meta
     device prepared by `prep` up to its int8 experts (LoRA, freezing, the frozen weights'
     dtype; None: `cfg`'s preparation on `topo`), and the ways out that apply to it. With
     `model.checkpoint_share=auto`, the plan of the least share that fits `free` bytes (None:
@@ -201,7 +201,7 @@ def fla_autotunes(cfg: Config, device_name: str, environ: dict[str, str] | None 
     """Whether fla's kernels autotune in the first step on `device_name`'s GPU: neither the
     configurations vlpack keeps for it (`train.tuned_kernels`) nor the user's own (FLA_CONFIG_DIR
     set in the environment) serve them."""
-    from vlpack.train.build.kernel_cache import FLA_DIR, keeps_configurations
+    from vlpack.train.setup.kernel_cache import FLA_DIR, keeps_configurations
 
     env = os.environ if environ is None else environ
     return FLA_DIR not in env and not (cfg.train.tuned_kernels and keeps_configurations(device_name))

@@ -2,7 +2,7 @@
 
 `torchrun --nproc-per-node N -m vlpack train ...` sets RANK/WORLD_SIZE/LOCAL_RANK; multi-node
 runs add `--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT` (torchrun's standard
-rendezvous); `srun` with one task per GPU works without torchrun (`train/dist/slurm.py`). NCCL on
+rendezvous); `srun` with one task per GPU works without torchrun (`train/distributed/slurm.py`). NCCL on
 GPUs, gloo on CPUs. Model code never imports torch.distributed: sharding is applied from here,
 one `fully_shard` per decoder block and per vision block, then the root.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from vlpack.train.dist.slurm import torchrun_env
+from vlpack.train.distributed.slurm import torchrun_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class Topology:
 
 
 def init_distributed(cp: int = 1) -> Topology:
-    """Join the process group torchrun (or srun, `train/dist/slurm.py`) describes, or run alone;
+    """Join the process group torchrun (or srun, `train/distributed/slurm.py`) describes, or run alone;
     pick this rank's device; `cp` ranks share each row (parallel.cp)."""
     os.environ.update(torchrun_env(os.environ))  # srun's task variables as torchrun's
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,4 +1,4 @@
-"""The memory plan (train/build/memory.py) against hand-worked numbers, `vlpack train --dry-run`, the
+"""The memory plan (train/setup/memory.py) against hand-worked numbers, `vlpack train --dry-run`, the
 one-paragraph out-of-memory message, and a model too large refused before it is built."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import nn
 from tests.helpers import CPU, small_cfg, tiny_routed_experts
 from vlpack.config import LoraConfig
 from vlpack.model.build import meta_model
-from vlpack.train.build import memory
 from vlpack.train.command import train
+from vlpack.train.setup import memory
 from vlpack.train.trainer import Trainer
 
 
@@ -190,7 +190,7 @@ def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog, monkeypatch) -
     unknown, all 8; where everything fits, none (activation checkpointing off)."""
     import logging
 
-    from vlpack.train.build.stack import plan_memory
+    from vlpack.train.setup.stack import plan_memory
 
     fixed = [plan_memory(_cut_lora("model.activation_checkpointing=false"), CPU,
                          sharded=False)[0]]
@@ -230,9 +230,9 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from vlpack.train.build.prepare import is_sharded
-    from vlpack.train.build.stack import plan_memory
-    from vlpack.train.dist.parallel import init_distributed, shutdown
+    from vlpack.train.distributed.parallel import init_distributed, shutdown
+    from vlpack.train.setup.prepare import is_sharded
+    from vlpack.train.setup.stack import plan_memory
 
     topo = init_distributed(1)
     cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
@@ -260,7 +260,7 @@ def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) 
     """tiny's 2 text layers and 2 vision blocks: with room for one kept layer but not two, the
     first of each stack recomputes and the second keeps its activations; with room for both,
     activation checkpointing is off."""
-    from vlpack.train.build.stack import plan_memory
+    from vlpack.train.setup.stack import plan_memory
 
     ac = ("model.activation_checkpointing=true",)
     keep_one = plan_memory(small_cfg(tmp_path, *ac, "model.checkpoint_share=0.5"), CPU,
@@ -325,7 +325,7 @@ def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
     `shorten` plans 8,192-token bins and 4 micro-batches per step, and `refuse` names that
     length in its ways out; just below, 4,096 and 8 micro-batches; where even MIN_BIN-token bins
     do not fit, none is named and the run is refused."""
-    from vlpack.train.build.stack import MIN_BIN, check_plan, plan_memory, shorten_to_plan
+    from vlpack.train.setup.stack import MIN_BIN, check_plan, plan_memory, shorten_to_plan
 
     ac = ("model.activation_checkpointing=true", "model.checkpoint_share=1.0",
           "train.memory_check=refuse")
@@ -364,7 +364,7 @@ def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> Non
 
     import yaml
 
-    from vlpack.train.build.stack import plan_memory
+    from vlpack.train.setup.stack import plan_memory
 
     fits = plan_memory(small_cfg(tmp_path / "p", "data.seq_len=1024"), CPU, sharded=False)[0]
     free = int(fits.train_bytes / (1 - memory.HEADROOM)) + 64
@@ -401,7 +401,7 @@ def test_shorten_refuses_padded_batches_and_keeps_resumed_bins_only_under_shorte
         tmp_path: Path) -> None:
     """Padded batches have no bins to halve; a resumed run's bins are kept only where
     `shorten` could have chosen them (a halving of data.seq_len)."""
-    from vlpack.train.build.stack import keep_resumed_bins
+    from vlpack.train.setup.stack import keep_resumed_bins
 
     with pytest.raises(ValueError, match=r"data\.packing=none trains padded batches"):
         small_cfg(tmp_path, "data.packing=none", "train.memory_check=shorten")
@@ -418,7 +418,7 @@ def test_the_first_step_autotunes_only_where_no_configurations_serve() -> None:
     """vlpack's kept configurations serve the H100 and H200 (train.tuned_kernels); a user's
     FLA_CONFIG_DIR serves any card; otherwise fla autotunes in step 1."""
     from vlpack.config import load_config
-    from vlpack.train.build.stack import fla_autotunes
+    from vlpack.train.setup.stack import fla_autotunes
 
     cfg, off = load_config("tiny"), load_config("tiny", ["train.tuned_kernels=false"])
     assert not fla_autotunes(cfg, "NVIDIA H100 80GB HBM3", {})
@@ -460,7 +460,7 @@ def test_a_first_step_that_autotunes_fla_is_planned(tmp_path: Path) -> None:
     """On a GPU vlpack keeps no fla kernel configurations for, Triton autotunes the
     Gated-DeltaNet kernels in step 1: a model with such layers plans AUTOTUNE_RESERVE more (a
     line of its own), one without them nothing."""
-    from vlpack.train.build.stack import plan_memory
+    from vlpack.train.setup.stack import plan_memory
 
     for model, gdn in (("tiny-qwen3_5", True), ("tiny-qwen3_vl", False)):
         cfg = small_cfg(tmp_path, f"model.name={model}")
@@ -500,7 +500,7 @@ def test_the_plan_counts_the_parameters_the_build_trains(tmp_path: Path, freezes
     """LoRA on the vision tower with a frozen vision part: the build applies LoRA, then freezes
     the group with its adapters, and the plan counts the gradients and optimizer state of the
     parameters that train in the model built."""
-    from vlpack.train.build.stack import build_stack, plan_memory
+    from vlpack.train.setup.stack import build_stack, plan_memory
 
     cfg = small_cfg(tmp_path, "model.lora.rank=4", "model.lora.vision=true", freezes)
     plan = plan_memory(cfg, CPU, sharded=False)[0]

@@ -1,4 +1,4 @@
-"""The FLOPs of a training step (train/build/flops.py): what a frozen weight costs, counted after
+"""The FLOPs of a training step (train/setup/flops.py): what a frozen weight costs, counted after
 freezing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from tests.helpers import CPU, small_cfg
 from vlpack.config import LoraConfig
 from vlpack.model.build import build_model
-from vlpack.train.build.flops import flop_model
+from vlpack.train.setup.flops import flop_model
 from vlpack.train.trainer import Trainer
 
 
@@ -81,7 +81,7 @@ def test_a_frozen_tower_under_a_training_merger_recomputes_no_block() -> None:
     """With the tower frozen and its merger training, no gradient flows through the vision
     blocks: their checkpoints never recompute, and nothing is counted for them."""
     from vlpack.model.recompute import enable_activation_checkpointing
-    from vlpack.train.build.module import freeze
+    from vlpack.train.setup.module import freeze
 
     model = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu")[0]
     freeze(model, vision=True, merger=False, llm=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlpack.train.build.kernel_cache import (
+from vlpack.train.setup.kernel_cache import (
     FLA_CONFIGS,
     FLA_DIR,
     FLA_MODE,
@@ -124,8 +124,8 @@ def test_fla_is_pointed_at_its_configurations_before_the_model_is_imported(monke
     import torch
 
     from vlpack.config import load_config
-    from vlpack.train.build import stack
-    from vlpack.train.dist.parallel import Topology
+    from vlpack.train.distributed.parallel import Topology
+    from vlpack.train.setup import stack
 
     calls: list = []
 

@@ -4,7 +4,7 @@ Training autocasts to bf16 on a GPU over float32 master weights. A parameter tha
 gradient (the base of a LoRA run, a `model.freeze_*` part) needs no master: where autocast would
 cast it to bf16 at every use anyway (the weights and biases of linear layers, the routed
 experts' 3-D weights), vlpack holds it in bf16 from the start. The arithmetic is unchanged
-(autocast's cast of a bf16 tensor is a no-op; tests/train/build/test_precision.py shows the loss and every
+(autocast's cast of a bf16 tensor is a no-op; tests/train/setup/test_precision.py shows the loss and every
 gradient bit for bit equal) and the frozen base takes half the memory: the 35.1 B parameters of
 Qwen3.5-35B-A3B take 65 GiB instead of 131.
 
@@ -53,7 +53,7 @@ def matmul_parameters(model: nn.Module) -> set[str]:
 def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
     """Hold each frozen matmul parameter of `model` in `low` and every other parameter in
     float32, in place (meta tensors too); returns the number of parameters held in `low`.
-    `requires_grad` decides, so it runs after LoRA and freezing (train/build/prepare.py)."""
+    `requires_grad` decides, so it runs after LoRA and freezing (train/setup/prepare.py)."""
     matmul = matmul_parameters(model) if low is not None else set()
     held = 0
     with torch.no_grad():
