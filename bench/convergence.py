@@ -42,8 +42,8 @@ from vlpack.config import Config, DataConfig, load_config
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.stream import BinStream
 from vlpack.model.presets import get_preset
-from vlpack.train.parallel import Topology
-from vlpack.train.plot import plot_runs
+from vlpack.train.distributed.parallel import Topology
+from vlpack.train.run.plot import plot_runs
 from vlpack.train.trainer import Trainer
 
 

@@ -55,11 +55,11 @@ from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import set_attn_implementation
 from vlpack.model.moe import routers
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
-from vlpack.train import precision
-from vlpack.train.kernel_cache import use_tuned_kernels
-from vlpack.train.module import TrainModule
-from vlpack.train.parallel import Topology
-from vlpack.train.stack import build_base
+from vlpack.train.distributed.parallel import Topology
+from vlpack.train.setup import precision
+from vlpack.train.setup.kernel_cache import use_tuned_kernels
+from vlpack.train.setup.module import TrainModule
+from vlpack.train.setup.stack import build_base
 from vlpack.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))

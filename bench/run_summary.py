@@ -19,8 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from vlpack.train.metrics import read_metrics
-from vlpack.train.plot import plot_runs
+from vlpack.train.run.metrics import read_metrics
+from vlpack.train.run.plot import plot_runs
 
 
 def _median(rows: list[dict], key: str) -> float | None:

@@ -12,7 +12,7 @@ Each mode builds the model (random init, fp32 master weights, bf16 autocast on G
 (`vlpack.train.step.optimizer_step`: global token-mean loss, the MoE aux loss, clipping, AdamW,
 the schedule; the model from the trainer's `build_stack`), its forward, backward and optimizer
 phases timed apart; the stock modes run their own forward, backward and AdamW step.
-Real tokens/s counts only non-padding tokens. MFU = model FLOPs (vlpack/train/flops.py: text + vision +
+Real tokens/s counts only non-padding tokens. MFU = model FLOPs (vlpack/train/setup/flops.py: text + vision +
 attention) / time / peak, over the 989 TFLOP/s dense bf16 peak and over a measured bf16 matmul
 rate. The step-time breakdown (vision forward, text forward, loss, backward, optimizer, data) is
 measured with CUDA events around the vision tower, the language model, the whole forward (so
@@ -59,12 +59,12 @@ from vlpack.data.types import IGNORE_INDEX
 from vlpack.model.build import build_model
 from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
-from vlpack.train.flops import flop_model
+from vlpack.train.distributed.parallel import Topology
 from vlpack.train.optim import build_optimizer, build_scheduler
-from vlpack.train.parallel import Topology
-from vlpack.train.prepare import Preparation, prepare
-from vlpack.train.profile import StepProfiler, count_host_syncs
-from vlpack.train.stack import build_stack
+from vlpack.train.run.profile import StepProfiler, count_host_syncs
+from vlpack.train.setup.flops import flop_model
+from vlpack.train.setup.prepare import Preparation, prepare
+from vlpack.train.setup.stack import build_stack
 from vlpack.train.step import optimizer_step
 
 MODES = ("vlpack_packed", "vlpack_padded", "hf_padded", "hf_padding_free")
@@ -278,7 +278,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
     topo = Topology(rank=0, world_size=1, local_rank=0, device=device)
     cfg = vlpack_config(mode, args)  # both kinds of mode read their settings from it
     m = cfg.model
-    if mode.startswith("vlpack"):  # the model `vlpack train` builds (train/stack.py)
+    if mode.startswith("vlpack"):  # the model `vlpack train` builds (train/setup/stack.py)
         stack = build_stack(cfg, topo, loss_method=None if args.loss == "auto" else args.loss,
                             trace_vision_attention=args.trace_vision_attention)
         model, spec, module = stack.model, stack.spec, stack.module
@@ -426,7 +426,7 @@ def _allocator_counts(device: torch.device) -> dict:
 
 
 def profile_steps(step, batches, device, out: Path, step_s: float, stacks: bool = False) -> dict:
-    """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.profile)."""
+    """Run `batches` under torch.profiler; write its summary to `out` (vlpack.train.run.profile)."""
     prof = StepProfiler(out, start=1, count=len(batches), device=device, stacks=stacks)
     for i, b in enumerate(batches, 1):
         prof.before(i)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from vlpack.config import DataConfig, load_config
 from vlpack.data.types import IGNORE_INDEX, TOKEN_TYPE_IMAGE, EncodedSample
-from vlpack.train.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
 
 VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 PAD = 151643

@@ -5,7 +5,7 @@ from __future__ import annotations
 from vlpack.cli import main
 from vlpack.config import load_config
 from vlpack.config_keys import config_keys, format_key
-from vlpack.train.tracking import flatten
+from vlpack.train.run.tracking import flatten
 
 
 def test_every_key_in_order_with_the_runs_value() -> None:

@@ -1,6 +1,7 @@
 """The package's layers: each module imports only from floors below its own (or from its own
 part), and no modules import each other round a cycle. Model code imports nothing from train/
 (whose parallelism imports torch.distributed); what assembles both lives in train/ or above.
+Inside train/ the same rule holds between its folders and top-level modules (`TRAIN_FLOORS`).
 Every import counts, function-local ones too."""
 
 from __future__ import annotations
@@ -19,12 +20,23 @@ FLOORS = (
     ("config_keys", "data"),  # the config's reference; samples, encoding, packing, loading
     ("model",),  # the model and its kernels (reads data's types)
     ("train",),  # the loop, parallelism, checkpoints: assembles data and model
-    ("check",),  # `vlpack check`: builds through train/stack.py, so above train, below the CLI
+    ("check",),  # `vlpack check`: builds through train/setup/stack.py, so above train, below the CLI
     ("cli",),  # the commands
     ("__main__",),  # `python -m vlpack`
 )
 """The parts of `vlpack` (a top-level module or subpackage), lowest floor first. A part may
 import its own modules and those of lower floors; parts on one floor import none of each other."""
+
+TRAIN_FLOORS = (
+    ("distributed",),  # the process group, FSDP2, SLURM: no other train module
+    ("setup",),  # the model a run trains: memory plan, preparation, the stack
+    ("run",),  # what a run writes and reads: checkpoints, export, metrics, the held-out eval
+    ("epochs", "optim", "resume", "step"),  # the loop's parts
+    ("trainer",),  # the loop
+    ("command",),  # `vlpack train`
+)
+"""The parts of `vlpack.train` (a module of train/ or a folder of it), lowest floor first, by the
+same rule as `FLOORS`."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -70,8 +82,22 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _part(module: str) -> str:
-    return module.split(".")[1] if "." in module else module
+def _part(module: str, depth: int = 1) -> str:
+    """The part of `module` at `depth`: 1 for `vlpack`'s parts, 2 for `vlpack.train`'s."""
+    parts = module.split(".")
+    return parts[depth] if len(parts) > depth else module
+
+
+def _upward(graph: dict[str, set[str]], floors: tuple[tuple[str, ...], ...], inside: str,
+            depth: int) -> list[str]:
+    """Every import of a module below `inside` from a part of `inside` on its own floor or above
+    (an import of a module outside `inside`, or of `inside` itself, is not counted here)."""
+    level = {p: i for i, floor in enumerate(floors) for p in floor}
+    below = inside + "."
+    return sorted(f"{m} imports {t} (floor {level[_part(t, depth)]} >= {level[_part(m, depth)]})"
+                  for m, targets in graph.items() if m.startswith(below) for t in targets
+                  if t.startswith(below) and _part(t, depth) != _part(m, depth)
+                  and level[_part(t, depth)] >= level[_part(m, depth)])
 
 
 def test_every_part_of_the_package_has_a_floor():
@@ -80,13 +106,29 @@ def test_every_part_of_the_package_has_a_floor():
     assert parts <= floored, f"give these a floor in FLOORS: {sorted(parts - floored)}"
 
 
+def test_every_part_of_train_has_a_floor():
+    floored = {p for floor in TRAIN_FLOORS for p in floor}
+    parts = {_part(m, 2) for m in _modules() if m.startswith("vlpack.train.")}
+    assert parts <= floored, f"give these a floor in TRAIN_FLOORS: {sorted(parts - floored)}"
+
+
 def test_no_module_imports_from_its_own_floor_or_above():
-    level = {p: i for i, floor in enumerate(FLOORS) for p in floor}
-    found = sorted(f"{m} imports {t} (floor {level[_part(t)]} >= {level[_part(m)]})"
-                   for m, targets in _graph().items() if m != "vlpack" for t in targets
-                   if t != "vlpack" and _part(t) != _part(m)
-                   and level[_part(t)] >= level[_part(m)])
+    found = _upward(_graph(), FLOORS, "vlpack", 1)
     assert not found, found
+
+
+def test_no_train_module_imports_from_its_own_floor_or_above():
+    found = _upward(_graph(), TRAIN_FLOORS, "vlpack.train", 2)
+    assert not found, found
+
+
+def test_the_floor_check_sees_an_upward_import_inside_train():
+    """The check itself: the distributed floor importing the trainer is found, and only that."""
+    parallel, trainer = "vlpack.train.distributed.parallel", "vlpack.train.trainer"
+    graph = {parallel: {"vlpack.train.distributed.slurm", trainer, "vlpack.model.context"},
+             trainer: {parallel, "vlpack.train.setup.stack", "vlpack.train.run.checkpoint"}}
+    assert _upward(graph, TRAIN_FLOORS, "vlpack.train", 2) == [
+        "vlpack.train.distributed.parallel imports vlpack.train.trainer (floor 4 >= 0)"]
 
 
 def test_no_import_cycle_between_modules():

@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from vlpack.train import parallelize, precision
+from vlpack.train import parallelize
+from vlpack.train.setup import precision
 
 _hold = precision.hold_int8_experts
 

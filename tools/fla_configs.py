@@ -9,7 +9,7 @@ timings. This writes OUT_DIR/<kernel>.json in the format fla reads under FLA_CON
 the key and the fastest configuration. Triton picks the fastest the same way (the smallest
 timings list, compared element by element). Kernels that fla autotunes with plain
 `triton.autotune` never read these files; they are written all the same and do no harm.
-vlpack keeps one folder per GPU in src/vlpack/train/fla_configs/ (train/kernel_cache.py).
+vlpack keeps one folder per GPU in src/vlpack/train/setup/fla_configs/ (train/setup/kernel_cache.py).
 Tune with `train.tuned_kernels=false`: a kernel served from kept configurations is not tuned,
 so Triton writes no result for it and its entries would be missing here.
 """

@@ -237,8 +237,8 @@ def _run_check(args: argparse.Namespace) -> int:
               data=_data_file(args), weights=getattr(args, "init", "auto"), as_json=args.json)
     if args.cp == 1:
         return check_command(args.model, **kw)
-    from vlpack.train.parallel import context_group, init_distributed, shutdown
-    from vlpack.train.slurm import torchrun_env
+    from vlpack.train.distributed.parallel import context_group, init_distributed, shutdown
+    from vlpack.train.distributed.slurm import torchrun_env
 
     try:
         if args.cp < 1:
@@ -310,7 +310,7 @@ def _run_config_of(args: argparse.Namespace):
 
 def _run_train(args: argparse.Namespace) -> int:
     from vlpack.train.command import train
-    from vlpack.train.progress import setup_logging
+    from vlpack.train.run.progress import setup_logging
 
     setup_logging(args.log_level, quiet=args.quiet)
     if args.device_memory is not None and not args.dry_run:
@@ -358,7 +358,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     import logging
 
-    from vlpack.train.export import export_checkpoint, parse_size
+    from vlpack.train.run.export import export_checkpoint, parse_size
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     export_checkpoint(args.source, args.out, mode="adapter" if args.adapter else "hf",
@@ -389,7 +389,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def _run_eval(args: argparse.Namespace) -> int:
     import logging
 
-    from vlpack.train.generate import evaluate
+    from vlpack.train.run.generate import evaluate
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     evaluate(args.source, _data_file(args), args.out, max_new_tokens=args.max_new_tokens,
@@ -411,7 +411,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from vlpack.train.plot import plot_runs
+    from vlpack.train.run.plot import plot_runs
 
     out = args.out or Path(args.runs[0]) / "loss_overlay.png"
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]

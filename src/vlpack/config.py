@@ -339,7 +339,7 @@ class ModelConfig:
     frozen_dtype: Literal["auto", "float32", "int8"] = "auto"
     """The dtype of parameters that get no gradient (the LoRA base, `freeze_*` parts): `auto`
     holds their linear and expert weights in the autocast dtype (bf16 on a GPU: half the
-    memory, the same arithmetic, train/precision.py); `float32` keeps them float32; `int8`
+    memory, the same arithmetic, train/setup/precision.py); `float32` keeps them float32; `int8`
     holds the routed experts' weights in int8 with a scale per row (weight-only, dequantized to
     the compute dtype as each layer runs: a quarter of float32's memory, with rounding error;
     model/quant.py) and the rest as `auto`. MoE models on one process only."""
@@ -353,7 +353,7 @@ class ModelConfig:
     """With activation_checkpointing: the share of each layer stack (decoder layers, vision
     blocks) that recomputes, from the first layer on; 0.5 keeps the second half's activations
     (vlpack.model.recompute). `auto`: the least share whose memory plan fits the device's free
-    memory, in steps of one text layer, chosen before the model is built (train/stack.py; the
+    memory, in steps of one text layer, chosen before the model is built (train/setup/stack.py; the
     log and `--dry-run` say which); where everything fits, nothing recomputes. Without
     activation_checkpointing nothing recomputes and the share has no effect (so
     `model.activation_checkpointing=false` works on a recipe that sets one)."""
@@ -479,7 +479,7 @@ class TrainConfig:
     """Write a metrics row (and, when stderr is not a terminal, a progress line) every N steps."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(default_factory=list)
     """Experiment trackers that mirror every metrics row on rank 0, with the run's config
-    (train/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
+    (train/run/tracking.py; each an optional extra: pip install "vlpack[tensorboard]"). The run's
     metrics.jsonl is written either way."""
     report_to_errors: Literal["error", "warn"] = "error"
     """A tracker that cannot start (its extra missing, its server unreachable, its login absent;
@@ -489,7 +489,7 @@ class TrainConfig:
     """Evaluate on the held-out split every N steps (0: only at the end when eval_samples > 0)."""
     eval_generate_every: int = 0
     """Every N steps, generate the answers of the first held-out samples (data.eval_samples)
-    and log `gen_exact_match`, `gen_token_f1` and `gen_field_accuracy` (train/generate.py,
+    and log `gen_exact_match`, `gen_token_f1` and `gen_field_accuracy` (train/run/generate.py,
     as `vlpack eval` scores them); 0: never."""
     eval_generate_samples: int = 8
     """How many held-out samples train.eval_generate_every generates."""
@@ -505,7 +505,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Checkpoints of this run kept in output_dir/checkpoints (the newest; 0 keeps all)."""
     memory_check: Literal["refuse", "shorten", "warn", "skip"] = "refuse"
-    """Before building: `refuse` a run whose memory plan (train/memory.py, `vlpack train
+    """Before building: `refuse` a run whose memory plan (train/setup/memory.py, `vlpack train
     --dry-run`) exceeds the free memory (the message names the bin length that fits);
     `shorten` trains instead at the longest halving of data.seq_len whose plan fits, with
     train.micro_batches multiplied so a step's tokens and the schedule stay (a sample longer
@@ -525,11 +525,11 @@ class TrainConfig:
     autotune for minutes on a fresh machine): `run` = OUTPUT_DIR/kernel_cache, so a resume or a
     run in the same folder starts warm on any machine; `default` = Triton's and Inductor's own
     folders (home, /tmp); or a folder that several runs share. TRITON_CACHE_DIR and
-    TORCHINDUCTOR_CACHE_DIR set in the environment win (train/kernel_cache.py)."""
+    TORCHINDUCTOR_CACHE_DIR set in the environment win (train/setup/kernel_cache.py)."""
     tuned_kernels: bool = True
     """On a GPU that vlpack has measured, fla's Gated-DeltaNet kernels start from the
     configurations that won its autotuning there instead of autotuning on the first step
-    (train/kernel_cache.py; keys must match exactly, others still autotune). false: always
+    (train/setup/kernel_cache.py; keys must match exactly, others still autotune). false: always
     autotune."""
     profile_steps: int = 0
     """Profile this many steps with torch.profiler (0: off), from step `profile_from`; each rank
@@ -541,7 +541,7 @@ class TrainConfig:
     """FSDP2: free each block's gathered parameters after its forward (and gather them again for
     its backward). `false` keeps them from forward to backward: one all-gather fewer per block
     and micro-batch, for the memory of the unsharded bf16 parameters. The root unit (embedding,
-    lm_head, final norm, vision merger) always keeps them (vlpack.train.parallel.apply_fsdp)."""
+    lm_head, final norm, vision merger) always keeps them (vlpack.train.distributed.parallel.apply_fsdp)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2 gradient reduce-scatter dtype. `bfloat16` halves its traffic; the sum over ranks is
     then rounded to bf16 before the fp32 optimizer sees it."""

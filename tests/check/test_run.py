@@ -206,7 +206,7 @@ def test_check_bf16_moe_counts_routing_flips(capsys):
 
 
 def test_check_refuses_up_front_when_memory_is_short(monkeypatch, capsys):
-    from vlpack.train import memory
+    from vlpack.train.setup import memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda dev: 2**30)
     assert main(["check", "--model", "qwen3-vl-2b"]) == 2

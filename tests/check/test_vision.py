@@ -20,7 +20,7 @@ VISION_PRESETS = ["tiny-qwen2_vl", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-qwe
 
 def _model(name: str):
     from vlpack.check.command import check_config
-    from vlpack.train.stack import build_check_model
+    from vlpack.train.setup.stack import build_check_model
 
     torch.manual_seed(0)
     return build_check_model(check_config(name, dtype="float32"), torch.device("cpu"))

@@ -58,7 +58,7 @@ def test_the_exported_template_writes_tools_and_reasoning(family: str, record: d
     from vlpack.data.media import DataFile
     from vlpack.data.sources import parse_record
     from vlpack.data.template import FolderTemplate, hf_messages
-    from vlpack.train.serving import write_serving_files
+    from vlpack.train.run.serving import write_serving_files
 
     write_serving_files(tmp_path, load_config("tiny"), family)
     source = (tmp_path / "chat_template.jinja").read_text()

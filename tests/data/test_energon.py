@@ -649,7 +649,7 @@ def test_a_hostile_energon_state_is_refused_without_running(tmp_path: Path) -> N
     function on load are refused by name, and the function never runs."""
     import io
 
-    from tests.train.test_checkpoint import _TouchOnLoad
+    from tests.train.run.test_checkpoint import _TouchOnLoad
     from vlpack.data.energon.loader import _load_energon_state
 
     ran = tmp_path / "ran"

@@ -17,7 +17,7 @@ from tests.helpers import CPU, small_cfg
 from vlpack.config import load_config
 from vlpack.data.mixture import Mixture, mixture_counts, mixture_index
 from vlpack.data.stream import BinStream
-from vlpack.train.metrics import format_summary
+from vlpack.train.run.metrics import format_summary
 from vlpack.train.trainer import Trainer
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.helpers import SMALL, run_ranks
-from vlpack.train import checkpoint as ckpt
+from vlpack.train.run import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 ARGS = [*SMALL, "train.max_steps=4"]

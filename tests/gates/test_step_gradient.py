@@ -24,8 +24,8 @@ from tests.helpers import GradRecorder, run_ranks
 from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model, set_attn_implementation
 from vlpack.model.synthetic import synthetic_sample
-from vlpack.train.module import TrainModule
-from vlpack.train.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
+from vlpack.train.setup.module import TrainModule
 from vlpack.train.step import optimizer_step
 
 NAME, AUX = "tiny-qwen3_vl_moe", 0.5
@@ -45,7 +45,7 @@ def _trainer_grads(mbs_samples, topo: Topology, fsdp: bool) -> dict[str, torch.T
     model, spec = build_model(NAME, dtype=torch.float32, device="cpu", seed=0)
     module = TrainModule(model, spec, loss_method="chunked", touch_vision=fsdp)
     if fsdp:
-        from vlpack.train.parallel import apply_fsdp
+        from vlpack.train.distributed.parallel import apply_fsdp
 
         apply_fsdp(module, model, topo, param_dtype=None)
     opt = GradRecorder(list(model.named_parameters()))
@@ -109,7 +109,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from vlpack.train.parallel import init_distributed, shutdown
+    from vlpack.train.distributed.parallel import init_distributed, shutdown
 
     topo = init_distributed()
     spec = build_model(NAME, device="meta", dtype="float32")[1]

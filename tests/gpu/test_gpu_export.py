@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import small_cfg
-from vlpack.train.parallel import Topology
+from vlpack.train.distributed.parallel import Topology
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,8 +23,8 @@ def test_export_draws_a_gpu_drawn_base_again_on_the_gpu(tmp_path: Path) -> None:
     float32 export equals the trained model's merged weights bit for bit."""
     pytest.importorskip("peft")
     from vlpack.model import lora
-    from vlpack.train import checkpoint as ckpt
-    from vlpack.train.export import export_checkpoint
+    from vlpack.train.run import checkpoint as ckpt
+    from vlpack.train.run.export import export_checkpoint
     from vlpack.train.trainer import Trainer
 
     gpu = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))

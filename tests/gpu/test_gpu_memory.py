@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlpack.train import memory
+from vlpack.train.setup import memory
 
 pytestmark = [
     pytest.mark.gpu,

@@ -319,8 +319,8 @@ def test_host_syncs_do_not_grow_with_depth(name):
     from vlpack.model.build import build_model
     from vlpack.model.presets import get_preset, reduced_depth
     from vlpack.model.synthetic import default_mix
-    from vlpack.train.module import TrainModule
-    from vlpack.train.profile import count_host_syncs
+    from vlpack.train.run.profile import count_host_syncs
+    from vlpack.train.setup.module import TrainModule
 
     depth = get_preset(name).text["num_hidden_layers"]
     ours = {}
@@ -357,7 +357,7 @@ def _slow_host(x: torch.Tensor) -> torch.Tensor:
 
 def test_idle_gap_is_charged_to_the_slow_host_code(tmp_path):
     """The profile's idle-gap table on a real trace: 5 gaps of 4 ms, charged to their launcher."""
-    from vlpack.train.profile import StepProfiler
+    from vlpack.train.run.profile import StepProfiler
 
     x = torch.randn(1024, 1024, device="cuda")
     prof = StepProfiler(tmp_path / "p.txt", start=1, count=1, device=torch.device("cuda"),
@@ -380,7 +380,7 @@ def test_experts_under_autocast_on_gpu_wait_for_nothing():
     import copy
 
     from vlpack.model.build import build_model
-    from vlpack.train.profile import count_host_syncs
+    from vlpack.train.run.profile import count_host_syncs
 
     model, _ = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cuda")
     ex = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
@@ -485,8 +485,8 @@ def test_frozen_weights_held_in_bf16_change_no_result_on_the_gpu(name: str) -> N
     from vlpack.data.batch import build_thd_batch
     from vlpack.model import lora
     from vlpack.model.build import build_model
-    from vlpack.train.module import TrainModule
-    from vlpack.train.precision import hold_parameters
+    from vlpack.train.setup.module import TrainModule
+    from vlpack.train.setup.precision import hold_parameters
 
     model, spec = build_model(name, dtype=torch.float32, device="cuda", seed=0)
     torch.manual_seed(1)
@@ -526,7 +526,7 @@ def test_padded_qwen3_5_trains_with_fla_on_the_gpu() -> None:
     from vlpack.data.batch import build_thd_batch
     from vlpack.data.padded import build_padded_batch
     from vlpack.model.build import build_model
-    from vlpack.train.module import TrainModule
+    from vlpack.train.setup.module import TrainModule
 
     rng = np.random.default_rng(0)
     losses, grads = [], []

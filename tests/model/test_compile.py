@@ -77,7 +77,7 @@ def test_compiled_model_gives_the_same_losses(tmp_path: Path, name: str, fsdp: s
     from vlpack.model.recompute import layer_stacks
     from vlpack.model.seams import classes_of
     from vlpack.model.vision import VisionAttention
-    from vlpack.train.parallel import shutdown
+    from vlpack.train.distributed.parallel import shutdown
 
     plain = Trainer(small_cfg(tmp_path / "a", "train.max_steps=3", f"model.name={name}"), CPU)
     plain.fit()

@@ -107,7 +107,7 @@ def test_compiled_layers_train_the_moe_model_through_the_compiled_dispatch():
     from vlpack.model import experts
     from vlpack.model.compile import compile_layers
     from vlpack.model.synthetic import synthetic_sample
-    from vlpack.train.module import TrainModule
+    from vlpack.train.setup.module import TrainModule
 
     calls = []
     compiled = experts._compiled_silu_dispatch()

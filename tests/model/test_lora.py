@@ -16,8 +16,8 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.data.padded import build_padded_batch
 from vlpack.model import lora
 from vlpack.model.build import build_model
-from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.setup.module import TrainModule
 from vlpack.train.step import optimizer_step
 from vlpack.train.trainer import Trainer
 
@@ -158,7 +158,7 @@ def test_adapters_take_the_activation_dtype_and_change_no_bit():
     GPU), each adapter takes its input in the dtype its layer gets (bf16 after attention and
     the experts, float32 after a norm), not a float32 copy (peft's default cast), and the output
     and the adapters' gradients equal peft's casting path bit for bit."""
-    from vlpack.train.precision import hold_parameters
+    from vlpack.train.setup.precision import hold_parameters
 
     model, _ = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cpu", seed=0)
     torch.manual_seed(1)
@@ -310,7 +310,7 @@ def test_dora_adds_magnitudes_and_starts_as_the_base_model():
     norm's working memory of the widest adapted linear, the MLP's 64 × 128: 16 · 8,192 bytes
     (peft's layers or the stand-ins without peft)."""
     from vlpack.model.build import meta_model
-    from vlpack.train.memory import RunShape, activation_bytes, plan
+    from vlpack.train.setup.memory import RunShape, activation_bytes, plan
 
     ids = torch.randint(0, 150000, (1, 19), generator=torch.Generator().manual_seed(0))
     base, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
@@ -364,7 +364,7 @@ def test_dora_and_rslora_train_under_fsdp_and_export(tmp_path: Path):
     plain run's trained logits."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from vlpack.train.parallel import shutdown
+    from vlpack.train.distributed.parallel import shutdown
 
     args = ["train.max_steps=3", *LORA, "model.lora.use_dora=true", "model.lora.use_rslora=true"]
     plain = Trainer(small_cfg(tmp_path / "a", *args), CPU)

@@ -15,7 +15,7 @@ from vlpack.data.batch import build_thd_batch
 from vlpack.model.build import build_model
 from vlpack.model.recompute import enable_activation_checkpointing, layer_stacks
 from vlpack.model.synthetic import default_mix
-from vlpack.train.module import TrainModule
+from vlpack.train.setup.module import TrainModule
 from vlpack.train.trainer import Trainer
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from vlpack.config import OptimConfig, load_config
-from vlpack.train.module import module_groups
 from vlpack.train.optim import build_optimizer, build_scheduler, own_rates, warmup_steps
+from vlpack.train.setup.module import module_groups
 
 
 def _model() -> nn.Module:

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from vlpack.config import OptimConfig
-from vlpack.train import memory
 from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.setup import memory
 
 pytest.importorskip("torchao.optim", reason="torchao is installed in CI's last step only "
                     "(.ci/run): pip install torchao to run this file")

@@ -10,8 +10,8 @@ from vlpack.config import load_config
 from vlpack.data.batch import build_thd_batch
 from vlpack.data.padded import build_padded_batch
 from vlpack.model.build import build_model
-from vlpack.train.module import TrainModule
 from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.setup.module import TrainModule
 from vlpack.train.step import optimizer_step
 
 

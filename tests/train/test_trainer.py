@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from tests.helpers import CPU, losses, small_cfg
-from vlpack.train import checkpoint as ckpt
-from vlpack.train.module import module_groups
+from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.setup.module import module_groups
 from vlpack.train.trainer import NonFiniteLossError, Trainer
 
 
@@ -65,7 +65,7 @@ def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeyp
     summary count the evaluations; the step time (`step_s`, the summary's steps share) stays
     apart. A run stopped after step 2 and resumed continues its elapsed time."""
     from vlpack.train import trainer
-    from vlpack.train.metrics import format_summary
+    from vlpack.train.run.metrics import format_summary
 
     now = [1000.0]
     monkeypatch.setattr(trainer, "time", types.SimpleNamespace(
@@ -133,7 +133,7 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3] and evals[0]["eval_loss"] == summary["eval_loss"]
     assert evals[0]["eval_s"] > 0
-    # train.report_to mirrors every row (tests/train/test_tracking.py reads the trackers back in detail)
+    # train.report_to mirrors every row (tests/train/run/test_tracking.py reads the trackers back in detail)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "tensorboard"))

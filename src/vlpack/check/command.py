@@ -1,8 +1,8 @@
 """`vlpack check` assembled: its flags as the config's `model` and `train` sections, its model
-built through the stack builder (train/stack.py `build_check_model`: the trainer's build stage,
+built through the stack builder (train/setup/stack.py `build_check_model`: the trainer's build stage,
 in float32), then check/run.py's comparison (`run_check`) and report.
 
-The check sits above train/ because it builds through train/stack.py: model code imports
+The check sits above train/ because it builds through train/setup/stack.py: model code imports
 nothing from train/ (whose parallelism imports torch.distributed), and nothing in model/ or
 train/ imports the check.
 
@@ -36,8 +36,8 @@ from vlpack.check.run import (
 from vlpack.config import Config, ModelConfig, TrainConfig
 from vlpack.data.media import DataFile
 from vlpack.model.context import ContextGroup
-from vlpack.train.prepare import autocast_dtype
-from vlpack.train.stack import build_check_model
+from vlpack.train.setup.prepare import autocast_dtype
+from vlpack.train.setup.stack import build_check_model
 
 logger = logging.getLogger("vlpack.check")
 

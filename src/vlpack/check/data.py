@@ -25,7 +25,7 @@ folder's config.json, seeded by `--seed`; no weight file is read)."""
 def refuse_init(model_name: str, init: str) -> None:
     """`CheckUnsupportedError` for an unknown `--init`, and for a folder with config.json and no
     weights unless `init="random"`, with a message that names `--init random`. (The check's
-    model is built in float32 by train/stack.py's `build_check_model`.)"""
+    model is built in float32 by train/setup/stack.py's `build_check_model`.)"""
     if init not in INITS:
         raise CheckUnsupportedError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     path = Path(model_name)

@@ -5,7 +5,7 @@ real-token MoE statistics). The reference is stock transformers: each sample alo
 attention, positions from the model's own get_rope_index, stock GDN kernels, and the loss of the
 model's own `model(..., labels=...)` call (transformers shifts the labels itself).
 This module runs the comparison on a built model (`run_check`) and writes the report;
-check/command.py builds the model through train/stack.py and is the command's entry.
+check/command.py builds the model through train/setup/stack.py and is the command's entry.
 
 What is checked, every item a failure with its name when it does not hold:
   contract (always in float32, with the reference kernels of the device):

@@ -135,7 +135,7 @@ def build_model(
     A folder without *.safetensors is an error unless `random_init`; with it the folder's
     config.json builds random weights (with a warning) and its weight files are not read. On
     the meta device nothing is read or initialised: shapes only, for
-    `vlpack.train.parallel.load_full_state`.
+    `vlpack.train.distributed.parallel.load_full_state`.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(dtype, str):

@@ -7,7 +7,7 @@ host: a host wait per call and one small float32 matmul per expert. `vlpack_grou
 registered with transformers' ExpertsInterface and set on vlpack's MoE models at build time,
 casts the weights and the routed rows to the autocast dtype first, as autocast does for a linear
 layer, and computes the group offsets on the device; weights already held in that dtype (a
-frozen base, train/precision.py) take the same path, so holding them there changes no result.
+frozen base, train/setup/precision.py) take the same path, so holding them there changes no result.
 Outside autocast it is transformers' `grouped_mm` unchanged, except for int8 weights
 (`model.frozen_dtype=int8`, model/quant.py), which it runs in the hidden states' dtype.
 

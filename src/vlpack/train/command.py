@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from vlpack.config import Config
-from vlpack.train import memory
-from vlpack.train.metrics import format_summary
-from vlpack.train.parallel import Topology, barrier, init_distributed, shutdown
-from vlpack.train.prepare import preparation
-from vlpack.train.stack import check_plan, describe_choice, fla_autotunes, plan_memory, shorten_to_plan
+from vlpack.train.distributed.parallel import Topology, barrier, init_distributed, shutdown
+from vlpack.train.run.metrics import format_summary
+from vlpack.train.setup import memory
+from vlpack.train.setup.prepare import preparation
+from vlpack.train.setup.stack import check_plan, describe_choice, fla_autotunes, plan_memory, shorten_to_plan
 from vlpack.train.trainer import EXIT_STOPPED, NonFiniteLossError, RunOutOfMemoryError, Trainer
 
 

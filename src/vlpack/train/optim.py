@@ -1,7 +1,7 @@
 """AdamW with per-part learning rates and the warmup + cosine learning-rate schedule.
 
 `optim.name=adamw8bit` keeps both moments in 8 bits through torchao's `AdamW8bit` (blocks of
-`BLOCK_SIZE` values share a float32 scale; train/memory.py `moment_bytes` counts them)."""
+`BLOCK_SIZE` values share a float32 scale; train/setup/memory.py `moment_bytes` counts them)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
     """AdamW over trainable params (`optim.name`: torch's, fused kernels on GPU; or torchao's
     AdamW8bit). Norms and biases get no decay.
 
-    `parts` (`vlpack.train.module.module_groups`: vision, merger, llm) gives each part's
+    `parts` (`vlpack.train.setup.module.module_groups`: vision, merger, llm) gives each part's
     parameters `optim.lr_<part>`; parameters outside them keep `optim.lr`. Without per-part rates
     the groups are [decay, no decay], as a checkpoint of such a run holds them."""
     params = [p for p in params if p.requires_grad]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlpack.config import Config
-from vlpack.train import checkpoint as ckpt
+from vlpack.train.run import checkpoint as ckpt
 
 log = logging.getLogger("vlpack.train")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlpack.train.parallel import Topology, all_reduce
+from vlpack.train.distributed.parallel import Topology, all_reduce
 
 
 @dataclass

@@ -26,16 +26,7 @@ import torch
 from vlpack.config import Config, save_config
 from vlpack.data.accounting import Tally
 from vlpack.data.loader import build_loaders, data_fingerprints
-from vlpack.train import checkpoint as ckpt
-from vlpack.train import memory
-from vlpack.train.epochs import steps_for_epochs
-from vlpack.train.export import export_live, export_live_adapter
-from vlpack.train.flops import peak_flops
-from vlpack.train.generate import HeldOutGeneration
-from vlpack.train.metrics import MetricsWriter, epoch_of, step_row
-from vlpack.train.module import module_groups
-from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
-from vlpack.train.parallel import (
+from vlpack.train.distributed.parallel import (
     Topology,
     all_gather_object,
     all_reduce,
@@ -44,14 +35,23 @@ from vlpack.train.parallel import (
     init_distributed,
     per_replica,
 )
-from vlpack.train.plot import missing_matplotlib, plot_runs
-from vlpack.train.profile import StepProfiler
-from vlpack.train.progress import Eta, Progress
+from vlpack.train.epochs import steps_for_epochs
+from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
 from vlpack.train.resume import keep_changed_config, resumed_bins, run_id, warn_changed_data
-from vlpack.train.runlock import claim_output_dir
-from vlpack.train.stack import build_stack
+from vlpack.train.run import checkpoint as ckpt
+from vlpack.train.run.export import export_live, export_live_adapter
+from vlpack.train.run.generate import HeldOutGeneration
+from vlpack.train.run.metrics import MetricsWriter, epoch_of, step_row
+from vlpack.train.run.plot import missing_matplotlib, plot_runs
+from vlpack.train.run.profile import StepProfiler
+from vlpack.train.run.progress import Eta, Progress
+from vlpack.train.run.runlock import claim_output_dir
+from vlpack.train.run.tracking import Tracker, start_trackers
+from vlpack.train.setup import memory
+from vlpack.train.setup.flops import peak_flops
+from vlpack.train.setup.module import module_groups
+from vlpack.train.setup.stack import build_stack
 from vlpack.train.step import StepResult, optimizer_step
-from vlpack.train.tracking import Tracker, start_trackers
 
 log = logging.getLogger("vlpack.train")
 
@@ -524,7 +524,7 @@ class Trainer:
 
 def _first_step_waits(cfg: Config, spec, device: torch.device, tuned: Path | None) -> str | None:
     """What the first step of a run waits for beyond its own work (None: nothing); `tuned`:
-    the folder of fla kernel configurations in use (train/kernel_cache.py)."""
+    the folder of fla kernel configurations in use (train/setup/kernel_cache.py)."""
     waits = []
     if device.type == "cuda" and spec.has_gdn:
         waits.append(

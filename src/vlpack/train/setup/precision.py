@@ -1,0 +1,98 @@
+"""Which dtype each parameter is held in.
+
+Training autocasts to bf16 on a GPU over float32 master weights. A parameter that gets no
+gradient (the base of a LoRA run, a `model.freeze_*` part) needs no master: where autocast would
+cast it to bf16 at every use anyway (the weights and biases of linear layers, the routed
+experts' 3-D weights), vlpack holds it in bf16 from the start. The arithmetic is unchanged
+(autocast's cast of a bf16 tensor is a no-op; tests/train/setup/test_precision.py shows the loss and every
+gradient bit for bit equal) and the frozen base takes half the memory: the 35.1 B parameters of
+Qwen3.5-35B-A3B take 65 GiB instead of 131.
+
+Everything else stays float32: trainable parameters (their AdamW masters), embeddings (their
+output is the float32 residual stream), norms, convolutions, the Gated-DeltaNet's A_log and
+dt_bias, and a linear weight tied to the embedding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STORED = {torch.bfloat16: "BF16", torch.float16: "F16"}
+"""The safetensors name of each dtype a folder's weights may be built in exactly."""
+
+
+def frozen_matmul_dtype(setting: str, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype frozen matmul weights are held in, by `model.frozen_dtype` (`setting`): `auto`
+    (and `int8`, for all but the routed experts) follows the autocast dtype (bf16 on a GPU),
+    `float32` keeps them float32 (None: no cast)."""
+    if setting == "float32" or autocast is None:
+        return None
+    return autocast
+
+
+def matmul_parameters(model: nn.Module) -> set[str]:
+    """Names of the parameters that autocast casts at every use: the weight and bias of each
+    nn.Linear (a LoRA layer's base included) and the routed experts' 3-D weights, less any
+    parameter an embedding shares (tied word embeddings)."""
+    embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+                for p in m.parameters(recurse=False)}
+    out = set()
+    for mod_name, m in model.named_modules():
+        for leaf, p in m.named_parameters(recurse=False):
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            linear = isinstance(m, nn.Linear) and leaf in ("weight", "bias")
+            expert = ".experts" in f".{mod_name}" and p.ndim == 3
+            if (linear or expert) and id(p) not in embedded:
+                out.add(name)
+    return out
+
+
+def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
+    """Hold each frozen matmul parameter of `model` in `low` and every other parameter in
+    float32, in place (meta tensors too); returns the number of parameters held in `low`.
+    `requires_grad` decides, so it runs after LoRA and freezing (train/setup/prepare.py)."""
+    matmul = matmul_parameters(model) if low is not None else set()
+    held = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            want = low if (name in matmul and not p.requires_grad) else torch.float32
+            if p.dtype != want and p.is_floating_point():
+                p.data = p.data.to(want)
+            held += p.numel() if want == low else 0
+    return held
+
+
+def stored_in(folder: Path, dtype: torch.dtype) -> bool:
+    """Whether every tensor in the folder's *.safetensors files is stored in `dtype` (read from
+    the files' headers, no weights): then a build in `dtype` loads them exactly."""
+    from safetensors import safe_open
+
+    want = STORED.get(dtype)
+    files = sorted(folder.glob("*.safetensors"))
+    if want is None or not files:
+        return False
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names = fh.keys()
+            if any(fh.get_slice(n).get_dtype() != want for n in names):
+                return False
+    return True
+
+
+def build_dtype(name: str, low: torch.dtype | None) -> torch.dtype:
+    """The dtype to build `name` (a preset or a folder) in: `low` when frozen weights are held
+    in it and no stored weight is rounded by building in it (random weights, drawn in `low`, or
+    a folder stored in `low`), else float32. `hold_parameters` then brings every other
+    parameter to float32. Random weights drawn in bf16 are not the float32 draw rounded: such a
+    run starts from other weights than the same run with `model.frozen_dtype=float32`."""
+    from vlpack.model.build import folder_has_weights
+
+    if low is None:
+        return torch.float32
+    folder = Path(name)
+    if folder.is_dir() and folder_has_weights(folder) and not stored_in(folder, low):
+        return torch.float32
+    return low
