@@ -60,7 +60,6 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         where = f"{topo.world_size} {topo.device.type} rank(s)"
     try:
         prep = preparation(cfg, topo)
-        sharded = prep.sharded
         asked = cfg.data.seq_len
         # a GPU vlpack keeps no fla kernel configurations for autotunes them in step 1; a card
         # named by --device-memory is planned as one it keeps them for (the H100, the H200)
@@ -69,8 +68,7 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
         else:
             autotunes = topo.device.type == "cuda" and fla_autotunes(
                 cfg, torch.cuda.get_device_name(topo.device))
-        plan, ways = plan_memory(cfg, topo, sharded=sharded, free=free, autotunes=autotunes,
-                                 prep=prep)
+        plan, ways = plan_memory(cfg, topo, prep, free=free, autotunes=autotunes)
         if not topo.is_main:
             return 0
         print(f"vlpack: memory plan of {cfg.model.name} on {where}, per device "
@@ -78,13 +76,12 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
               f"data.seq_len={plan.seq_len}, parallel.cp={cfg.parallel.cp}):")
         print("\n".join(plan.lines()))
         try:
-            check_plan(plan, cfg, topo, sharded, ways, free=free, host=device_memory is None,
-                       prep=prep)
+            check_plan(plan, cfg, topo, prep, ways, free=free, host=device_memory is None)
         except ValueError as e:
             print(f"does not fit: {e}")
             return 1
         shorten_to_plan(cfg, plan, topo, free)
-        print(f"chooses: {describe_choice(cfg, plan, asked_seq_len=asked)}")
+        print(f"chooses: {describe_choice(cfg, plan, prep, asked_seq_len=asked)}")
         if free is not None:
             print(f"fits: {free / memory.GIB:.1f} GiB free")
         return 0

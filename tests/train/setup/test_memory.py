@@ -17,7 +17,14 @@ from vlpack.config import LoraConfig
 from vlpack.model.build import meta_model
 from vlpack.train.command import train
 from vlpack.train.setup import memory
+from vlpack.train.setup.prepare import preparation
+from vlpack.train.setup.stack import plan_memory
 from vlpack.train.trainer import Trainer
+
+
+def _plan(cfg, topo, **kw):
+    """`plan_memory` under the run's own preparation."""
+    return plan_memory(cfg, topo, preparation(cfg, topo), **kw)
 
 
 def test_layer_bytes_by_hand() -> None:
@@ -190,19 +197,17 @@ def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog, monkeypatch) -
     unknown, all 8; where everything fits, none (activation checkpointing off)."""
     import logging
 
-    from vlpack.train.setup.stack import plan_memory
 
-    fixed = [plan_memory(_cut_lora("model.activation_checkpointing=false"), CPU,
-                         sharded=False)[0]]
-    fixed += [plan_memory(_cut_lora("model.activation_checkpointing=true",
-                                    f"model.checkpoint_share={k / 8}"), CPU, sharded=False)[0]
+    fixed = [_plan(_cut_lora("model.activation_checkpointing=false"), CPU)[0]]
+    fixed += [_plan(_cut_lora("model.activation_checkpointing=true",
+                                    f"model.checkpoint_share={k / 8}"), CPU)[0]
               for k in range(1, 9)]
     needs = [p.train_bytes for p in fixed]
     assert all(a > b for a, b in itertools.pairwise(needs)) and fixed[8].build_bytes < needs[8]
     auto = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
 
     def share(free: int | None) -> float:
-        return plan_memory(auto, CPU, sharded=False, free=free)[0].recompute_share
+        return _plan(auto, CPU, free=free)[0].recompute_share
 
     for k in (0, 3, 8):
         just_enough = -(-needs[k] // (1 - memory.HEADROOM)) + 8
@@ -213,8 +218,8 @@ def test_auto_share_recomputes_the_fewest_layers_that_fit(caplog, monkeypatch) -
     monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # cannot be read
     assert share(None) == 1.0
     caplog.set_level(logging.INFO, logger="vlpack.train")
-    plan_memory(_cut_lora("model.activation_checkpointing=false", "model.checkpoint_share=auto"),
-                CPU, sharded=False)
+    _plan(_cut_lora("model.activation_checkpointing=false", "model.checkpoint_share=auto"),
+                CPU)
     assert "auto has no effect without model.activation_checkpointing=true" in caplog.text
     share(needs[8] // 2)
     assert "8 of 8 text layers recompute (share 1.0)" in caplog.text and "which no share fits" \
@@ -231,17 +236,14 @@ def _auto_rank(rank: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     from vlpack.train.distributed.parallel import init_distributed, shutdown
-    from vlpack.train.setup.prepare import is_sharded
-    from vlpack.train.setup.stack import plan_memory
 
     topo = init_distributed(1)
     cfg = _cut_lora("model.activation_checkpointing=true", "model.checkpoint_share=auto")
-    sharded = is_sharded(cfg, topo)
     k = 1 if rank == 0 else 3
     fixed = _cut_lora("model.activation_checkpointing=true", f"model.checkpoint_share={k / 8}")
-    need = plan_memory(fixed, topo, sharded=sharded)[0]
+    need = _plan(fixed, topo)[0]
     free = int(max(need.train_bytes, need.build_bytes) / (1 - memory.HEADROOM)) + 8
-    plan = plan_memory(cfg, topo, sharded=sharded, free=free)[0]
+    plan = _plan(cfg, topo, free=free)[0]
     Path(f"{out}.{rank}").write_text(str(plan.recompute_share))
     shutdown()
 
@@ -260,13 +262,10 @@ def test_auto_share_sets_the_layers_that_recompute(tmp_path: Path, monkeypatch) 
     """tiny's 2 text layers and 2 vision blocks: with room for one kept layer but not two, the
     first of each stack recomputes and the second keeps its activations; with room for both,
     activation checkpointing is off."""
-    from vlpack.train.setup.stack import plan_memory
 
     ac = ("model.activation_checkpointing=true",)
-    keep_one = plan_memory(small_cfg(tmp_path, *ac, "model.checkpoint_share=0.5"), CPU,
-                           sharded=False)[0]
-    keep_all = plan_memory(small_cfg(tmp_path, "model.activation_checkpointing=false"), CPU,
-                           sharded=False)[0]
+    keep_one = _plan(small_cfg(tmp_path, *ac, "model.checkpoint_share=0.5"), CPU)[0]
+    keep_all = _plan(small_cfg(tmp_path, "model.activation_checkpointing=false"), CPU)[0]
     assert keep_all.train_bytes > keep_one.train_bytes
     for room, expected in ((keep_one, [True, False]), (keep_all, [False, False])):
         free = int(room.train_bytes / (1 - memory.HEADROOM)) + 64
@@ -325,36 +324,36 @@ def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
     `shorten` plans 8,192-token bins and 4 micro-batches per step, and `refuse` names that
     length in its ways out; just below, 4,096 and 8 micro-batches; where even MIN_BIN-token bins
     do not fit, none is named and the run is refused."""
-    from vlpack.train.setup.stack import MIN_BIN, check_plan, plan_memory, shorten_to_plan
+    from vlpack.train.setup.stack import MIN_BIN, check_plan, shorten_to_plan
 
     ac = ("model.activation_checkpointing=true", "model.checkpoint_share=1.0",
           "train.memory_check=refuse")
-    at = {n: plan_memory(_cut_lora(*ac, f"data.seq_len={n}"), CPU, sharded=False,
+    at = {n: _plan(_cut_lora(*ac, f"data.seq_len={n}"), CPU,
                          free=2**50)[0].train_bytes for n in (32768, 16384, 8192, 4096)}
     assert at[32768] > at[16384] > at[8192] > at[4096]
     for room, fitting in ((at[8192], 8192), (at[8192] - 2**20, 4096)):
         free = -(-room // (1 - memory.HEADROOM)) + 8
         cfg = _cut_lora(*ac, "train.memory_check=shorten")
-        plan, _ = plan_memory(cfg, CPU, sharded=False, free=free)
+        plan, _ = _plan(cfg, CPU, free=free)
         assert (plan.seq_len, plan.train_bytes) == (fitting, at[fitting])
-        check_plan(plan, cfg, CPU, False, [], setting="shorten", free=free)
+        check_plan(plan, cfg, CPU, preparation(cfg, CPU), [], setting="shorten", free=free)
         shorten_to_plan(cfg, plan, CPU, free)
         assert (cfg.data.seq_len, cfg.train.micro_batches) == (fitting, 32768 // fitting)
-        refused, ways = plan_memory(_cut_lora(*ac), CPU, sharded=False, free=free)
+        refused, ways = _plan(_cut_lora(*ac), CPU, free=free)
         assert (refused.seq_len, refused.fitting_seq_len) == (32768, fitting)
         assert f"data.seq_len={fitting} train.micro_batches={32768 // fitting} fits" in " ".join(ways)
         with pytest.raises(ValueError, match=f"data.seq_len={fitting} train.micro_batches"):
-            check_plan(refused, _cut_lora(*ac), CPU, False, ways, free=free)
+            check_plan(refused, _cut_lora(*ac), CPU, preparation(_cut_lora(*ac), CPU), ways, free=free)
     budget = _cut_lora(*ac, "train.memory_check=shorten", "train.tokens_per_step=20000")
-    plan, _ = plan_memory(budget, CPU, sharded=False, free=free)
+    plan, _ = _plan(budget, CPU, free=free)
     shorten_to_plan(budget, plan, CPU, free)
     assert (budget.data.seq_len, budget.train.micro_batches) == (4096, 1)  # the budget sets them
     cfg = _cut_lora(*ac, "train.memory_check=shorten")
-    plan, ways = plan_memory(cfg, CPU, sharded=False, free=1)
+    plan, ways = _plan(cfg, CPU, free=1)
     assert MIN_BIN == 1024 and plan.seq_len == 32768 and plan.fitting_seq_len == 0
     assert not any("shorter bins" in w for w in ways)  # no halving fits: not offered
     with pytest.raises(ValueError, match="training it would take about"):
-        check_plan(plan, cfg, CPU, False, ways, setting="shorten", free=1)
+        check_plan(plan, cfg, CPU, preparation(cfg, CPU), ways, setting="shorten", free=1)
 
 
 def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -364,11 +363,10 @@ def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> Non
 
     import yaml
 
-    from vlpack.train.setup.stack import plan_memory
 
-    fits = plan_memory(small_cfg(tmp_path / "p", "data.seq_len=1024"), CPU, sharded=False)[0]
+    fits = _plan(small_cfg(tmp_path / "p", "data.seq_len=1024"), CPU)[0]
     free = int(fits.train_bytes / (1 - memory.HEADROOM)) + 64
-    assert plan_memory(small_cfg(tmp_path / "p", "data.seq_len=2048"), CPU, sharded=False,
+    assert _plan(small_cfg(tmp_path / "p", "data.seq_len=2048"), CPU,
                        free=free)[0].fitting_seq_len == 1024
     monkeypatch.setattr(memory, "available_bytes", lambda device: free)
     caplog.set_level(logging.INFO, logger="vlpack.train")
@@ -460,12 +458,11 @@ def test_a_first_step_that_autotunes_fla_is_planned(tmp_path: Path) -> None:
     """On a GPU vlpack keeps no fla kernel configurations for, Triton autotunes the
     Gated-DeltaNet kernels in step 1: a model with such layers plans AUTOTUNE_RESERVE more (a
     line of its own), one without them nothing."""
-    from vlpack.train.setup.stack import plan_memory
 
     for model, gdn in (("tiny-qwen3_5", True), ("tiny-qwen3_vl", False)):
         cfg = small_cfg(tmp_path, f"model.name={model}")
-        plain = plan_memory(cfg, CPU, sharded=False, free=2**50)[0]
-        tuning = plan_memory(cfg, CPU, sharded=False, free=2**50, autotunes=True)[0]
+        plain = _plan(cfg, CPU, free=2**50)[0]
+        tuning = _plan(cfg, CPU, free=2**50, autotunes=True)[0]
         assert tuning.train_bytes - plain.train_bytes == memory.AUTOTUNE_RESERVE * gdn
         assert any("first step: fla autotuning" in line for line in tuning.lines()) == gdn
 
@@ -500,10 +497,10 @@ def test_the_plan_counts_the_parameters_the_build_trains(tmp_path: Path, freezes
     """LoRA on the vision tower with a frozen vision part: the build applies LoRA, then freezes
     the group with its adapters, and the plan counts the gradients and optimizer state of the
     parameters that train in the model built."""
-    from vlpack.train.setup.stack import build_stack, plan_memory
+    from vlpack.train.setup.stack import build_stack
 
     cfg = small_cfg(tmp_path, "model.lora.rank=4", "model.lora.vision=true", freezes)
-    plan = plan_memory(cfg, CPU, sharded=False)[0]
+    plan = _plan(cfg, CPU)[0]
     model = build_stack(cfg, CPU).model
     assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert plan.params == sum(p.numel() for p in model.parameters())

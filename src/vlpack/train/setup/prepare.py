@@ -93,12 +93,6 @@ def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def freezes(cfg: Config) -> bool:
-    """Whether anything is frozen: a LoRA base or a `model.freeze_*` part."""
-    m = cfg.model
-    return bool(m.lora.rank or m.freeze_vision or m.freeze_merger or m.freeze_llm)
-
-
 def is_sharded(cfg: Config, topo: Topology) -> bool:
     """Whether FSDP2 applies: several processes, or `train.fsdp=always`."""
     return topo.distributed or cfg.train.fsdp == "always"
@@ -124,17 +118,18 @@ def preparation(cfg: Config, topo: Topology, *,
     beyond the config (docs/benchmarks/levers.md)."""
     m, t = cfg.model, cfg.train
     autocast = autocast_dtype(cfg, topo.device)
-    low = precision.frozen_matmul_dtype(m.frozen_dtype, autocast) if freezes(cfg) else None
-    return Preparation(
+    prep = Preparation(
         model_name=m.name, lora=m.lora if m.lora.rank else None,
         freeze_vision=m.freeze_vision, freeze_merger=m.freeze_merger, freeze_llm=m.freeze_llm,
-        autocast=autocast, frozen_dtype=low, build_dtype=precision.build_dtype(m.name, low),
-        int8_experts=m.frozen_dtype == "int8", sharded=is_sharded(cfg, topo),
+        autocast=autocast, int8_experts=m.frozen_dtype == "int8", sharded=is_sharded(cfg, topo),
         host_build=builds_on_host(cfg, topo),
         compile_scope=m.compile_scope if m.compile else None,
         trace_vision_attention=trace_vision_attention, param_dtype=autocast,
         reduce_dtype=getattr(torch, t.reduce_dtype), reshard_after_forward=t.reshard_after_forward,
         cpu_offload=t.cpu_offload)
+    low = precision.frozen_matmul_dtype(m.frozen_dtype, autocast) if prep.freezes else None
+    return dataclasses.replace(prep, frozen_dtype=low,
+                               build_dtype=precision.build_dtype(m.name, low))
 
 
 def prepare(model: nn.Module, p: Preparation, *, first: Step = "lora", last: Step = "fsdp",

@@ -31,7 +31,7 @@ from vlpack.train.setup import memory
 from vlpack.train.setup.flops import FlopModel, flop_model
 from vlpack.train.setup.kernel_cache import keep_kernel_cache, use_tuned_kernels
 from vlpack.train.setup.module import TrainModule
-from vlpack.train.setup.prepare import Preparation, builds_on_host, freezes, preparation, prepare
+from vlpack.train.setup.prepare import Preparation, preparation, prepare
 
 log = logging.getLogger("vlpack.train")
 
@@ -57,12 +57,13 @@ class Stack:
     """The folder of fla kernel configurations this process uses (None: fla autotunes)."""
 
 
-def plan_memory(cfg: Config, topo: Topology, *, sharded: bool, free: int | None = None,
-                autotunes: bool = False, shorten: bool | None = None,
-                prep: Preparation | None = None) -> tuple[memory.MemoryPlan, list[str]]:
-    """The run's memory plan per device (train/setup/memory.py), from the model's shapes on the meta
-    device prepared by `prep` up to its int8 experts (LoRA, freezing, the frozen weights'
-    dtype; None: `cfg`'s preparation on `topo`), and the ways out that apply to it. With
+def plan_memory(cfg: Config, topo: Topology, prep: Preparation, *, free: int | None = None,
+                autotunes: bool = False, shorten: bool | None = None
+                ) -> tuple[memory.MemoryPlan, list[str]]:
+    """The run's memory plan per device (train/setup/memory.py), from the model's shapes on the
+    meta device prepared by `prep` (`preparation(cfg, topo)`) up to its int8 experts (LoRA,
+    freezing, the frozen weights' dtype; sharded by FSDP2 where `prep.sharded`), and the ways
+    out that apply to it. With
     `model.checkpoint_share=auto`, the plan of the least share that fits `free` bytes (None:
     this device's free memory), the same on every rank (`auto_share`).
     Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
@@ -74,8 +75,7 @@ def plan_memory(cfg: Config, topo: Topology, *, sharded: bool, free: int | None 
     from vlpack.model.build import meta_model
 
     m, d = cfg.model, cfg.data
-    prep = preparation(cfg, topo) if prep is None else prep
-    autocast = prep.autocast
+    autocast, sharded = prep.autocast, prep.sharded
     shapes = meta_model(m.name)
     # as the build: only what trains keeps gradients and optimizer state (a LoRA run's adapters
     # outside the frozen groups)
@@ -257,7 +257,8 @@ def _room_text(topo: Topology, free: int | None) -> str:
     return "free memory" if free is None else f"{free / memory.GIB:.1f} GiB free"
 
 
-def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int) -> str:
+def describe_choice(cfg: Config, plan: memory.MemoryPlan, prep: Preparation, *,
+                    asked_seq_len: int) -> str:
     """One line: the configuration the run trains with and what chose it (bins, recomputed
     layers, compile, frozen weights' dtype, the plan's total)."""
     m, d, t = cfg.model, cfg.data, cfg.train
@@ -275,30 +276,29 @@ def describe_choice(cfg: Config, plan: memory.MemoryPlan, *, asked_seq_len: int)
     if not m.activation_checkpointing:
         recompute = "no layer recomputes"
     compiled = (f"compiled ({m.compile_scope})" if m.compile else "eager")
-    frozen = "" if not freezes(cfg) else (
+    frozen = "" if not prep.freezes else (
         f", frozen weights {m.frozen_dtype if m.frozen_dtype != 'auto' else 'in the compute dtype'}")
     return (f"{bins}, {per_step}; {recompute}; {compiled}{frozen}; "
             f"{plan.train_bytes / memory.GIB:.1f} GiB planned per device")
 
 
-def check_plan(plan: memory.MemoryPlan, cfg: Config, topo: Topology, sharded: bool,
+def check_plan(plan: memory.MemoryPlan, cfg: Config, topo: Topology, prep: Preparation,
                ways: list[str], *, setting: str = "refuse", free: int | None = None,
-               host: bool = True, prep: Preparation | None = None) -> None:
+               host: bool = True) -> None:
     """Refuse a run whose plan exceeds the free memory (`free` bytes; None: the device's now),
     before building it (`setting`: train.memory_check; `warn` logs the refusal and goes on).
-    `host`: also check this host's memory for a whole copy the run builds there (not for a
-    card planned from another machine; `prep`: the run's preparation, which says whether one
-    process builds on the host; None: resolved from `cfg`)."""
+    `host`: also check this host's memory for a whole copy the run builds there (rank 0's of a
+    sharded run, or one process's host build: `prep` says), not for a card planned from
+    another machine."""
     if setting == "skip":
         return
     device = topo.device
     free = memory.available_bytes(device) if free is None else free
+    holds_copy = prep.sharded and topo.is_main
     try:
-        memory.check_fits(plan, device, free, model=cfg.model.name,
-                          holds_copy=sharded and topo.is_main,
+        memory.check_fits(plan, device, free, model=cfg.model.name, holds_copy=holds_copy,
                           ways=[*ways, "train.memory_check=warn to start it anyway"])
-        host_build = prep.host_build if prep is not None else builds_on_host(cfg, topo)
-        if host and ((sharded and topo.is_main) or host_build) and device.type != "cpu":
+        if host and (holds_copy or prep.host_build) and device.type != "cpu":
             memory.check_host_copy(plan, memory.available_bytes(torch.device("cpu")),
                                    model=cfg.model.name)
     except ValueError as e:
@@ -377,15 +377,15 @@ def build_stack(cfg: Config, topo: Topology, *, context=None, loss_method: str |
             tuned = use_tuned_kernels(torch.cuda.get_device_name(topo.device))
     kept = keep_resumed_bins(cfg, resumed_bins, topo)
     plan, ways = plan_memory(
-        cfg, topo, sharded=sharded, shorten=False if kept else None, prep=prep,
+        cfg, topo, prep, shorten=False if kept else None,
         autotunes=topo.device.type == "cuda" and fla_autotunes(
             cfg, torch.cuda.get_device_name(topo.device)))
-    check_plan(plan, cfg, topo, sharded, ways, setting=t.memory_check, prep=prep)
+    check_plan(plan, cfg, topo, prep, ways, setting=t.memory_check)
     prep = prep.after(plan)  # model.checkpoint_share=auto resolved
     asked = cfg.data.seq_len
     shorten_to_plan(cfg, plan, topo)
     if topo.is_main:
-        log.info("training with %s", describe_choice(cfg, plan, asked_seq_len=asked))
+        log.info("training with %s", describe_choice(cfg, plan, prep, asked_seq_len=asked))
     torch.manual_seed(t.seed)
     # FSDP2 runs build shapes only and receive their shards from rank 0's whole CPU copy after
     # sharding (load_full_state); one process builds on its device directly.
