@@ -16,16 +16,18 @@ import sys
 
 import torch
 
-from vlpack.train import parallelize
-from vlpack.train.setup import precision
+from vlpack.model import quant
 
-_hold = precision.hold_int8_experts
+_quantize = quant.quantize_experts
 
 
-def _hold_then_cap(model: torch.nn.Module, device: torch.device) -> int:
-    done = _hold(model, device)
+def _quantize_then_cap(model: torch.nn.Module, device: torch.device, **kwargs) -> int:
+    done = _quantize(model, device, **kwargs)
+    if device.type != "cuda":  # the memory plan's meta shapes
+        return done
     cap = float(sys.argv[1])
     total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()  # the bf16 experts' blocks, cached by the allocator
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     torch.cuda.reset_peak_memory_stats(device)
     print(f"capped at {cap / 2**30:.1f} GiB of {total / 2**30:.1f} GiB after quantizing; "
@@ -36,5 +38,5 @@ def _hold_then_cap(model: torch.nn.Module, device: torch.device) -> int:
 if __name__ == "__main__":  # the synthetic data's worker processes import this file again
     from vlpack.cli import main
 
-    parallelize.hold_int8_experts = _hold_then_cap  # the name the stack calls
+    quant.quantize_experts = _quantize_then_cap  # train/setup/prepare.py's int8 step imports it
     sys.exit(main(sys.argv[2:]))
