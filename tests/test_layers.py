@@ -168,3 +168,13 @@ def test_only_the_parallelism_seam_of_model_code_imports_torch_distributed():
                    if any(m == "torch.distributed" or m.startswith("torch.distributed.")
                           for m in _imports(p)))
     assert found == ["context.py"], found
+
+
+def test_no_test_folder_is_one_pytest_skips() -> None:
+    """pytest's default `norecursedirs` (build, dist, and names starting with a dot, among
+    others) would silently leave a test folder of such a name uncollected."""
+    skipped = {"build", "dist", "node_modules", "venv", "CVS", "_darcs", "{arch}"}
+    tests = Path(__file__).resolve().parent
+    bad = [p for p in tests.rglob("*") if p.is_dir() and (p.name in skipped or p.name.startswith(
+        ".") or p.name.endswith(".egg"))]
+    assert not bad, f"rename these test folders (pytest does not collect them): {bad}"
