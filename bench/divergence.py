@@ -12,7 +12,7 @@ zero, so the forward is the base model's). Each sample of a bin runs five ways:
   packed        the bin's row from `build_loaders`, as the trainer trains it: vlpack's varlen
                 attention, experts and Gated-DeltaNet
   again         the same row a second time (the run-to-run floor of the kernels)
-  alone         the sample as its own THD row (`loader.packed_row`: the same path, nothing
+  alone         the sample as its own THD row (`batch.packed_row`: the same path, nothing
                 packed beside it)
   padded        the bin as right-padded batches of `--micro` (convergence.py's padded mode: stock
                 SDPA with the 2-D mask, transformers' experts and Gated-DeltaNet forward)
@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 
 from vlpack.config import load_config
-from vlpack.data.loader import build_loaders, packed_row
+from vlpack.data.batch import packed_row
+from vlpack.data.loader import build_loaders
 from vlpack.data.padded import build_padded_batch
 from vlpack.data.setup import build_encoder
 from vlpack.data.types import IGNORE_INDEX

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
+from vlpack.config import DataConfig
 from vlpack.data.rope import mrope_positions
 from vlpack.data.types import FILLER_KEY, IGNORE_INDEX, TOKEN_TYPE_TEXT, EncodedSample
 
@@ -211,4 +212,16 @@ def build_thd_batch(
         image_positions=tuple(np.flatnonzero(types != TOKEN_TYPE_TEXT).tolist()),
         sample_keys=[s.key for s in samples],
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+    )
+
+
+def packed_row(samples: Sequence[EncodedSample], d: DataConfig, *, pad_token_id: int,
+               spatial_merge_size: int) -> ThdBatch:
+    """The THD row the trainer trains on for `samples` (one planned bin), under the data
+    section `d`: each segment aligned to `data.pad_to_multiple_of`, the row padded to
+    `data.seq_len` with `data.pad_to_seq_len`, MRoPE by `data.mrope_after_video`."""
+    return build_thd_batch(
+        samples, pad_token_id=pad_token_id, pad_to_multiple_of=d.pad_to_multiple_of,
+        total_len=d.seq_len if d.pad_to_seq_len else None,
+        spatial_merge_size=spatial_merge_size, mrope_after_video=d.mrope_after_video,
     )

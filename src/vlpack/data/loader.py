@@ -20,7 +20,7 @@ import torch
 from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
 from vlpack.data.admission import BadLimits
-from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.batch import ThdBatch, packed_row
 from vlpack.data.media import DataFile
 from vlpack.data.mixture import EntrySizes, Mixture
 from vlpack.data.padded import PaddedBatch, build_padded_batch
@@ -178,18 +178,6 @@ class _BinBuilder(torch.utils.data.Dataset):
         else:
             batch = build_padded_batch(samples, pad_token_id=self.pad_token_id)
         return batch, work.plan, failed
-
-
-def packed_row(samples: Sequence[EncodedSample], d: DataConfig, *, pad_token_id: int,
-               spatial_merge_size: int) -> ThdBatch:
-    """The THD row the trainer trains on for `samples` (one planned bin), under the data
-    section `d`: each segment aligned to `data.pad_to_multiple_of`, the row padded to
-    `data.seq_len` with `data.pad_to_seq_len`, MRoPE by `data.mrope_after_video`."""
-    return build_thd_batch(
-        samples, pad_token_id=pad_token_id, pad_to_multiple_of=d.pad_to_multiple_of,
-        total_len=d.seq_len if d.pad_to_seq_len else None,
-        spatial_merge_size=spatial_merge_size, mrope_after_video=d.mrope_after_video,
-    )
 
 
 def item_at(items: Sequence[Item], i: int, epoch: int) -> Item:

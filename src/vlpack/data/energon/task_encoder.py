@@ -9,7 +9,7 @@ Stages (Energon calls them in this order, in its worker processes):
    whole packing buffer.
 3. `select_samples_to_pack` — vlpack's `OnlinePlanner` plans the buffer as one final round
    (all algorithms, token and ViT-patch budgets); the markers ride along in the first group.
-4. `pack_selected_samples` (stateless) — `build_thd_batch` over the group's good samples.
+4. `pack_selected_samples` (stateless) — the trainer's row (`batch.packed_row`) of the group's good samples.
 5. `batch` (stateless) — one packed row per batch: a `PackedRow` (the `ThdBatch` and where the
    row's samples went: packed, truncated, skipped by reason).
 
@@ -40,7 +40,7 @@ from megatron.energon.errors import FatalSampleError
 
 from vlpack.config import DataConfig
 from vlpack.data.admission import PACK, SKIP, Admission, BadLimits, DataLimitError
-from vlpack.data.batch import ThdBatch, build_thd_batch
+from vlpack.data.batch import ThdBatch, packed_row
 from vlpack.data.media import DataFile
 from vlpack.data.plan import OnlinePlanner, check_algo
 from vlpack.data.sources import parse_record
@@ -130,11 +130,9 @@ class QwenVLTaskEncoder(TaskEncoder):
         check_algo(d.packing)
         self._admission = Admission.of(d)
         self._limits = BadLimits.of(d)  # bad() and good() only: the fraction is the loader's
-        self.encoder, self.seq_len, self.algo = encoder, d.seq_len, d.packing
+        self.encoder, self.data, self.seq_len, self.algo = encoder, d, d.seq_len, d.packing
         self.max_patches, self.mult = d.max_patches, d.pad_to_multiple_of
-        self.total_len = d.seq_len if d.pad_to_seq_len else None
         self.seed, self.pad_token_id, self.merge = seed, pad_token_id, spatial_merge_size
-        self.after_video = d.mrope_after_video
 
     # ------------------------------------------------------------------ stage 2: encode
 
@@ -246,11 +244,8 @@ class QwenVLTaskEncoder(TaskEncoder):
         for s in samples:
             if s.encoded is None:
                 examples.setdefault(s.status, s.message)
-        batch = build_thd_batch(
-            good or [EncodedSample.filler(self.pad_token_id)], pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.mult, total_len=self.total_len, spatial_merge_size=self.merge,
-            mrope_after_video=self.after_video,
-        )
+        batch = packed_row(good or [EncodedSample.filler(self.pad_token_id)], self.data,
+                           pad_token_id=self.pad_token_id, spatial_merge_size=self.merge)
         setattr(batch, _ACCOUNT_ATTR, (status, not good, examples))
         return batch
 
