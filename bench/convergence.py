@@ -250,7 +250,10 @@ def main(argv=None) -> int:
     if args.also:
         p.error("--also goes with --compare")
     packing = bench_config(args).data.packing  # the padded mode plans the packed run's bins
-    mode = ["data.packing=none"] if args.mode == "padded" else []
+    # padded: the trainer's padded path; its memory plan (data.batch_size rows) is not the
+    # bench's (--micro samples per batch), so a plan that does not fit is said, not refused,
+    # and never shortens the bins (the packed run's)
+    mode = ["data.packing=none", "train.memory_check=warn"] if args.mode == "padded" else []
     cfg = bench_config(args, *mode, f"train.max_steps={args.steps}",
                        f"train.output_dir={out / args.mode}",
                        f"train.kernel_cache={out / 'kernel_cache'}", workers=args.workers)
