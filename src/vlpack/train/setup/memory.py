@@ -105,10 +105,10 @@ class MemoryPlan:
     grads: int
     optimizer: int
     moments: str = "float32"
+    """The optimizer moments' format the plan's line names (`8-bit` under optim.name=adamw8bit)."""
     offloaded: int = 0
     """Bytes of this rank's weight shards, gradients and optimizer state in host memory
     (train.cpu_offload; 0 on the device then)."""
-    """The optimizer moments' format the plan's line names (`8-bit` under optim.name=adamw8bit)."""
     activations: dict[str, int] = field(default_factory=dict)
     """Bytes per device by part: text layers, recompute, vision, loss."""
     transient: dict[str, int] = field(default_factory=dict)
