@@ -95,3 +95,27 @@ def test_reference_runs_torch_kernels_without_touching_transformers(monkeypatch)
     assert not any(p.requires_grad for p in frozen)
     assert all(sys.modules[name] is module for name, module in fakes.items())
     torch_kernels.torch_kernel_module.cache_clear()  # no later test gets a copy made beside fakes
+
+
+def test_reference_keeps_lora_on_gated_deltanet():
+    """A LoRA model's Gated-DeltaNet projections are peft wrappers: the reference layer holds
+    the model's own submodules, so its forward runs them (an adapter with B ≠ 0 moves its
+    logits exactly as it moves the vlpack model's stock forward) and their gradients land on
+    the model's adapter parameters."""
+    from vlpack.config import LoraConfig
+    from vlpack.model.lora import apply_lora
+
+    model, spec = build_model("tiny-qwen3_5", backend="sdpa", device="cpu", dtype=torch.float32)
+    apply_lora(model, LoraConfig(rank=4, alpha=8, target_modules=["in_proj_qkv", "out_proj"]))
+    adapters = [p for n, p in model.named_parameters() if "linear_attn" in n and "lora_B" in n]
+    assert adapters
+    with torch.no_grad():
+        for p in adapters:
+            p.normal_(0, 0.5)
+    sample = default_mix(spec, 2, seed=0)[1]
+    ours = _logits(model, spec, sample)
+    with stock_reference(model):
+        assert torch.allclose(_logits(model, spec, sample), ours, atol=1e-5, rtol=1e-5)
+        out = unpacked_forward(model, sample, spec=spec, hf_labels=True)
+        out.hf_loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters)

@@ -46,15 +46,20 @@ def torch_kernel_class(stock: type) -> type:
 def torch_kernel_layer(layer: nn.Module, config) -> nn.Module:
     """A Gated-DeltaNet layer of `torch_kernel_class`, built by its own `__init__` (so that
     whatever transformers and the `kernels` package attach to an instance comes from the
-    copy's functions too) and holding `layer`'s parameter objects themselves: gradients of
-    the reference land on the model's parameters."""
+    copy's functions too) and holding `layer`'s submodules and parameters themselves: gradients
+    of the reference land on the model's parameters, and a projection that LoRA wraps stays
+    wrapped."""
     cls = torch_kernel_class(type(layer)._vlpack_stock)
     with torch.device("meta"):
         ref = cls(config, layer.layer_idx)
-    trains = {p: p.requires_grad for p in layer.parameters()}
-    ref.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
-    for p, flag in trains.items():  # the load sets requires_grad to the new layer's (True)
-        p.requires_grad_(flag)
+    for name, child in layer.named_children():
+        setattr(ref, name, child)
+    for name, p in layer.named_parameters(recurse=False):
+        setattr(ref, name, p)
+    for name, b in layer.named_buffers(recurse=False):
+        ref.register_buffer(name, b)
+    assert not any(t.is_meta for t in (*ref.parameters(), *ref.buffers())), \
+        "the reference layer holds a tensor the model's layer does not"
     return ref.train(layer.training)
 
 
