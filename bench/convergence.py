@@ -61,6 +61,16 @@ def bench_config(args, *extra: str, workers: int = 0) -> Config:
         *extra])
 
 
+def padded_overrides(packed: Config) -> list[str]:
+    """The padded mode's overrides of the packed run's config: the trainer's padded path. Its
+    memory plan (data.batch_size rows) is not the bench's (--micro samples per batch), so a
+    plan that does not fit is said, not refused, and never shortens the bins (the packed
+    run's); and `model.checkpoint_share=auto`, which plans packed rows, becomes every layer
+    recomputed (recomputation changes no result)."""
+    share = ["model.checkpoint_share=1.0"] if packed.model.checkpoint_share == "auto" else []
+    return ["data.packing=none", "train.memory_check=warn", *share]
+
+
 def plan(sizes, d: DataConfig, n: int, seed: int) -> list[list[int]]:
     """The first `n` bins of the trainer's stream over `sizes` under the data section `d`
     (epochs chained): the bins `build_loaders` gives a single rank, as sample indices."""
@@ -249,11 +259,9 @@ def main(argv=None) -> int:
         p.error("pass --mode packed|padded, or --compare")
     if args.also:
         p.error("--also goes with --compare")
-    packing = bench_config(args).data.packing  # the padded mode plans the packed run's bins
-    # padded: the trainer's padded path; its memory plan (data.batch_size rows) is not the
-    # bench's (--micro samples per batch), so a plan that does not fit is said, not refused,
-    # and never shortens the bins (the packed run's)
-    mode = ["data.packing=none", "train.memory_check=warn"] if args.mode == "padded" else []
+    packed = bench_config(args)
+    packing = packed.data.packing  # the padded mode plans the packed run's bins
+    mode = padded_overrides(packed) if args.mode == "padded" else []
     cfg = bench_config(args, *mode, f"train.max_steps={args.steps}",
                        f"train.output_dir={out / args.mode}",
                        f"train.kernel_cache={out / 'kernel_cache'}", workers=args.workers)
