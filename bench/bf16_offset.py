@@ -197,7 +197,7 @@ def float32_way(model: nn.Module, module: nn.Module, batch, labels_T: torch.Tens
     grads = {n: p.grad.detach().float().clone() for n, p in trainable.items() if p.grad is not None}
     for p in trainable.values():
         p.grad = None
-    return outs, routes[0], float(loss), grads
+    return outs, routes[0], loss.item(), grads
 
 
 def main(argv=None) -> int:
