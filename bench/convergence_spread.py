@@ -6,8 +6,9 @@ Each folder holds one `packed/` and one `padded/` run of the same seed (`train.s
 initial weights and the same samples in the same steps for both modes). Per seed: the final loss
 (mean of the last `--tail` steps) of each mode and their signed relative gap (packed − padded) /
 padded. Across seeds: the gaps' mean and standard deviation. `--repeat` names a folder that ran a
-seed again: its runs against that seed's give the within-mode spread of a repeat (non-deterministic
-kernels), the floor a packing defect must exceed to show. Prints a markdown table and a JSON line.
+seed again (one mode or both): its runs against that seed's give the within-mode spread of a
+repeat (non-deterministic kernels), the floor a packing defect must exceed to show. Prints a
+markdown table and a JSON line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+MODES = ("packed", "padded")
 
 
 def final_loss(run: Path, tail: int) -> tuple[float, int]:
@@ -39,23 +42,31 @@ def main(argv: list[str] | None = None) -> int:
     print("| run | steps | packed | padded | (packed − padded) / padded |")
     print("|---|---:|---:|---:|---:|")
     for folder in args.seeds + args.repeat:
-        (pk, n1), (pd, n2) = (final_loss(folder / m, args.tail) for m in ("packed", "padded"))
-        gap = (pk - pd) / pd
-        rows.append(dict(run=folder.name, steps=min(n1, n2), packed=pk, padded=pd, gap=gap))
-        gaps += [gap] if folder in args.seeds else []
-        print(f"| {folder.name} | {min(n1, n2)} | {pk:.4f} | {pd:.4f} | {100 * gap:+.2f}% |")
+        modes = [m for m in MODES if folder in args.seeds or (folder / m / "metrics.jsonl").is_file()]
+        if not modes:
+            raise ValueError(f"{folder}: no packed/ or padded/ run")
+        got = {m: final_loss(folder / m, args.tail) for m in modes}
+        row = dict(run=folder.name, steps=min(n for _, n in got.values()),
+                   **{m: loss for m, (loss, _) in got.items()})
+        cells = [f"{row[m]:.4f}" if m in row else "—" for m in MODES]
+        if len(modes) == 2:
+            row["gap"] = (row["packed"] - row["padded"]) / row["padded"]
+            gaps += [row["gap"]] if folder in args.seeds else []
+        rows.append(row)
+        gap = f"{100 * row['gap']:+.2f}%" if "gap" in row else "—"
+        print(f"| {folder.name} | {row['steps']} | {' | '.join(cells)} | {gap} |")
     out = dict(tail=args.tail, runs=rows, gap_mean=statistics.fmean(gaps),
                gap_sd=statistics.stdev(gaps) if len(gaps) > 1 else None)
     for rep in args.repeat:
         base = next(r for r in rows if r["run"] == rep.name[:-1])
         again = next(r for r in rows if r["run"] == rep.name)
-        out[f"repeat_{rep.name}"] = {m: (again[m] - base[m]) / base[m] for m in ("packed", "padded")}
+        out[f"repeat_{rep.name}"] = {m: (again[m] - base[m]) / base[m] for m in MODES if m in again}
     sd = "—" if out["gap_sd"] is None else f"{100 * out['gap_sd']:.2f}%"
     print(f"\ngap over {len(gaps)} seeds: mean {100 * out['gap_mean']:+.2f}%, sd {sd}")
     for rep in args.repeat:
         r = out[f"repeat_{rep.name}"]
-        print(f"{rep.name} against {rep.name[:-1]}: packed {100 * r['packed']:+.2f}%, "
-              f"padded {100 * r['padded']:+.2f}%")
+        print(f"{rep.name} against {rep.name[:-1]}: "
+              + ", ".join(f"{m} {100 * v:+.2f}%" for m, v in r.items()))
     print(json.dumps(out))
     return 0
 
