@@ -197,7 +197,17 @@ def float32_way(model: nn.Module, module: nn.Module, batch, labels_T: torch.Tens
     grads = {n: p.grad.detach().float().clone() for n, p in trainable.items() if p.grad is not None}
     for p in trainable.values():
         p.grad = None
-    return outs, routes[0], loss.item(), grads
+    return host(outs), routes[0], loss.item(), grads
+
+
+def host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A way's layer outputs moved off the GPU (the comparisons run on the host), and the
+    blocks they and the way's other tensors held given back to the device: the bf16 model of
+    the 35B leaves an 80 GB card little room beside it."""
+    outs = [x.cpu() for x in outs]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outs
 
 
 def main(argv=None) -> int:
@@ -251,8 +261,9 @@ def main(argv=None) -> int:
             swaps = SWAPS if way == "-all" else (way[1:],) if way.startswith("-") else ()
             with stock_seams(model, swaps):
                 per_sample, routes = run_forward(module, model, [batch], autocast)
-                outs = per_sample[0]
-                row["loss"][way] = sample_losses(model, [outs[-1]], labels, autocast)[0]
+                row["loss"][way] = sample_losses(model, [per_sample[0][-1]], labels, autocast)[0]
+                outs = host(per_sample[0])
+                del per_sample
                 if not args.no_grad:
                     g = step_gradient(trainer, [batch], aux_coef=0.0)
                     row["gradient"][way] = grad_compare(g, f_grads)
@@ -261,7 +272,7 @@ def main(argv=None) -> int:
                 statistics.fmean(float((a == b).all(-1).float().mean())
                                  for a, b in zip(routes[0], f_routes, strict=True))
                 if f_routes else None)
-            del per_sample, outs
+            del outs
         rows.append(row)
         print_row(row)
         (out / "bf16_offset.json").write_text(json.dumps(
