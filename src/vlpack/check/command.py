@@ -127,13 +127,18 @@ def collective_error(e: BaseException) -> bool:
 
 def merge_replicas(report: dict, reports: list[dict]) -> dict:
     """`report` of this process merged with every process's `reports` (this one's included;
-    `check_command` gathers them): `passed` only if all passed, each failure prefixed with its
-    replica (once per replica), `replicas` listing each replica's samples, result and largest
-    logit difference."""
+    `check_command` gathers them): `passed` only if all passed, each failure (and each of the
+    bf16 items' `bf16_failures`) prefixed with its replica (once per replica), `replicas`
+    listing each replica's samples, result and largest logit difference."""
     first = {}
     for r in reports:
         first.setdefault(r["replica"], r)
-    failures = [f"replica {k}: {f}" for k, r in sorted(first.items()) for f in r["failures"]]
+
+    def prefixed(key: str) -> list[str]:
+        return [f"replica {k}: {f}" for k, r in sorted(first.items()) for f in r.get(key, [])]
+
+    failures = prefixed("failures")
     replicas = [dict(replica=k, passed=r["passed"], sample_keys=r["sample_keys"],
                      max_logit_diff=r["max_logit_diff"]) for k, r in sorted(first.items())]
-    return {**report, "failures": failures, "passed": not failures, "replicas": replicas}
+    return {**report, "failures": failures, "bf16_failures": prefixed("bf16_failures"),
+            "passed": not failures, "replicas": replicas}

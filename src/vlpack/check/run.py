@@ -554,7 +554,8 @@ def run_check(model: nn.Module, spec: ModelSpec, *, dtype: str, device: torch.de
         return _run_items(model, spec, batch_samples, report, failures, dtype=dtype, device=dev,
                           pad_to=pad_to, seed=seed, context=context)
     except StaleVisionTablesError as e:  # a vlpack state bug the packed forward detects itself
-        report.update(failures=[*failures, f"float32 contract: {e}"], passed=False)
+        report.update(failures=[*failures, f"float32 contract: {e}"], bf16_failures=[],
+                      passed=False)
         return report
 
 
@@ -605,6 +606,7 @@ def _run_items(model: nn.Module, spec: ModelSpec, batch_samples: list[EncodedSam
                   isolation_float32=iso32,
                   hf_label_loss=[None if h is None else round(h, 6) for h in ref.hf_losses])
 
+    bf16_from = len(failures)  # the failures from here on are the bf16 items
     if dtype == "bfloat16":
         # the recipes' precision path: bf16 autocast over the float32 master weights (on a CPU,
         # CPU autocast with LayerNorm in float32, as CUDA's), both sides; their errors against
@@ -640,6 +642,7 @@ def _run_items(model: nn.Module, spec: ModelSpec, batch_samples: list[EncodedSam
         paths=packed.paths,
         paths_no_grad=(iso16 if dtype == "bfloat16" else iso32)["paths"],
         failures=failures,
+        bf16_failures=failures[bf16_from:],
         passed=not failures,
     )
     return report

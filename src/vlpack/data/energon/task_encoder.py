@@ -130,8 +130,7 @@ class QwenVLTaskEncoder(TaskEncoder):
         check_algo(d.packing)
         self._admission = Admission.of(d)
         self._limits = BadLimits.of(d)  # bad() and good() only: the fraction is the loader's
-        self.encoder, self.data, self.seq_len, self.algo = encoder, d, d.seq_len, d.packing
-        self.max_patches, self.mult = d.max_patches, d.pad_to_multiple_of
+        self.encoder, self.data = encoder, d
         self.seed, self.pad_token_id, self.merge = seed, pad_token_id, spatial_merge_size
 
     # ------------------------------------------------------------------ stage 2: encode
@@ -182,7 +181,7 @@ class QwenVLTaskEncoder(TaskEncoder):
             raise BadSampleError("overlong", why)
         if verdict == PACK:
             return sample, PACKED
-        return self.encoder.truncate(sample, self.seq_len), TRUNCATED
+        return self.encoder.truncate(sample, self.data.seq_len), TRUNCATED
 
     def _count_bad(self, e: BadSampleError) -> None:
         try:  # the run of bad samples this worker has seen (Energon's workers run apart)
@@ -205,8 +204,8 @@ class QwenVLTaskEncoder(TaskEncoder):
                 s.encoded, s.status = None, "overlong"
         groups: list[list[EncodedEnergonSample]] = []
         if good:
-            planner = OnlinePlanner(self.seq_len, self.algo, len(good) + 1,
-                                    max_patches=self.max_patches, seed=self._buffer_seed())  # fmt: skip
+            planner = OnlinePlanner(self.data.seq_len, self.data.packing, len(good) + 1,
+                                    max_patches=self.data.max_patches, seed=self._buffer_seed())  # fmt: skip
             planner.extend(range(len(good)), [self._aligned(s.encoded) for s in good],
                            [s.encoded.num_patches for s in good])  # fmt: skip
             groups = [[good[i] for i in b] for b in planner.flush()]
@@ -218,11 +217,13 @@ class QwenVLTaskEncoder(TaskEncoder):
         return groups
 
     def _aligned(self, sample: EncodedSample) -> int:
-        return -(-len(sample) // self.mult) * self.mult
+        mult = self.data.pad_to_multiple_of
+        return -(-len(sample) // mult) * mult
 
     def _fits(self, sample: EncodedSample) -> bool:
-        return self._aligned(sample) <= self.seq_len and (
-            self.max_patches is None or sample.num_patches <= self.max_patches
+        d = self.data
+        return self._aligned(sample) <= d.seq_len and (
+            d.max_patches is None or sample.num_patches <= d.max_patches
         )
 
     def _buffer_seed(self) -> int:
