@@ -65,10 +65,12 @@ def padded_overrides(packed: Config) -> list[str]:
     """The padded mode's overrides of the packed run's config: the trainer's padded path. Its
     memory plan (data.batch_size rows) is not the bench's (--micro samples per batch), so a
     plan that does not fit is said, not refused, and never shortens the bins (the packed
-    run's); and `model.checkpoint_share=auto`, which plans packed rows, becomes every layer
-    recomputed (recomputation changes no result)."""
+    run's); `model.checkpoint_share=auto`, which plans packed rows, becomes every layer
+    recomputed (recomputation changes no result); and the padded step runs eager (its padded
+    lengths change every step, and the compiled step recompiles for them: on an H100 the
+    12-layer cut made no step in 200 s)."""
     share = ["model.checkpoint_share=1.0"] if packed.model.checkpoint_share == "auto" else []
-    return ["data.packing=none", "train.memory_check=warn", *share]
+    return ["data.packing=none", "train.memory_check=warn", "model.compile=false", *share]
 
 
 def plan(sizes, d: DataConfig, n: int, seed: int) -> list[list[int]]:
