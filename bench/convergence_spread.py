@@ -4,11 +4,12 @@
 
 Each folder holds one `packed/` and one `padded/` run of the same seed (`train.seed`: the same
 initial weights and the same samples in the same steps for both modes). Per seed: the final loss
-(mean of the last `--tail` steps) of each mode and their signed relative gap (packed − padded) /
-padded. Across seeds: the gaps' mean and standard deviation. `--repeat` names a folder that ran a
-seed again (one mode or both): its runs against that seed's give the within-mode spread of a
-repeat (non-deterministic kernels), the floor a packing defect must exceed to show. Prints a
-markdown table and a JSON line.
+(mean of the last `--tail` steps both modes reached) of each mode and their signed relative gap
+(packed − padded) / padded. Across seeds: the gaps' mean and standard deviation. `--repeat`
+names a folder that ran a seed again (one mode or both): its runs against that seed's give the
+within-mode spread of a repeat (non-deterministic kernels), the floor a packing defect must
+exceed to show; a repeat and its seed's run are compared over the same `--tail` steps, ending at
+the last step both reached. Prints a markdown table and a JSON line.
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ from pathlib import Path
 MODES = ("packed", "padded")
 
 
-def final_loss(run: Path, tail: int) -> tuple[float, int]:
-    """(mean loss of the last `tail` steps, steps) of one run's metrics.jsonl."""
+def losses(run: Path) -> list[float]:
+    """The per-step losses of one run's metrics.jsonl."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    losses = [r["loss"] for r in rows if "loss" in r]
-    if len(losses) < tail:
-        raise ValueError(f"{run}: {len(losses)} steps, fewer than --tail {tail}")
-    return sum(losses[-tail:]) / tail, len(losses)
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def final_loss(run: Path, tail: int, upto: int | None = None) -> tuple[float, int]:
+    """(mean loss of the `tail` steps ending at step `upto` (default: the last), steps) of
+    one run."""
+    got = losses(run)[:upto]
+    if len(got) < tail:
+        raise ValueError(f"{run}: {len(got)} steps, fewer than --tail {tail}")
+    return sum(got[-tail:]) / tail, len(got)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m for m in MODES if folder in args.seeds or (folder / m / "metrics.jsonl").is_file()]
         if not modes:
             raise ValueError(f"{folder}: no packed/ or padded/ run")
-        got = {m: final_loss(folder / m, args.tail) for m in modes}
+        n = min(len(losses(folder / m)) for m in modes)
+        got = {m: final_loss(folder / m, args.tail, n) for m in modes}
         row = dict(run=folder.name, steps=min(n for _, n in got.values()),
                    **{m: loss for m, (loss, _) in got.items()})
         cells = [f"{row[m]:.4f}" if m in row else "—" for m in MODES]
@@ -58,15 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     out = dict(tail=args.tail, runs=rows, gap_mean=statistics.fmean(gaps),
                gap_sd=statistics.stdev(gaps) if len(gaps) > 1 else None)
     for rep in args.repeat:
-        base = next(r for r in rows if r["run"] == rep.name[:-1])
-        again = next(r for r in rows if r["run"] == rep.name)
-        out[f"repeat_{rep.name}"] = {m: (again[m] - base[m]) / base[m] for m in MODES if m in again}
+        base = next(s for s in args.seeds if s.name == rep.name[:-1])
+        spread = {}
+        for m in MODES:
+            if (rep / m / "metrics.jsonl").is_file():
+                n = min(len(losses(base / m)), len(losses(rep / m)))
+                a, b = final_loss(base / m, args.tail, n)[0], final_loss(rep / m, args.tail, n)[0]
+                spread[m] = {"gap": (b - a) / a, "steps": n}
+        out[f"repeat_{rep.name}"] = spread
     sd = "—" if out["gap_sd"] is None else f"{100 * out['gap_sd']:.2f}%"
     print(f"\ngap over {len(gaps)} seeds: mean {100 * out['gap_mean']:+.2f}%, sd {sd}")
     for rep in args.repeat:
         r = out[f"repeat_{rep.name}"]
-        print(f"{rep.name} against {rep.name[:-1]}: "
-              + ", ".join(f"{m} {100 * v:+.2f}%" for m, v in r.items()))
+        print(f"{rep.name} against {rep.name[:-1]}: " + ", ".join(
+            f"{m} {100 * v['gap']:+.2f}% (steps {v['steps'] - args.tail + 1}–{v['steps']})"
+            for m, v in r.items()))
     print(json.dumps(out))
     return 0
 
