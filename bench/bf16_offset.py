@@ -82,6 +82,19 @@ def unpacked_gdn(stock: type) -> type:
     return type(f"Unpacked{stock.__name__}", (stock,), {"forward": forward})
 
 
+@functools.cache
+def grid_on_device(stock: type) -> type:
+    """`stock` (a transformers vision tower class) given its grids on its own device, as the
+    padded path gives them: vlpack's `get_image_features` hands the tower the row's grids on the
+    host (its own tower reads only host-built tables), and the stock tower builds its index
+    tables on the grids' device."""
+
+    def forward(self, hidden_states, grid_thw=None, **kwargs):
+        return stock.forward(self, hidden_states, grid_thw.to(hidden_states.device), **kwargs)
+
+    return type(f"Device{stock.__name__}", (stock,), {"forward": forward})
+
+
 @contextlib.contextmanager
 def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     """vlpack's seams `names` (of SWAPS) swapped for transformers' own for the block."""
@@ -100,7 +113,8 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
             vision_cfg._attn_implementation = "sdpa"
         for m, cls in moved:
             stock = cls._vlpack_stock
-            m.__class__ = unpacked_gdn(stock) if isinstance(m, GatedDeltaNet) else stock
+            m.__class__ = (unpacked_gdn(stock) if isinstance(m, GatedDeltaNet)
+                           else grid_on_device(stock) if isinstance(m, VisionTower) else stock)
         if "experts" in names and experts is not None:
             model.set_experts_implementation(STOCK_EXPERTS)
         yield
