@@ -152,3 +152,46 @@ def test_cited_recipes_exist() -> None:
     assert len(cited) > 10
     bad = [f"{where}: {name}" for where, name in cited if not (RECIPES / f"{name}.yaml").is_file()]
     assert not bad, "docs cite recipes that do not exist:\n" + "\n".join(bad)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _slugs(md: Path) -> set[str]:
+    """The anchors GitHub gives `md`'s headings (lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading numbered)."""
+    seen: dict[str, int] = {}
+    for line in FENCE.sub("", md.read_text()).splitlines():
+        if m := re.match(r"^#{1,6} (.+)$", line):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            if n:
+                slug = f"{slug}-{n}"
+            seen.setdefault(slug, 1)
+    return set(seen)
+
+
+def test_relative_links_and_anchors_resolve() -> None:
+    """Every relative link of a markdown doc names a file of the tree and, with `#anchor`, a
+    heading of that file."""
+    broken = []
+    for md in (d for d in DOCS if d.suffix == ".md"):
+        for target in LINK.findall(FENCE.sub("", md.read_text())):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s):, mailto:
+            path, _, anchor = target.partition("#")
+            dest = (md.parent / path).resolve() if path else md
+            if not dest.exists():
+                broken.append(f"{md.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest):
+                broken.append(f"{md.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_slugs_on_literal_headings(tmp_path) -> None:
+    md = tmp_path / "x.md"
+    md.write_text("# qwen3.5-35b-a3b-lora as shipped\n## Keeping layers: `model.checkpoint_share=auto`\n"
+                  "## Notes\n## Notes\n```\n# not a heading\n```\n")
+    assert _slugs(md) == {"qwen35-35b-a3b-lora-as-shipped", "keeping-layers-modelcheckpoint_shareauto",
+                          "notes", "notes-1"}

@@ -26,6 +26,10 @@ import torch
 BOUNDS_KWARG = "vlpack_bounds"
 """The keyword of the base-model call that carries the `Boundaries`."""
 
+TESTED_TRANSFORMERS = "5.17, 5.25"
+"""The transformers versions the suite runs on (CI: the newest, and the model gates on 5.17),
+named by the errors that refuse a version whose seams vlpack does not find."""
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait (pinned, non-blocking)."""
@@ -84,10 +88,10 @@ class VisionTables:
                 "the vision attention got image boundaries that are not this row's: vlpack's "
                 "vision tables (model/vision.py, built per forward from the row's grids) were "
                 "kept from another forward (a vlpack bug), or this transformers version's tower "
-                "computes its own (not supported; tested: 5.17, 5.24)")
+                f"computes its own (not supported; tested: {TESTED_TRANSFORMERS})")
         raise ValueError("the vision attention got boundaries that vlpack did not build, of this "
                          "row's values: this transformers version's vision tower computes its own "
-                         "(not supported; tested: 5.17, 5.24), or vlpack kept tables of another "
+                         f"(not supported; tested: {TESTED_TRANSFORMERS}), or vlpack kept tables of another "
                          "row of the same image sizes (a vlpack bug)")
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from vlpack.families import family
 from vlpack.model.attention import StockMask
+from vlpack.model.bounds import TESTED_TRANSFORMERS
 from vlpack.model.deepstack import DeepstackTextModel
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.vision import ImageFeatures, VisionAttention, VisionTower
@@ -63,7 +64,7 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
         stock = getattr(mod, name, None)
         if stock is None:
             raise ValueError(f"{mod.__name__} has no {name}: this transformers version is not "
-                             "supported by vlpack (tested: 5.17, 5.24)")
+                             f"supported by vlpack (tested: {TESTED_TRANSFORMERS})")
         sub = packed_class(stock, mixin)
         for m in model.modules():
             if type(m) is stock:
@@ -104,7 +105,7 @@ def stock_classes(name: str) -> StockClasses:
         cls = getattr(mod, cls_name, None)
         if cls is None:
             raise ValueError(f"{mod.__name__} has no {cls_name}: this transformers version is "
-                             "not supported by vlpack (tested: 5.17, 5.24)")
+                             f"not supported by vlpack (tested: {TESTED_TRANSFORMERS})")
         return cls
 
     block, experts, router = fam.moe or (None, None, None)

@@ -26,6 +26,8 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 
+from vlpack.model.bounds import TESTED_TRANSFORMERS
+
 KERNEL_PACKAGES = ("fla", "causal_conv1d")
 """Packages whose kernels transformers' Qwen3.5 modeling modules pick at import when importable."""
 FALLBACK_LOGGER = "transformers.integrations.hub_kernels"
@@ -81,5 +83,5 @@ def torch_function(stock: type, name: str) -> Callable:
     fn = getattr(torch_kernel_module(stock.__module__), name, None)
     if fn is None:
         raise ValueError(f"{stock.__module__} has no {name}: this transformers version's "
-                         "Gated-DeltaNet is not supported by vlpack (tested: 5.17, 5.25)")
+                         f"Gated-DeltaNet is not supported by vlpack (tested: {TESTED_TRANSFORMERS})")
     return fn
