@@ -56,6 +56,7 @@ from vlpack.model.attention import TEXT_VARLEN_KWARGS
 from vlpack.model.bounds import BOUNDS_KWARG
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.reference import STOCK_EXPERTS, stock_reference
+from vlpack.model.seams import classes_of
 from vlpack.model.vision import VisionAttention, VisionTower
 from vlpack.train.distributed.parallel import Topology
 from vlpack.train.trainer import Trainer
@@ -66,20 +67,25 @@ from divergence import grad_compare, real_labels, rel, run_forward, sample_losse
 
 SWAPS = ("attention", "gdn", "experts", "vision")
 WAYS = ("stock", "vlpack", *(f"-{s}" for s in SWAPS), "-all")
+STOCK = ("attention", "experts", "vision")
+"""The seams the trainer's padded path runs as transformers' (`build_base` with `data.packing=none`:
+SDPA for text and vision, transformers' experts); its Gated-DeltaNet layers are vlpack's class,
+which without a row's boundaries runs transformers' forward."""
 
 
 @functools.cache
-def unpacked_gdn(stock: type) -> type:
-    """`stock` (a transformers Gated-DeltaNet class) called as the padded path calls it: the
-    row's boundary keywords dropped (transformers from 5.25 would pass them to its kernel), so
-    the sample alone in its row runs as one sequence, its alignment padding after it."""
+def unpacked_gdn(cls: type) -> type:
+    """vlpack's Gated-DeltaNet class `cls` called as the padded path calls it: the row's
+    boundary keywords dropped (transformers from 5.25 would pass them to its kernel), so it runs
+    transformers' own forward over the sample alone in its row as one sequence, its alignment
+    padding after it, with vlpack's approval of fla's backward on Hopper as on the padded path."""
 
     def forward(self, hidden_states, *args, **kwargs):
         for k in (*TEXT_VARLEN_KWARGS, BOUNDS_KWARG):
             kwargs.pop(k, None)
-        return stock.forward(self, hidden_states, *args, **kwargs)
+        return cls.forward(self, hidden_states, *args, **kwargs)
 
-    return type(f"Unpacked{stock.__name__}", (stock,), {"forward": forward})
+    return type(f"Unpacked{cls.__name__}", (cls,), {"forward": forward})
 
 
 @functools.cache
@@ -102,7 +108,8 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     text_cfg = getattr(model.config, "text_config", model.config)
     vision_cfg = getattr(model.config, "vision_config", None)
     attn = (text_cfg._attn_implementation, getattr(vision_cfg, "_attn_implementation", None))
-    experts = getattr(text_cfg, "_experts_implementation", None)
+    experts = (getattr(text_cfg, "_experts_implementation", None)
+               if classes_of(model).experts is not None else None)  # a dense model has none
     kinds = ((GatedDeltaNet,) if "gdn" in names else ()) + \
             ((VisionTower, VisionAttention) if "vision" in names else ())
     moved = [(m, type(m)) for m in model.modules() if kinds and isinstance(m, kinds)]
@@ -113,7 +120,7 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
             vision_cfg._attn_implementation = "sdpa"
         for m, cls in moved:
             stock = cls._vlpack_stock
-            m.__class__ = (unpacked_gdn(stock) if isinstance(m, GatedDeltaNet)
+            m.__class__ = (unpacked_gdn(cls) if isinstance(m, GatedDeltaNet)
                            else grid_on_device(stock) if isinstance(m, VisionTower) else stock)
         if "experts" in names and experts is not None:
             model.set_experts_implementation(STOCK_EXPERTS)
@@ -152,12 +159,13 @@ def in_float32(params: Iterable[nn.Parameter]) -> Iterator[None]:
 
 
 class Streamed:
-    """Forward hooks on the text layers: each upcast to float32 only while it runs, its call's
-    other arguments kept (`calls`: layer, positional arguments after the hidden states, keywords)
-    for the layer-by-layer backward."""
+    """Forward hooks on the text layers: each upcast to float32 only while it runs, its call
+    kept (`calls`: layer, its input hidden states, the positional arguments after them, keywords)
+    for the layer-by-layer backward. The input is the layer's own: a deepstack family (Qwen3-VL)
+    adds vision features to the first layers' outputs before the next layer reads them."""
 
     def __init__(self, layers: list[nn.Module]):
-        self.calls: list[tuple[nn.Module, tuple, dict]] = []
+        self.calls: list[tuple[nn.Module, torch.Tensor, tuple, dict]] = []
         self._low: list = []
         self.handles = [h for layer in layers for h in (
             layer.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -166,7 +174,8 @@ class Streamed:
     def _pre(self, layer, args, kwargs):
         self._low = upcast(layer.parameters())
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        self.calls.append((layer, args[1:] if args else (), rest))
+        x = args[0] if args else kwargs["hidden_states"]
+        self.calls.append((layer, x.detach(), args[1:] if args else (), rest))
 
     def _post(self, layer, args, output):
         restore(self._low)
@@ -186,7 +195,7 @@ def float32_way(model: nn.Module, module: nn.Module, batch, labels_T: torch.Tens
     outside = [p for p in model.parameters() if p not in inside]
     for p in trainable.values():
         p.grad = None
-    with stock_reference(model), in_float32(outside):
+    with stock_reference(model), in_float32(outside), full_float32():
         stream = Streamed(layers)
         try:
             per_sample, routes = run_forward(module, model, [batch], contextlib.nullcontext)
@@ -201,8 +210,8 @@ def float32_way(model: nn.Module, module: nn.Module, batch, labels_T: torch.Tens
             loss.backward()
         grad = x.grad
         for i in reversed(range(len(layers))):
-            layer, args, kwargs = stream.calls[i]
-            x = outs[i].view(1, T, H).clone().requires_grad_(True)
+            layer, x, args, kwargs = stream.calls[i]
+            x = x.clone().requires_grad_(True)
             with in_float32(layer.parameters()), torch.enable_grad():
                 y = layer(x, *args, **kwargs)
                 y = y[0] if isinstance(y, tuple) else y
@@ -211,7 +220,24 @@ def float32_way(model: nn.Module, module: nn.Module, batch, labels_T: torch.Tens
     grads = {n: p.grad.detach().float().clone() for n, p in trainable.items() if p.grad is not None}
     for p in trainable.values():
         p.grad = None
+    missing = sorted(set(trainable) - set(grads))
+    if missing:  # trainable outside the text layers (e.g. model.lora.vision): not streamed
+        raise ValueError(f"the float32 backward runs through the text layers only; {len(missing)} "
+                         f"trainable tensors outside them get no gradient (first: {missing[0]}): "
+                         "train adapters on the text layers only for this bench")
     return host(outs), routes[0], loss.item(), grads
+
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """TF32 off for the block (torch lets cuDNN convolutions, such as the vision patch
+    embedding, use it by default)."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -272,7 +298,8 @@ def main(argv=None) -> int:
                "float32_gradient": {"tensors": len(f_grads), "of": len(trainable), "norm": norm}}
         for way in WAYS:
             batch = padded if way == "stock" else alone
-            swaps = SWAPS if way == "-all" else (way[1:],) if way.startswith("-") else ()
+            swaps = (SWAPS if way == "-all" else (way[1:],) if way.startswith("-")
+                     else STOCK if way == "stock" else ())
             with stock_seams(model, swaps):
                 per_sample, routes = run_forward(module, model, [batch], autocast)
                 row["loss"][way] = sample_losses(model, [per_sample[0][-1]], labels, autocast)[0]
@@ -311,7 +338,7 @@ def print_row(row: dict) -> None:
         agree = row["routes_agree"][way]
         print(f"  {way:>11} {loss:9.5f} {loss - f:+10.5f} {loss - row['loss']['stock']:+9.5f} "
               f"{row['layers'][way][-1]:11.2e} {'' if agree is None else f'{agree:8.3f}'} "
-              + (f"{g['relative']:9.3f} {g['cosine']:8.5f}" if g else ""), flush=True)
+              + (f"{g['relative']:9.3e} {g['cosine']:8.5f}" if g else ""), flush=True)
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -326,7 +353,7 @@ def print_summary(rows: list[dict]) -> None:
         dst = m(r["loss"][way] - r["loss"]["stock"] for r in rows)
         fin = m(r["layers"][way][-1] for r in rows)
         g = [r["gradient"][way] for r in rows if way in r["gradient"]]
-        tail = f"{m(x['relative'] for x in g):9.3f} {m(x['cosine'] for x in g):8.5f}" if g else ""
+        tail = f"{m(x['relative'] for x in g):9.3e} {m(x['cosine'] for x in g):8.5f}" if g else ""
         print(f"  {way:>11} {d32:+10.5f} {dst:+9.5f} {fin:11.2e} {tail}")
 
 
