@@ -57,6 +57,25 @@ def test_traced_vision_attention_serves_every_row_without_recompiling(name):
     assert _break_names() == {"attend_row", "varlen_attention_forward"}, _break_names()
 
 
+def test_sizes_equal_by_chance_do_not_recompile():
+    """A first row of 3 segments has `cu_seq_lens` of 4, as many as its MRoPE position rows:
+    with torch's duck shaping the layers' graphs guarded on that equality and every layer
+    compiled again for the next row. Each size is its own symbol (compile.py)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, spec = build_model("tiny-qwen3_vl", device="cpu", seed=0)
+    compile_layers(model)
+    graphs = []
+    for n in (3, 5, 6):
+        batch = build_thd_batch(default_mix(spec, n, seed=n), pad_token_id=spec.pad_token_id,
+                                pad_to_multiple_of=1, mrope_after_video="transformers")
+        if n == 3:
+            assert batch.position_ids.shape[0] == len(batch.cu_seqlens) == 4
+        packed_forward(model, batch, spec=spec).loss_sum.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
+
+
 # --- model.compile through the trainer ---------------------------------------------------------------
 @pytest.mark.parametrize("name,fsdp,scope", [
     ("tiny-qwen3_vl", "auto", "regions"), ("tiny-qwen3_5_moe", "auto", "regions"),

@@ -21,6 +21,10 @@ compiled function shared by every layer (`experts.vlpack_grouped_mm_compiled`): 
 it has a size fixed by the token count, so it compiles like the layers do.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
+Each dynamic size gets its own symbol (`_distinct_sizes`): torch's duck shaping would give sizes
+that happen to be equal at the first trace one symbol and guard on their equality, so a first row
+of 3 segments (`cu_seq_lens` of 4, as many as the MRoPE position rows) recompiled every layer at
+the next row.
 """
 
 from __future__ import annotations
@@ -49,9 +53,19 @@ from vlpack.model.seams import classes_of
 _log = logging.getLogger(__name__)
 
 
+def _distinct_sizes() -> None:
+    """No duck shaping in this process's compiled code (module docstring): torch's switch for it
+    is process-wide, and a size that differs from another only by chance is never the same size
+    in vlpack's graphs."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+
+
 def compile_regions(model: nn.Module) -> list[str]:
     """Compile every norm and MLP module of `model` in place, and its vision rotary; return what
     was compiled (class and function names)."""
+    _distinct_sizes()
     names = _compile_norms_and_mlps(model)
     if not names:
         raise ValueError(
@@ -68,6 +82,7 @@ def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> li
     return what was compiled (class and function names)."""
     from vlpack.model.recompute import layer_stacks
 
+    _distinct_sizes()
     layers = [layer for stack in layer_stacks(model).values() for layer in stack]
     if not layers:
         raise ValueError(f"model.compile_scope=layers found no layer stack in "
