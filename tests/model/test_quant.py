@@ -29,6 +29,23 @@ def test_rows_quantize_as_worked_by_hand():
     assert dequantize(q, s, torch.float32)[0, 0].tolist() == [-2.0, 0.5, 0.0, 0.25, 0.21875]
 
 
+def test_the_gpu_s_fused_dequantize_equals_cast_then_scale_bit_for_bit():
+    """The GPU's one-kernel dequantize (`_cast_and_scale`, compiled) against the eager
+    cast-then-scale, in bf16 (one rounding of the float32 product both ways) and float32, on
+    random codes and scales spanning 12 binades; compiled here on the CPU's backend."""
+    from vlpack.model import quant
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (4, 24, 40), dtype=torch.int8, generator=g)
+    s = torch.exp2(torch.randint(-20, -8, (4, 24), generator=g).float()) * (
+        1 + torch.rand(4, 24, generator=g))
+    compiled = torch.compile(quant._cast_and_scale, dynamic=False, fullgraph=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = q.to(dtype).mul_(s.unsqueeze(-1))
+        for got in (quant._cast_and_scale(q, s, dtype), compiled(q, s, dtype)):
+            assert got.dtype == dtype and torch.equal(got, want), dtype
+
+
 def test_rows_quantize_as_torchao_does():
     """Symmetric int8 with a scale per row equals torchao's choose_qparams_affine +
     quantize_affine (MappingType.SYMMETRIC, a block of one row) bit for bit, an all-zero row
