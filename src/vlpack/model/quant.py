@@ -50,7 +50,8 @@ def dequantize(q_EOX: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) 
     frozen."""
     assert q_EOX.dtype == torch.int8, q_EOX.dtype
     if q_EOX.is_cuda:
-        return _fused_dequantize()(q_EOX, scale_EO, dtype)
+        # detached: a parameter's sizes would be compiled static, one graph per weight shape
+        return _fused_dequantize()(q_EOX.detach(), scale_EO, dtype)
     return q_EOX.to(dtype).mul_(scale_EO.unsqueeze(-1))  # exact cast, one rounding in mul_
 
 
@@ -60,8 +61,10 @@ def _cast_and_scale(q_EOX: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dt
 
 @functools.cache
 def _fused_dequantize():
-    """`_cast_and_scale` compiled: one pointwise kernel (two weight shapes per model)."""
-    return torch.compile(_cast_and_scale, dynamic=False, fullgraph=True)
+    """`_cast_and_scale` compiled: one pointwise kernel, dynamic, so the weight shapes of a model
+    share one graph per dispatch state it is called under (in a grad-enabled forward, in the
+    backward), far below dynamo's recompile limit."""
+    return torch.compile(_cast_and_scale, dynamic=True, fullgraph=True)
 
 
 def scales(experts: nn.Module) -> tuple[torch.Tensor | None, ...]:
