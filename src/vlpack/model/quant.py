@@ -8,8 +8,9 @@ That is torchao's `choose_qparams_affine` + `quantize_affine` with `MappingType.
 block of one row, bit for bit (tests/model/test_quant.py holds it against torchao). torchao's
 `quantize_` converts `nn.Linear` weights; the experts' weights are 3-D parameters run by a
 grouped GEMM, so vlpack stores them itself and model/experts.py dequantizes one weight at a
-time to the compute dtype as it runs it (`q · scale`, rounded once), again in backward instead
-of keeping the dequantized copy (`int8_grouped_mm`, one opaque op, eager and compiled).
+time to the compute dtype as it runs it (`q · scale` in float32, stored in that dtype), again in
+backward instead of keeping the dequantized copy (`int8_grouped_mm`, one opaque op, eager and
+compiled).
 
 Only weights that get no gradient are quantized (a LoRA run's base, `model.freeze_llm`); the
 dense projections, the shared expert and the vision tower keep the `auto` rule (bf16 on a GPU).
@@ -20,8 +21,6 @@ Legend: E = experts, O = output rows of a projection, X = its input width.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -45,26 +44,12 @@ def quantize_rows(w_EOX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q_EOX: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight `q_EOX` stands for, in `dtype`: each int8 code times its row's float32 scale,
-    rounded to `dtype` once. On a GPU one compiled kernel reads the codes and writes the weight
-    (3 bytes a parameter); the eager cast-then-scale moves 7. Not differentiable: the weight is
-    frozen."""
+    computed in float32 and stored in `dtype`, in one pass that reads the codes and writes the
+    weight (3 bytes a parameter in bf16; a cast and then a scale in place move 7). Bit for bit
+    the cast-then-scale. Not differentiable: the weight is frozen."""
     assert q_EOX.dtype == torch.int8, q_EOX.dtype
-    if q_EOX.is_cuda:
-        # detached: a parameter's sizes would be compiled static, one graph per weight shape
-        return _fused_dequantize()(q_EOX.detach(), scale_EO, dtype)
-    return q_EOX.to(dtype).mul_(scale_EO.unsqueeze(-1))  # exact cast, one rounding in mul_
-
-
-def _cast_and_scale(q_EOX: torch.Tensor, scale_EO: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q_EOX.float() * scale_EO.unsqueeze(-1)).to(dtype)
-
-
-@functools.cache
-def _fused_dequantize():
-    """`_cast_and_scale` compiled: one pointwise kernel, dynamic, so the weight shapes of a model
-    share one graph per dispatch state it is called under (in a grad-enabled forward, in the
-    backward), far below dynamo's recompile limit."""
-    return torch.compile(_cast_and_scale, dynamic=True, fullgraph=True)
+    out_EOX = torch.empty(q_EOX.shape, dtype=dtype, device=q_EOX.device)
+    return torch.mul(q_EOX, scale_EO.unsqueeze(-1), out=out_EOX)
 
 
 def scales(experts: nn.Module) -> tuple[torch.Tensor | None, ...]:
