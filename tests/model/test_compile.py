@@ -59,8 +59,8 @@ def test_traced_vision_attention_serves_every_row_without_recompiling(name):
 
 def test_sizes_equal_by_chance_do_not_recompile():
     """A first row of 3 segments has `cu_seq_lens` of 4, as many as its MRoPE position rows:
-    with torch's duck shaping the layers' graphs guarded on that equality and every layer
-    compiled again for the next row. Each size is its own symbol (compile.py)."""
+    with torch's duck shaping the layers' graphs guarded on that equality and compiled again
+    for the next row. Each size is its own symbol (compile.py)."""
     torch._dynamo.reset()
     counters.clear()
     model, spec = build_model("tiny-qwen3_vl", device="cpu", seed=0)

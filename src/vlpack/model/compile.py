@@ -23,8 +23,9 @@ it has a size fixed by the token count, so it compiles like the layers do.
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
 Each dynamic size gets its own symbol (`_distinct_sizes`): torch's duck shaping would give sizes
 that happen to be equal at the first trace one symbol and guard on their equality, so a first row
-of 3 segments (`cu_seq_lens` of 4, as many as the MRoPE position rows) recompiled every layer at
-the next row.
+of 3 segments (`cu_seq_lens` of 4, as many as the MRoPE position rows) recompiled the layers'
+shared graphs at the next row, a step closer to dynamo's recompile limit (past it, the layers run
+eager).
 """
 
 from __future__ import annotations
