@@ -28,13 +28,11 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def final_loss(run: Path, tail: int, upto: int | None = None) -> tuple[float, int]:
-    """(mean loss of the `tail` steps ending at step `upto` (default: the last), steps) of
-    one run."""
-    got = losses(run)[:upto]
-    if len(got) < tail:
-        raise ValueError(f"{run}: {len(got)} steps, fewer than --tail {tail}")
-    return sum(got[-tail:]) / tail, len(got)
+def tail_mean(curve: list[float], tail: int, upto: int, run: Path) -> float:
+    """The mean loss of `run`'s `tail` steps ending at step `upto`."""
+    if upto < tail:
+        raise ValueError(f"{run}: {upto} steps, fewer than --tail {tail}")
+    return sum(curve[upto - tail:upto]) / tail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,17 +43,17 @@ def main(argv: list[str] | None = None) -> int:
                         "last letter again (s0r repeats s0)")
     p.add_argument("--tail", type=int, default=20)
     args = p.parse_args(argv)
-    rows, gaps = [], []
+    rows, gaps, curves = [], [], {}
     print("| run | steps | packed | padded | (packed − padded) / padded |")
     print("|---|---:|---:|---:|---:|")
     for folder in args.seeds + args.repeat:
         modes = [m for m in MODES if folder in args.seeds or (folder / m / "metrics.jsonl").is_file()]
         if not modes:
             raise ValueError(f"{folder}: no packed/ or padded/ run")
-        n = min(len(losses(folder / m)) for m in modes)
-        got = {m: final_loss(folder / m, args.tail, n) for m in modes}
-        row = dict(run=folder.name, steps=min(n for _, n in got.values()),
-                   **{m: loss for m, (loss, _) in got.items()})
+        curves |= {folder / m: losses(folder / m) for m in modes}
+        n = min(len(curves[folder / m]) for m in modes)
+        row = dict(run=folder.name, steps=n,
+                   **{m: tail_mean(curves[folder / m], args.tail, n, folder / m) for m in modes})
         cells = [f"{row[m]:.4f}" if m in row else "—" for m in MODES]
         if len(modes) == 2:
             row["gap"] = (row["packed"] - row["padded"]) / row["padded"]
@@ -69,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         base = next(s for s in args.seeds if s.name == rep.name[:-1])
         spread = {}
         for m in MODES:
-            if (rep / m / "metrics.jsonl").is_file():
-                n = min(len(losses(base / m)), len(losses(rep / m)))
-                a, b = final_loss(base / m, args.tail, n)[0], final_loss(rep / m, args.tail, n)[0]
+            if rep / m in curves:
+                a, b = curves[base / m], curves[rep / m]
+                n = min(len(a), len(b))
+                a, b = tail_mean(a, args.tail, n, base / m), tail_mean(b, args.tail, n, rep / m)
                 spread[m] = {"gap": (b - a) / a, "steps": n}
         out[f"repeat_{rep.name}"] = spread
     sd = "—" if out["gap_sd"] is None else f"{100 * out['gap_sd']:.2f}%"
