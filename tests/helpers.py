@@ -4,7 +4,9 @@ tokenizer or images, process helpers, the small `tiny` run the trainer tests sta
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -303,3 +305,14 @@ def tiny_routed_experts(impl: str, *, inter: int = 16, train: bool = False,
     for p in ex.parameters():
         p.data.normal_(0, 0.1, generator=g)
     return ex.to(dtype).requires_grad_(train)
+
+
+def bench_module(name: str):
+    """The script `bench/<name>.py` as a module (imported with bench/ on the path, as its own
+    imports of other bench scripts need)."""
+    folder = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

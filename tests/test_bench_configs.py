@@ -5,10 +5,11 @@ config's own checks here, on the CPU, before a GPU call would find a refusal at 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "src" / "vlpack" / "configs").glob("*.yaml"))
@@ -16,12 +17,7 @@ RECIPES = sorted(p.stem for p in (ROOT / "src" / "vlpack" / "configs").glob("*.y
 
 @pytest.fixture(scope="module")
 def convergence():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import convergence
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return convergence
+    return bench_module("convergence")
 
 
 def _args(recipe: str) -> argparse.Namespace:

@@ -6,21 +6,16 @@ Gated-DeltaNet MoE family."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import bench_module
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3_vl_moe", "tiny-qwen3_5_moe"])
 def test_every_way_equals_the_float32_reference_on_cpu(name: str, tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import bf16_offset
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    bf16_offset = bench_module("bf16_offset")
     bf16_offset.main(["--recipe", "tiny", "--bins", "1", "--max-samples", "1", "--samples", "40",
                       "--out", str(tmp_path), f"model.name={name}", "model.lora.rank=8"])
     (row,) = json.loads((tmp_path / "bf16_offset.json").read_text())["samples"]

@@ -4,12 +4,11 @@ modes reached, and a repeat against its seed over the steps both runs reached.""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import bench_module
 
 
 def _run(path: Path, losses: list[float]) -> None:
@@ -19,11 +18,7 @@ def _run(path: Path, losses: list[float]) -> None:
 
 
 def test_spread_windows(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import convergence_spread
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    convergence_spread = bench_module("convergence_spread")
     _run(tmp_path / "s0" / "packed", [4, 3, 2, 1])
     _run(tmp_path / "s0" / "padded", [4, 3, 2, 2, 100])  # step 5: beyond the packed run's last
     _run(tmp_path / "s1" / "packed", [5, 4, 3, 2])
