@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TESTED_TRANSFORMERS = "5.17, 5.25"
+"""The transformers versions the suite runs on (CI: the newest, and the model gates on 5.17),
+named by the errors that refuse a version whose classes or seams vlpack does not find."""
+
 QWEN2_IDS = dict(
     image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
     vision_end_token_id=151653, eos_token_id=151645, pad_token_id=151643, vocab_size=151936,

@@ -23,12 +23,10 @@ from typing import Any
 
 import torch
 
+from vlpack.families import TESTED_TRANSFORMERS
+
 BOUNDS_KWARG = "vlpack_bounds"
 """The keyword of the base-model call that carries the `Boundaries`."""
-
-TESTED_TRANSFORMERS = "5.17, 5.25"
-"""The transformers versions the suite runs on (CI: the newest, and the model gates on 5.17),
-named by the errors that refuse a version whose seams vlpack does not find."""
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from vlpack.families import family
+from vlpack.families import TESTED_TRANSFORMERS, family
 from vlpack.model.attention import StockMask
-from vlpack.model.bounds import TESTED_TRANSFORMERS
 from vlpack.model.deepstack import DeepstackTextModel
 from vlpack.model.gdn import GatedDeltaNet
 from vlpack.model.vision import ImageFeatures, VisionAttention, VisionTower

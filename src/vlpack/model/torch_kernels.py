@@ -26,7 +26,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 
-from vlpack.model.bounds import TESTED_TRANSFORMERS
+from vlpack.families import TESTED_TRANSFORMERS
 
 KERNEL_PACKAGES = ("fla", "causal_conv1d")
 """Packages whose kernels transformers' Qwen3.5 modeling modules pick at import when importable."""
