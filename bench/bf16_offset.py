@@ -12,8 +12,8 @@ GPU; LoRA's B starts at zero), MRoPE by transformers' rule. Each sample runs alo
               experts, Gated-DeltaNet forward and vision tower): divergence.py's padded_alone
   vlpack      its own THD row through vlpack's seams: divergence.py's alone
   -attention  vlpack, the text attention transformers' SDPA
-  -gdn        vlpack, Gated-DeltaNet transformers' own forward (fla's kernels where importable,
-              as stock's)
+  -gdn        vlpack, Gated-DeltaNet transformers' own forward, as stock's (fla's delta rule
+              where fla imports; its torch convolution unless causal-conv1d is installed)
   -experts    vlpack, the routed experts transformers' grouped_mm
   -vision     vlpack, the vision tower and its attention transformers' own (SDPA)
   -all        vlpack with all four swapped
