@@ -17,6 +17,8 @@ GPU; LoRA's B starts at zero), MRoPE by transformers' rule. Each sample runs alo
   -experts    vlpack, the routed experts transformers' grouped_mm
   -vision     vlpack, the vision tower and its attention transformers' own (SDPA)
   -all        vlpack with all four swapped
+  -conv       vlpack, Gated-DeltaNet's short convolution alone run as transformers' torch
+              fallback computes it (per segment), the delta rule still fla's
   float32     the stock model (model/reference.py: SDPA, transformers' experts, its torch
               Gated-DeltaNet kernels) in float32 on the padded batch of one. The bf16-held
               weights are upcast, exactly: the modules outside the text layers for the whole
@@ -24,8 +26,9 @@ GPU; LoRA's B starts at zero), MRoPE by transformers' rule. Each sample runs alo
               the top, each layer upcast again and run once more from its saved input, so no
               float32 copy of the whole model (131 GiB for the 35B) is ever held.
 
-Per way and sample: the loss (mean cross-entropy over the sample's label tokens from its final-
-norm output, one function for every way: the loss function is not among the swaps); the relative
+`--ways` runs some of them (the float32 reference always). Per way and sample: the loss (mean
+cross-entropy over the sample's label tokens from its final-norm output, one function for every
+way: the loss function is not among the swaps); the relative
 difference ‖a − f‖ / ‖f‖ of the embeddings, each text layer's output and the final norm's from
 float32's, and the share of tokens whose top-k experts match float32's; the adapter gradient of
 the sample's step (the trainer's own step, unclipped, MoE aux loss off; for float32 the same
@@ -66,7 +69,7 @@ from convergence import bench_config, plan  # the convergence bench's data and b
 from divergence import grad_compare, real_labels, rel, run_forward, sample_losses, step_gradient
 
 SWAPS = ("attention", "gdn", "experts", "vision")
-WAYS = ("stock", "vlpack", *(f"-{s}" for s in SWAPS), "-all")
+WAYS = ("stock", "vlpack", *(f"-{s}" for s in SWAPS), "-all", "-conv")
 STOCK = ("attention", "experts", "vision")
 """The seams the trainer's padded path runs as transformers' (`build_base` with `data.packing=none`:
 SDPA for text and vision, transformers' experts); its Gated-DeltaNet layers are vlpack's class,
@@ -89,6 +92,12 @@ def unpacked_gdn(cls: type) -> type:
 
 
 @functools.cache
+def torch_conv_gdn(cls: type) -> type:
+    """vlpack's Gated-DeltaNet class `cls` with its short convolution on torch (`-conv`)."""
+    return type(f"TorchConv{cls.__name__}", (cls,), {"conv_on_torch": True})
+
+
+@functools.cache
 def grid_on_device(stock: type) -> type:
     """`stock` (a transformers vision tower class) given its grids on its own device, as the
     padded path gives them: vlpack's `get_image_features` hands the tower the row's grids on the
@@ -103,14 +112,15 @@ def grid_on_device(stock: type) -> type:
 
 @contextlib.contextmanager
 def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
-    """vlpack's seams `names` (of SWAPS) swapped for transformers' own for the block."""
+    """vlpack's seams `names` (of SWAPS, or "conv") swapped for transformers' own for the
+    block."""
     names = set(names)
     text_cfg = getattr(model.config, "text_config", model.config)
     vision_cfg = getattr(model.config, "vision_config", None)
     attn = (text_cfg._attn_implementation, getattr(vision_cfg, "_attn_implementation", None))
     experts = (getattr(text_cfg, "_experts_implementation", None)
                if classes_of(model).experts is not None else None)  # a dense model has none
-    kinds = ((GatedDeltaNet,) if "gdn" in names else ()) + \
+    kinds = ((GatedDeltaNet,) if {"gdn", "conv"} & names else ()) + \
             ((VisionTower, VisionAttention) if "vision" in names else ())
     moved = [(m, type(m)) for m in model.modules() if kinds and isinstance(m, kinds)]
     try:
@@ -120,7 +130,8 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
             vision_cfg._attn_implementation = "sdpa"
         for m, cls in moved:
             stock = cls._vlpack_stock
-            m.__class__ = (unpacked_gdn(cls) if isinstance(m, GatedDeltaNet)
+            gdn = unpacked_gdn if "gdn" in names else torch_conv_gdn
+            m.__class__ = (gdn(cls) if isinstance(m, GatedDeltaNet)
                            else grid_on_device(stock) if isinstance(m, VisionTower) else stock)
         if "experts" in names and experts is not None:
             model.set_experts_implementation(STOCK_EXPERTS)
@@ -260,9 +271,14 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--steps", type=int, default=200, help="the plan's length (at least --bins)")
     p.add_argument("--no-grad", action="store_true", help="losses and layers only")
+    p.add_argument("--ways", default=",".join(WAYS),
+                   help=f"comma-separated, of {','.join(WAYS)} (the float32 reference always runs)")
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = p.parse_args(argv)
+    ways = tuple(args.ways.split(","))
+    if not set(ways) <= set(WAYS):
+        raise ValueError(f"--ways {args.ways}: each way one of {', '.join(WAYS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = bench_config(args, "model.compile=false", "data.mrope_after_video=transformers",
@@ -296,7 +312,7 @@ def main(argv=None) -> int:
         row = {"sample": k, "tokens": len(s), "loss": {"float32": f_loss}, "layers": {},
                "routes_agree": {}, "gradient": {},
                "float32_gradient": {"tensors": len(f_grads), "of": len(trainable), "norm": norm}}
-        for way in WAYS:
+        for way in ways:
             batch = padded if way == "stock" else alone
             swaps = (SWAPS if way == "-all" else (way[1:],) if way.startswith("-")
                      else STOCK if way == "stock" else ())
@@ -318,7 +334,7 @@ def main(argv=None) -> int:
         print_row(row)
         (out / "bf16_offset.json").write_text(json.dumps(
             {"recipe": args.recipe, "model": cfg.model.name, "layers": args.layers,
-             "seq_len": args.seq_len, "autocast": str(low), "ways": list(WAYS),
+             "seq_len": args.seq_len, "autocast": str(low), "ways": list(ways),
              "layer_rows": "0: embeddings into layer 0; i: layer i's output; last: the final norm",
              "samples": rows}, indent=1))
     print_summary(rows)
@@ -333,10 +349,11 @@ def print_row(row: dict) -> None:
           f"gradient norm {g32['norm']:.4g} over {g32['tensors']} of {g32['of']} tensors")
     print(f"  {'way':>11} {'loss':>9} {'- float32':>10} {'- stock':>9} {'final norm':>11} "
           f"{'experts':>8} {'grad rel':>9} {'cosine':>8}")
-    for way in WAYS:
+    stock = row["loss"].get("stock", float("nan"))
+    for way in row["layers"]:
         loss, g = row["loss"][way], row["gradient"].get(way)
         agree = row["routes_agree"][way]
-        print(f"  {way:>11} {loss:9.5f} {loss - f:+10.5f} {loss - row['loss']['stock']:+9.5f} "
+        print(f"  {way:>11} {loss:9.5f} {loss - f:+10.5f} {loss - stock:+9.5f} "
               f"{row['layers'][way][-1]:11.2e} {'' if agree is None else f'{agree:8.3f}'} "
               + (f"{g['relative']:9.3e} {g['cosine']:8.5f}" if g else ""), flush=True)
 
@@ -347,10 +364,10 @@ def print_summary(rows: list[dict]) -> None:
     print(f"\nmean over {len(rows)} samples")
     print(f"  {'way':>11} {'- float32':>10} {'- stock':>9} {'final norm':>11} {'grad rel':>9} "
           f"{'cosine':>8}")
-    for way in WAYS:
+    for way in rows[0]["layers"]:
         m = statistics.fmean
         d32 = m(r["loss"][way] - r["loss"]["float32"] for r in rows)
-        dst = m(r["loss"][way] - r["loss"]["stock"] for r in rows)
+        dst = m(r["loss"][way] - r["loss"].get("stock", float("nan")) for r in rows)
         fin = m(r["layers"][way][-1] for r in rows)
         g = [r["gradient"][way] for r in rows if way in r["gradient"]]
         tail = f"{m(x['relative'] for x in g):9.3e} {m(x['cosine'] for x in g):8.5f}" if g else ""

@@ -287,6 +287,10 @@ class GatedDeltaNet:
     """Mixin over a transformers Gated-DeltaNet class (`_vlpack_stock`): the packed forward."""
 
     _vlpack_stock: type
+    conv_on_torch: bool = False
+    """Run the short convolution per segment in torch (transformers' fallback arithmetic: the
+    conv, then the activation on its rounded output) even where fla runs the delta rule; a
+    subclass sets it (bench/bf16_offset.py's `-conv` way)."""
 
     def forward(self, hidden_states, *args, **kwargs):
         bounds: Boundaries | None = kwargs.pop(BOUNDS_KWARG, None)
@@ -336,7 +340,7 @@ class GatedDeltaNet:
         conv = segment_conv1d if split is None else context_conv1d
         mixed_BCT = conv(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                          self.activation, segs if split is None else split, bounds=bounds,
-                         torch_only=torch_only)
+                         torch_only=torch_only or self.conv_on_torch)
         query, key, value = torch.split(mixed_BCT.transpose(1, 2),
                                         [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.reshape(B, T, -1, self.head_k_dim)
