@@ -44,6 +44,7 @@ def test_attention_backends_equal_masked_sdpa(name, causal):
     vision attention calls it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    attention.register()  # as build_model does: the test must not rely on an earlier one's model
     q, k, v = _qkv()
     host = (0, 7, 8, 24, 40)
     segs = Segments.from_host(host, torch.device("cpu"))
