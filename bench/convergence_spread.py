@@ -9,7 +9,9 @@ initial weights and the same samples in the same steps for both modes). Per seed
 names a folder that ran a seed again (one mode or both): its runs against that seed's give the
 within-mode spread of a repeat (non-deterministic kernels), the floor a packing defect must
 exceed to show; a repeat and its seed's run are compared over the same `--tail` steps, ending at
-the last step both reached. Prints a markdown table and a JSON line.
+the last step both reached. The seed's folder is the one beside the repeat named without its
+last letter (s0r repeats s0), a seed of the table or not (one whose pair is too short for
+`--tail` need not be). Prints a markdown table and a JSON line.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("seeds", nargs="+", type=Path, help="folders with packed/ and padded/")
     p.add_argument("--repeat", type=Path, action="append", default=[],
-                   help="a folder that ran the seed of the folder of the same name minus its "
+                   help="a folder that ran the seed of the folder beside it named without its "
                         "last letter again (s0r repeats s0)")
     p.add_argument("--tail", type=int, default=20)
     args = p.parse_args(argv)
@@ -64,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     out = dict(tail=args.tail, runs=rows, gap_mean=statistics.fmean(gaps),
                gap_sd=statistics.stdev(gaps) if len(gaps) > 1 else None)
     for rep in args.repeat:
-        base = next(s for s in args.seeds if s.name == rep.name[:-1])
+        base = rep.parent / rep.name[:-1]
         spread = {}
         for m in MODES:
             if rep / m in curves:
+                if base / m not in curves:
+                    curves[base / m] = losses(base / m)
                 a, b = curves[base / m], curves[rep / m]
                 n = min(len(a), len(b))
                 a, b = tail_mean(a, args.tail, n, base / m), tail_mean(b, args.tail, n, rep / m)

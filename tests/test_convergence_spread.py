@@ -35,3 +35,20 @@ def test_spread_windows(tmp_path, capsys):
     assert out["gap_sd"] == pytest.approx(0.25 / 2**0.5)
     # the repeat over steps 3-4: (3 + 9) / 2 = 6 against 1.5 → +300%
     assert out["repeat_s0r"] == {"packed": {"gap": pytest.approx(3.0), "steps": 4}}
+
+
+def test_a_repeat_of_a_seed_outside_the_table(tmp_path, capsys):
+    """s0's pair is too short for --tail, so s0 is not a seed of the table; its packed run is
+    still the repeat's reference (the folder beside s0r)."""
+    convergence_spread = bench_module("convergence_spread")
+    _run(tmp_path / "s0" / "packed", [4, 3, 2, 2])
+    _run(tmp_path / "s0" / "padded", [4])
+    _run(tmp_path / "s1" / "packed", [5, 4, 3, 2])
+    _run(tmp_path / "s1" / "padded", [5, 4, 3, 4])
+    _run(tmp_path / "s0r" / "packed", [4, 3, 3, 5])
+    convergence_spread.main([str(tmp_path / "s1"), "--repeat", str(tmp_path / "s0r"),
+                             "--tail", "2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # s1 over steps 3-4: packed 2.5, padded 3.5; the repeat (3 + 5) / 2 = 4 against 2 → +100%
+    assert out["runs"][0]["gap"] == pytest.approx(2.5 / 3.5 - 1)
+    assert out["repeat_s0r"] == {"packed": {"gap": pytest.approx(1.0), "steps": 4}}
