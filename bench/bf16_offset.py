@@ -123,6 +123,7 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     kinds = ((GatedDeltaNet,) if {"gdn", "conv"} & names else ()) + \
             ((VisionTower, VisionAttention) if "vision" in names else ())
     moved = [(m, type(m)) for m in model.modules() if kinds and isinstance(m, kinds)]
+    gdn = unpacked_gdn if "gdn" in names else torch_conv_gdn
     try:
         if "attention" in names:
             text_cfg._attn_implementation = "sdpa"
@@ -130,7 +131,6 @@ def stock_seams(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
             vision_cfg._attn_implementation = "sdpa"
         for m, cls in moved:
             stock = cls._vlpack_stock
-            gdn = unpacked_gdn if "gdn" in names else torch_conv_gdn
             m.__class__ = (gdn(cls) if isinstance(m, GatedDeltaNet)
                            else grid_on_device(stock) if isinstance(m, VisionTower) else stock)
         if "experts" in names and experts is not None:
