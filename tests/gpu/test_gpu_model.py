@@ -64,9 +64,9 @@ def _ref(q, k, v, cu, causal):
                                 attention.flex_attention_forward], ids=["varlen", "flex"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_kernel_flash_attention_rule(fn, causal):
-    """Seeded inputs and output gradient (docs/benchmarks.md, the attention kernels against the
-    bf16 rule: over 12 seeds on an H100 the largest fast/plain ratio is 1.92, for dq; this
-    seed's is at most 1.45)."""
+    """Seeded inputs and output gradient (docs/benchmarks/gpu_tests.md, how close the attention
+    kernels come to the rule: over 12 seeds on an H100 the largest fast/plain ratio is 1.92, for
+    dq; this seed's is at most 1.45)."""
     q, k, v, cu = _docs()
     g = torch.Generator(device="cuda").manual_seed(1000)
     dout = torch.randn(1, q.shape[2], q.shape[1], q.shape[3], device="cuda", generator=g)
