@@ -55,6 +55,13 @@
 #   cp-8b      context parallelism: qwen3-vl-8b recipe ($CP_RECIPE) on $CP_SEQ-token rows (default 65,536),
 #              runs $CP_RUNS as GPUS:CP (default "2:1 2:2 4:2 4:4"), $CP_STEPS steps (default 50);
 #              tokens/s, peak memory and the loss curves side by side (context_parallel.json)
+#   flagship   the qwen3.5-35b-a3b-lora recipe as shipped (docs/benchmarks.md's command), $FLAG_STEPS steps
+#              (default 16), the last two under torch.profiler, torch.compile's time by phase printed at
+#              exit (flagship.log); the shell clock before launch in flagship_launch.txt; at most $FLAG_S s
+#   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
+#   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
+#              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
+#   offset     bench/bf16_offset.py at full depth, 6 samples, the ways $WAYS (default all), at most $OFFSET_S s
 #   full-35b   qwen3.5-35b-a3b recipe packed vs -nopack ($FULL_RECIPES, model $FULL_MODEL) on every GPU, $FULL_LAYERS text layers
 #              (default all), $FULL_STEPS steps (default 300): loss, aux loss and grad-norm overlay
 #              (full_35b.json, full-35b/curves.png)
@@ -257,6 +264,26 @@ train.save_every=0 train.save_final=false (S = 1.0 at CP=1, else 0.5)" ;;
 --nproc-per-node $gpus -m vlpack train R model.name=$name train.max_steps=${FULL_STEPS:-300} \
 data.synthetic_samples=${FULL_SAMPLES:-4000} data.eval_samples=0 data.num_workers=4 train.save_every=0 \
 train.save_final=false" ;;
+    flagship)  # (the profiled steps and the compile report change nothing in the run's steps 3..N-2)
+      date +%s.%N > "$R/flagship_launch.txt"
+      n=${FLAG_STEPS:-16}
+      timeout ${FLAG_S:-330} python3 -c "import atexit, sys, torch._dynamo.utils
+atexit.register(lambda: print('compile time by phase:', torch._dynamo.utils.calculate_time_spent()))
+from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main())" train qwen3.5-35b-a3b-lora \
+        data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
+        train.progress=false train.log_every=1 train.max_steps=$n train.profile_steps=2 \
+        train.profile_from=$(( n - 1 )) train.output_dir="$R/flagship" 2>&1 | grep -v Warning > "$R/flagship.log"
+      head -12 "$R/flagship.log"; grep -v "^  *[0-9]" "$R/flagship.log" | tail -30 ;;
+    spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
+              grep -v Warning | tail -12 ;;
+    conv-12L)
+      timeout ${CONV_S:-400} python3 bench/convergence.py --recipe qwen3.5-35b-a3b-lora --layers 12 --steps 100 \
+        --seq-len 4096 --samples 800 --micro 16 --workers 6 --mode ${MODE:-padded} --out "$R/conv-12L/s${SEED:-0}" \
+        train.seed=${SEED:-0} 2>&1 | grep -v Warning > "$R/conv-12L-s${SEED:-0}-${MODE:-padded}.log"
+      tail -3 "$R/conv-12L-s${SEED:-0}-${MODE:-padded}.log" ;;
+    offset) timeout ${OFFSET_S:-300} python3 bench/bf16_offset.py --recipe qwen3.5-35b-a3b-lora --seq-len 4096 \
+              --bins 2 --max-samples 6 --samples 2000 ${WAYS:+--ways $WAYS} --out "$R/offset" 2>&1 |
+              grep -v Warning | tee "$R/offset.log" | tail -24 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
   tar czf "$TGZ" -C "$R" .
