@@ -64,6 +64,8 @@
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
 #   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
 #              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
+#   stock-lora stock transformers + peft on the 35B LoRA, padding-free, 8k rows, every layer recomputed (no fla):
+#              docs/benchmarks.md's stock row, throughput_35b_lora.json, at most $MODE_S s (default 150)
 #   offset     bench/bf16_offset.py at full depth, 6 samples, the ways $WAYS (default all), at most $OFFSET_S s
 #   full-35b   qwen3.5-35b-a3b recipe packed vs -nopack ($FULL_RECIPES, model $FULL_MODEL) on every GPU, $FULL_LAYERS text layers
 #              (default all), $FULL_STEPS steps (default 300): loss, aux loss and grad-norm overlay
@@ -284,6 +286,8 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
         --seq-len 4096 --samples 800 --micro 16 --workers 6 --mode ${MODE:-padded} --out "$R/conv-12L/s${SEED:-0}" \
         train.seed=${SEED:-0} 2>&1 | grep -v Warning > "$R/conv-12L-s${SEED:-0}-${MODE:-padded}.log"
       tail -3 "$R/conv-12L-s${SEED:-0}-${MODE:-padded}.log" ;;
+    stock-lora) PYTHONPATH=$NOFLA tp stock.log --model qwen3.5-35b-a3b --activation-checkpointing --lora-rank 16 \
+                  --modes hf_padding_free --out "$R/throughput_35b_lora.json" ;;
     offset) timeout ${OFFSET_S:-300} python3 bench/bf16_offset.py --recipe qwen3.5-35b-a3b-lora --seq-len 4096 \
               --bins 2 --max-samples 6 --samples 2000 ${WAYS:+--ways $WAYS} --out "$R/offset" 2>&1 |
               grep -v Warning | tee "$R/offset.log" | tail -24 ;;
