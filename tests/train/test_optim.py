@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vlpack.config import OptimConfig, load_config
-from vlpack.train.optim import build_optimizer, build_scheduler, own_rates, warmup_steps
+from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates, warmup_steps
 from vlpack.train.setup.module import module_groups
 
 
@@ -81,6 +81,24 @@ def test_warmup_ratio_replaces_warmup_steps() -> None:
         opt.step()
         sched.step()
     assert rates == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_the_schedule_line_says_what_a_run_shorter_than_its_warmup_does() -> None:
+    """A 3-step trial run of a recipe with 5 warm-up steps climbs to 3/5 of each rate and never
+    decays (the rates the scheduler gives, read against the line)."""
+    cfg = OptimConfig(lr=1.0, warmup_steps=5)
+    assert describe(cfg, {}, 3).endswith(
+        "; warmup 5 steps, the whole run of 3, reaching 3/5 of each rate, no decay "
+        "(optim.warmup_steps below train.max_steps gives the cosine decay)")
+    assert describe(cfg, {}, 40).endswith("; warmup 5 steps, then cosine to 0.1 × each rate at step 40")
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, cfg, total_steps=3)
+    rates = []
+    for _ in range(3):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert rates == pytest.approx([0.2, 0.4, 0.6])
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -100,7 +100,8 @@ def test_per_part_rates_are_logged_and_in_the_metrics(tmp_path: Path, capfd) -> 
     out = capfd.readouterr().out.splitlines()
     assert [x for x in out if x.startswith("vlpack: AdamW")] == [
         "vlpack: AdamW lr 2.00e-03, lr_vision 1.00e-05, lr_merger 2.00e-05; weight decay 0 (none on "
-        "norms and biases); warmup 2 steps, then cosine to 0.1 × each rate at step 2"]
+        "norms and biases); warmup 2 steps, the whole run of 2, no decay (optim.warmup_steps "
+        "below train.max_steps gives the cosine decay)"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["lr"], r["lr_vision"], r["lr_merger"]) for r in rows] == [
         pytest.approx((1e-3, 5e-6, 1e-5)), pytest.approx((2e-3, 1e-5, 2e-5))]

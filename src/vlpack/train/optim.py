@@ -35,9 +35,16 @@ def describe(cfg: OptimConfig, rates: dict[str, float], total_steps: int) -> str
     """The start-up line naming the optimizer, every rate (`own_rates`) and the schedule."""
     named = ", ".join([f"lr {cfg.lr:.2e}", *(f"{k} {v:.2e}" for k, v in rates.items())])
     name = "AdamW (8-bit moments, torchao)" if cfg.name == "adamw8bit" else "AdamW"
+    warmup = warmup_steps(cfg, total_steps)
+    if warmup < total_steps:
+        schedule = (f"warmup {warmup} steps, then cosine to {cfg.min_lr_ratio:g} × each rate at "
+                    f"step {total_steps}")
+    else:  # a run no longer than its warmup (a short trial run): the rates never decay
+        reach = "" if warmup == total_steps else f", reaching {total_steps}/{warmup} of each rate"
+        schedule = (f"warmup {warmup} steps, the whole run of {total_steps}{reach}, no decay "
+                    "(optim.warmup_steps below train.max_steps gives the cosine decay)")
     return (f"vlpack: {name} {named}; weight decay {cfg.weight_decay:g} (none on norms and "
-            f"biases); warmup {warmup_steps(cfg, total_steps)} steps, then cosine to "
-            f"{cfg.min_lr_ratio:g} × each rate at step {total_steps}")
+            f"biases); {schedule}")
 
 
 def build_optimizer(params, cfg: OptimConfig, *, device_type: str,
