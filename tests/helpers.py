@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,9 +108,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target, *args, world: int = 2, timeout: float = 300) -> list[int | None]:
-    """`target(rank, port, *args)` in `world` spawned processes; their exit codes (a process
-    still running after `timeout` is killed)."""
+def run_ranks(target, *args, world: int = 2, timeout: float = 300,
+              grace: float = 60) -> list[int | None]:
+    """`target(rank, port, *args)` in `world` spawned processes; their exit codes. The ranks
+    still running `timeout` seconds after the start are killed (exit code -9), and so are those
+    still running `grace` seconds after a rank failed: they wait in a collective for it."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -117,11 +120,17 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 300) -> list[int |
     procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=timeout)
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + grace:
+            break
+        time.sleep(0.2)
     for p in procs:
         if p.is_alive():
             p.kill()
+        p.join()
     return [p.exitcode for p in procs]
 
 
