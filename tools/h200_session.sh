@@ -77,6 +77,7 @@ TGZ="$OUT/results$TAG.tgz"
 # past what a call brings back (16 MiB a file); the cache's JSON (fla's autotuning winners, for tools/fla_configs.py) stays
 TAR_EXCLUDE=(--exclude=adapter --exclude=inductor)
 for ext in cubin ptx llir ttgir ttir source so; do TAR_EXCLUDE+=("--exclude=*.$ext"); done
+pack() { tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .; }  # $R into $TGZ, after each run
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 if [[ -z ${SKIP_INSTALL:-} ]]; then
   $PIP --target /tmp/site .whl/*.whl || exit 1
@@ -114,7 +115,7 @@ vrun() {  # vrun RUN LIMIT_S GPUS RECIPE SAMPLES OVERRIDES...: vtrain logged to 
   tail -6 "$R/$run.log"
   [[ -f $R/$run/metrics.jsonl ]] || { mkdir -p "$R/$run"; { grep -m 3 -E "vlpack: error|Error: " \
     "$R/$run.log"; echo "--- log tail:"; tail -20 "$R/$run.log"; } > "$R/$run/error.txt"; }
-  tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+  pack
 }
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
@@ -123,7 +124,7 @@ bench() {  # bench MODEL EXTRA...: one process per mode
     [[ $model == qwen3.5* && $m != vlpack_packed ]] && path=$NOFLA
     local levers=""; [[ $m == vlpack* ]] && levers=${LEVERS:-}  # stock modes stay stock
     PYTHONPATH=$path tp bench.log --model "$model" --modes $m $levers "$@" ${BENCH_ARGS:-}
-    tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+    pack
   done
 }
 levers() {  # levers FLAGS... -- BENCH_ARGS...: vlpack packed once per lever set (one process each)
@@ -131,7 +132,7 @@ levers() {  # levers FLAGS... -- BENCH_ARGS...: vlpack packed once per lever set
   while [[ $1 != -- ]]; do sets+=("$1"); shift; done; shift
   for f in "${sets[@]}"; do
     tp levers.log --modes vlpack_packed $f "$@"
-    tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+    pack
   done
 }
 conv() {  # conv NAME RECIPE EXTRA...
@@ -141,7 +142,7 @@ conv() {  # conv NAME RECIPE EXTRA...
     [[ $recipe == qwen3.5* && $m == padded ]] && path=$NOFLA
     PYTHONPATH=$path timeout ${CONV_S:-280} python3 bench/convergence.py --recipe "$recipe" --mode $m \
       --steps ${CONV_STEPS:-300} --workers 12 --out "$R/$name" "$@" 2>&1 | tee -a "$R/$name.log"
-    tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+    pack
   done
   [[ -f $R/$name/packed/metrics.jsonl && -f $R/$name/padded/metrics.jsonl ]] &&
     python3 bench/convergence.py --compare --out "$R/$name" | tee -a "$R/$name.log"
@@ -174,27 +175,27 @@ for part in "$@"; do
     bins-2b) for n in ${BINS:-12288 16384}; do  # larger bins: the host's fixed cost per step amortised
                tp bins.log --model qwen3-vl-2b --modes vlpack_packed --compile --seq-len $n \
                  --samples 192 --out "$R/throughput_bins$n.json"
-               tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+               pack
              done ;;
     bins-hf) for n in ${HF_BINS:-16384}; do
                tp bins.log --model qwen3-vl-2b --modes hf_padding_free --seq-len $n --samples 192 \
                  --out "$R/throughput_bins_hf$n.json"
-               tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+               pack
              done ;;
     ac-8b) for share in ${SHARES:-0.5 0.75}; do
              tp ac.log --model qwen3-vl-8b --modes vlpack_packed --no-optimizer ${LEVERS:---compile} \
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac8b.json"
-             tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+             pack
            done ;;
     lora-8b) for lora in "--no-optimizer" "--lora-rank 16"; do
                tp lora.log --model qwen3-vl-8b --modes vlpack_packed --compile-layers \
                  --activation-checkpointing --checkpoint-share 0.5 $lora --out "$R/throughput_lora.json"
-               tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+               pack
              done ;;
     ac-9b) for share in ${SHARES:-0.5}; do
              tp ac.log --model qwen3.5-9b --modes vlpack_packed --no-optimizer --compile-layers \
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac9b.json"
-             tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+             pack
            done ;;
     gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu \
                 ${GPUTEST_K:+-k "$GPUTEST_K"} ${GPUTEST_ARGS:-} 2>&1 |
@@ -221,7 +222,7 @@ for part in "$@"; do
       for mb in ${SCALE_MB:-1 2}; do for n in ${SCALE_N:-1 2}; do
         vtrain $n qwen3-vl-2b 1600 scale-n$n-mb$mb data.num_workers=3 train.max_steps=25 \
           train.micro_batches=$mb | tail -6 | tee -a "$R/scale.log"
-        tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+        pack
       done; done ;;
     bench-35b) bench qwen3.5-35b-a3b --layers "$LAYERS" ;;
     conv-2b) conv conv-qwen3-vl-2b qwen3-vl-2b --seq-len ${CONV_SEQ:-4096} --samples 2000 ;;
@@ -237,7 +238,7 @@ for part in "$@"; do
           data.num_workers=12 data.eval_samples=0 train.max_steps=40 train.save_every=0 \
           train.save_final=false train.progress=false train.fsdp=$f train.output_dir="$R/fsdp1-$f" \
           2>&1 | tail -12 | tee -a "$R/fsdp1.log"
-        tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+        pack
       done ;;
     cp-8b)  # context parallelism on long rows, qwen3-vl-8b recipe: $CP_RUNS as GPUS:CP pairs (a run
             # needing more GPUs than the machine has is skipped), $CP_SEQ-token rows, $CP_STEPS steps;
@@ -282,7 +283,7 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
         data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
         train.progress=false train.log_every=1 train.max_steps=$n train.profile_steps=2 \
         train.profile_from=$(( n - 1 )) train.output_dir="$R/flagship" 2>&1 | grep -v Warning > "$R/flagship.log"
-      head -12 "$R/flagship.log"; grep -v "^  *[0-9]" "$R/flagship.log" | tail -30 ;;
+      grep -v "^  *[0-9]" "$R/flagship.log" | tail -40 ;;  # the log without the profile's rows
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
     conv-12L)
@@ -297,5 +298,5 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
               grep -v Warning | tee "$R/offset.log" | tail -24 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
-  tar czf "$TGZ" "${TAR_EXCLUDE[@]}" -C "$R" .
+  pack
 done
