@@ -97,6 +97,31 @@ def test_compiling_a_moe_model_compiles_its_experts_dispatch(scope: str):
     assert "vlpack_experts_dispatch" not in compile_fn(dense)
 
 
+def test_compiled_dispatch_keeps_the_experts_per_token_static():
+    """The compiled dispatch serves every token count with one graph, while K (experts per
+    token) is a constant of its graph: another K compiles a new one. A symbolic K made the sum
+    over each token's K outputs a looped reduction of unknown length (experts.py)."""
+    from torch._dynamo.utils import counters
+
+    from vlpack.model import experts
+
+    model, _ = build_model("tiny-qwen3_5_moe", device="cpu")
+    ex = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for T, K in ((37, 2), (50, 2), (23, 2), (41, 3)):
+        x = torch.randn(T, ex.hidden_dim, generator=g, requires_grad=True)
+        w, idx = torch.randn(T, ex.num_experts, generator=g).softmax(-1).topk(K)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts.vlpack_experts_forward_compiled(ex, x, idx, w)
+        out.float().sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:3] == [graphs[0]] * 2, graphs  # T is dynamic
+    assert graphs[3] > graphs[2], graphs  # K is not
+
+
 def test_compiled_layers_train_the_moe_model_through_the_compiled_dispatch():
     """A packed step of the hybrid MoE family under bf16 autocast with whole layers compiled
     runs every layer's routed experts through the compiled dispatch, and its loss and

@@ -17,7 +17,10 @@ the routing weight and the sum over each token's experts around the two grouped 
 otherwise make several memory-bound passes over the routed rows (docs/benchmarks.md, the 35B at
 32k bins). The routing weight scales the down projection's P × I input rather than its P × D
 output, so the weight's gradient reduces over I (512 in the 35B) instead of D (2,048) and
-fuses with the gate's backward.
+fuses with the gate's backward. The token count is a dynamic size (one graph for every bin);
+K, the experts per token, is marked static: the model's constant, it makes the sum over each
+token's K outputs (and its backward) a reduction of known length, where a symbolic K compiled a
+looped reduction.
 
 LoRA on the routed experts (`model.lora.experts`, model/lora.py) reaches the dispatch as factors
 (`ExpertAdapter`: A [E, r, X], B [E, O, r] and the scale), not as an adapted weight: each
@@ -289,6 +292,8 @@ def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_ind
     if dtype is None or not _plain_layout(self) or not _silu_gated(self):
         return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
     adapters = adapters or {}
+    for routing_TK in (top_k_index, top_k_weights):
+        torch._dynamo.mark_static(routing_TK, 1)
     with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
         return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
                                          self.gate_up_proj, self.down_proj, dtype, *scales(self),
