@@ -62,6 +62,7 @@
 #              (default 16), the last two under torch.profiler, torch.compile's time by phase printed at
 #              exit (flagship.log); the shell clock before launch in flagship_launch.txt; at most $FLAG_S s
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
+#   experts    bench/experts_dispatch.py, K symbolic then static, one process each, at most 90 s each
 #   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
 #              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
 #   stock-lora stock transformers + peft on the 35B LoRA, padding-free, 8k rows, every layer recomputed (no fla):
@@ -286,6 +287,10 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       grep -v "^  *[0-9]" "$R/flagship.log" | tail -40 ;;  # the log without the profile's rows
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
+    experts) for k in dynamic static; do
+               timeout 90 python3 bench/experts_dispatch.py --k $k --out "$R/experts_dispatch_$k.json" 2>&1 |
+                 grep -v Warning | tail -12
+             done ;;
     conv-12L)
       timeout ${CONV_S:-400} python3 bench/convergence.py --recipe qwen3.5-35b-a3b-lora --layers 12 --steps 100 \
         --seq-len 4096 --samples 800 --micro 16 --workers 6 --mode ${MODE:-padded} --out "$R/conv-12L/s${SEED:-0}" \
