@@ -3,7 +3,10 @@
 `apply_lora` injects peft's LoRA layers into the model in place (`peft.inject_adapter_in_model`):
 the model stays the transformers model with vlpack's seams, so the packed forward, activation
 checkpointing, compiled layers and FSDP2 see the same module tree with LoRA linears in it. Only
-the LoRA weights train. `save_adapter` writes peft's format (`adapter_config.json` +
+the LoRA weights train. Each adapted linear is a `FusedLoraLinear`, peft's `Linear` with `forward`
+overridden, installed by class: base(x) + scale · (A x) Bᵀ as one `addmm` after the base
+projection, where peft's forward makes two more passes over the output (scale, add) and its
+backward a third. `save_adapter` writes peft's format (`adapter_config.json` +
 `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads on the base model;
 `merged_state_dict` folds the adapter into the base weights for a plain transformers folder.
 
@@ -18,7 +21,10 @@ overrides its `forward` to hand the factors to vlpack's experts dispatch instead
 
 Variants, peft's: `use_rslora` scales the update by alpha/sqrt(r) instead of alpha/r; `use_dora`
 adds a trained magnitude per output feature of each adapted linear (DoRA: W' = m · (W + s·BA) /
-‖W + s·BA‖, the norm per output row), linears only.
+‖W + s·BA‖, the norm per output row), linears only. DoRA runs peft's forward.
+
+Legend: N = rows (tokens), E = experts, X, O = a linear's or an expert weight's input and output
+widths, R = the rank (padded to a multiple of 8 in an expert's factors).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     adapted = [m for m in model.modules() if hasattr(m, "lora_A")]
+    linear = fused_lora_linear()
     for m in adapted:
         # The adapter takes its input in the activation dtype: peft would copy a bf16 input to
         # the adapters' float32 (a launch forward and backward per adapter), which autocast then
@@ -142,8 +149,47 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
         m.cast_input_dtype_enabled = False
         if hasattr(m, "parameter_name"):  # an expert weight's wrapper: factors to the dispatch
             m.__class__ = grouped_experts_lora()
+        elif type(m) is linear.__base__:
+            m.__class__ = linear
     model._vlpack_lora = pc
     return len(adapted)
+
+
+@functools.cache
+def fused_lora_linear() -> type:
+    """peft's LoRA `Linear` with `forward` overridden (`_fused_forward`), made once and
+    registered in this module under its own name, so a model with it pickles."""
+    from peft.tuners.lora.layer import Linear
+
+    name = "FusedLoraLinear"
+    cls = type(name, (Linear,), {"forward": _fused_forward, "__module__": __name__,
+                                 "__qualname__": name})
+    globals()[name] = cls
+    return cls
+
+
+def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """base(x) + scale · (A x) Bᵀ with the scale and the sum inside one matmul (`addmm`'s alpha
+    and beta): peft's forward scales and adds the update in two more passes over the layer's
+    output, and its backward scales the output's gradient in a third. peft's own forward where
+    the adapter is off, merged, not the only one, a variant (DoRA), biased, or where its dtypes
+    differ from the input's outside autocast."""
+    from peft.tuners.lora.layer import Linear
+
+    active = self.active_adapters
+    name = active[0] if len(active) == 1 else None
+    if (args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A
+            or name in self.lora_variant or self.lora_B[name].bias is not None):
+        return Linear.forward(self, x, *args, **kwargs)
+    a_RX, b_OR = self.lora_A[name].weight, self.lora_B[name].weight
+    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == a_RX.dtype == b_OR.dtype:
+        return Linear.forward(self, x, *args, **kwargs)
+    dropout = self.lora_dropout[name]
+    base_NO = self.base_layer(x)
+    low_NR = F.linear(x if isinstance(dropout, nn.Identity) else dropout(x), a_RX)
+    out_NO = torch.addmm(base_NO.reshape(-1, base_NO.shape[-1]), low_NR.reshape(-1, a_RX.shape[0]),
+                         b_OR.t(), alpha=self.scaling[name])
+    return out_NO.view(base_NO.shape)
 
 
 @functools.cache
@@ -159,9 +205,11 @@ def grouped_experts_lora() -> type:
     return cls
 
 
-def __getattr__(name: str):  # an unpickled model finds the subclass before anything made it
+def __getattr__(name: str):  # an unpickled model finds the subclasses before anything made them
     if name == "GroupedExpertsLora":
         return grouped_experts_lora()
+    if name == "FusedLoraLinear":
+        return fused_lora_linear()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
