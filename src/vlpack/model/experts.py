@@ -292,8 +292,9 @@ def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_ind
     if dtype is None or not _plain_layout(self) or not _silu_gated(self):
         return vlpack_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
     adapters = adapters or {}
-    for routing_TK in (top_k_index, top_k_weights):
-        torch._dynamo.mark_static(routing_TK, 1)
+    if not torch.compiler.is_compiling():  # marks are for the compiled call below
+        for routing_TK in (top_k_index, top_k_weights):
+            torch._dynamo.mark_static(routing_TK, 1)
     with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
         return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
                                          self.gate_up_proj, self.down_proj, dtype, *scales(self),
