@@ -76,6 +76,28 @@ def test_sizes_equal_by_chance_do_not_recompile():
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
 
 
+def test_layer_variants_past_dynamos_default_limit_stay_compiled(tmp_path: Path) -> None:
+    """A LoRA run of the hybrid MoE family with half of each stack recomputed and an evaluation
+    between steps compiles more variants of a layer's code than dynamo's default limit of 8
+    (transformers' checkpointing wrapper is one code object for every layer class; recomputed or
+    not, an input needing a gradient or not, training or evaluation): none of them falls back to
+    eager (compile.py's `RECOMPILE_LIMIT`)."""
+    from vlpack.train.distributed.parallel import shutdown
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        Trainer(small_cfg(tmp_path, "train.max_steps=3", "train.eval_every=2", "data.eval_samples=4",
+                          "model.name=tiny-qwen3_5_moe", "model.lora.rank=4",
+                          "model.activation_checkpointing=true", "model.checkpoint_share=0.5",
+                          "model.compile=true", "model.compile_scope=layers"), CPU).fit()
+    finally:
+        shutdown()
+    assert counters["stats"]["unique_graphs"] > 8
+    limits = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
+    assert not limits, limits[0].splitlines()[0]
+
+
 # --- model.compile through the trainer ---------------------------------------------------------------
 @pytest.mark.parametrize("name,fsdp,scope", [
     ("tiny-qwen3_vl", "auto", "regions"), ("tiny-qwen3_5_moe", "auto", "regions"),

@@ -26,6 +26,15 @@ that happen to be equal at the first trace one symbol and guard on their equalit
 of 3 segments (`cu_seq_lens` of 4, as many as the MRoPE position rows) recompiled the layers'
 shared graphs at the next row, a step closer to dynamo's recompile limit (past it, the layers run
 eager).
+
+Dynamo keeps one graph per variant of a compiled function's code, and its default limit of 8
+variants is too few for the layers (`_room_for_variants`): transformers 5.25 wraps every layer
+class's forward in one checkpointing function (`forward_with_checkpointing`, a single code object
+for the decoder layers and the vision blocks; 5.17 checkpoints around the module call, outside
+the compiled code), whose variants multiply by the layer kind (vision block, Gated-DeltaNet or
+attention layer), recomputed or not, an input that needs no gradient (the first layer after
+frozen embeddings) and training or evaluation: a LoRA run with half of each stack recomputed and
+an evaluation reached 9, and the variant past the limit ran eager for the rest of the run.
 """
 
 from __future__ import annotations
@@ -63,10 +72,23 @@ def _distinct_sizes() -> None:
     fx_config.use_duck_shape = False
 
 
+RECOMPILE_LIMIT = 64
+"""Variants dynamo may compile per function's code in a process that compiles vlpack's layers
+(module docstring); torch's default is 8."""
+
+
+def _room_for_variants() -> None:
+    """Raise dynamo's process-wide recompile limit to `RECOMPILE_LIMIT` (never lower it)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+
+
 def compile_regions(model: nn.Module) -> list[str]:
     """Compile every norm and MLP module of `model` in place, and its vision rotary; return what
     was compiled (class and function names)."""
     _distinct_sizes()
+    _room_for_variants()
     names = _compile_norms_and_mlps(model)
     if not names:
         raise ValueError(
@@ -84,6 +106,7 @@ def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> li
     from vlpack.model.recompute import layer_stacks
 
     _distinct_sizes()
+    _room_for_variants()
     layers = [layer for stack in layer_stacks(model).values() for layer in stack]
     if not layers:
         raise ValueError(f"model.compile_scope=layers found no layer stack in "
