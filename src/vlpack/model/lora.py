@@ -178,8 +178,9 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
     active = self.active_adapters
     name = active[0] if len(active) == 1 else None
+    variant = name in getattr(self, "lora_variant", {}) or self.use_dora.get(name, False)
     if (args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A
-            or name in self.lora_variant or self.lora_B[name].bias is not None):
+            or variant or self.lora_B[name].bias is not None):
         return Linear.forward(self, x, *args, **kwargs)
     a_RX, b_OR = self.lora_A[name].weight, self.lora_B[name].weight
     if not torch.is_autocast_enabled(x.device.type) and not x.dtype == a_RX.dtype == b_OR.dtype:
