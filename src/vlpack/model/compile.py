@@ -78,10 +78,12 @@ RECOMPILE_LIMIT = 64
 
 
 def _room_for_variants() -> None:
-    """Raise dynamo's process-wide recompile limit to `RECOMPILE_LIMIT` (never lower it)."""
+    """Raise dynamo's process-wide recompile limit to `RECOMPILE_LIMIT` (never lower it; older
+    torch names it `cache_size_limit`)."""
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
 
 
 def compile_regions(model: nn.Module) -> list[str]:
