@@ -96,6 +96,7 @@ def test_layer_variants_past_dynamos_default_limit_stay_compiled(tmp_path: Path)
     assert counters["stats"]["unique_graphs"] > 8
     limits = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
     assert not limits, limits[0].splitlines()[0]
+    assert counters["frames"]["ok"] == counters["frames"]["total"]  # every frame compiled
 
 
 # --- model.compile through the trainer ---------------------------------------------------------------

@@ -176,9 +176,10 @@ def test_fused_adapters_equal_peft_and_are_no_farther_from_float32():
     """Every adapted linear runs vlpack's `FusedLoraLinear` (the scale and the sum inside one
     addmm; peft's input cast off). In float32 its output and the input's and adapters'
     gradients equal peft's forward to rounding; under bf16 autocast with the frozen base in bf16
-    (a LoRA run on a GPU) they are no farther from float32 than peft's own bf16 path, for
-    float32 inputs (after a norm) and bf16 ones (after attention). A DoRA adapter runs peft's
-    forward."""
+    (a LoRA run on a GPU) they are no farther from float32 than peft's own bf16 path (within a
+    quarter of its error), for float32 inputs (after a norm) and bf16 ones (after attention),
+    and the output is not peft's bit for bit (the fused path ran: it rounds once, where peft
+    rounds after each of its passes). A DoRA adapter runs peft's forward."""
     from vlpack.train.setup.precision import hold_parameters
 
     model, _ = build_model("tiny-qwen3_5_moe", dtype=torch.float32, device="cpu", seed=0)
@@ -201,6 +202,7 @@ def test_fused_adapters_equal_peft_and_are_no_farther_from_float32():
         for i, (a, b, t) in enumerate(zip(ours, pefts, truth, strict=True)):
             err_a, err_b = (float((y - t).norm() / t.norm()) for y in (a, b))
             assert 0 < err_a <= 1.25 * err_b + 1e-4, (dtype, i, err_a, err_b)
+        assert not torch.equal(ours[0], pefts[0])
     dora, _ = build_model("tiny-qwen3_vl", dtype=torch.float32, device="cpu", seed=0)
     lora.apply_lora(dora, LoraConfig(rank=4, alpha=8, use_dora=True))
     d = next(m for m in dora.modules() if hasattr(m, "lora_A"))

@@ -4,7 +4,7 @@
 the model stays the transformers model with vlpack's seams, so the packed forward, activation
 checkpointing, compiled layers and FSDP2 see the same module tree with LoRA linears in it. Only
 the LoRA weights train. Each adapted linear is a `FusedLoraLinear`, peft's `Linear` with `forward`
-overridden, installed by class: base(x) + scale · (A x) Bᵀ as one `addmm` after the base
+overridden, installed by class: base(x) + scale · (x Aᵀ) Bᵀ as one `addmm` after the base
 projection, where peft's forward makes two more passes over the output (scale, add) and its
 backward a third. `save_adapter` writes peft's format (`adapter_config.json` +
 `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads on the base model;
@@ -169,11 +169,12 @@ def fused_lora_linear() -> type:
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """base(x) + scale · (A x) Bᵀ with the scale and the sum inside one matmul (`addmm`'s alpha
+    """base(x) + scale · (x Aᵀ) Bᵀ with the scale and the sum inside one matmul (`addmm`'s alpha
     and beta): peft's forward scales and adds the update in two more passes over the layer's
     output, and its backward scales the output's gradient in a third. peft's own forward where
-    the adapter is off, merged, not the only one, a variant (DoRA), biased, or where its dtypes
-    differ from the input's outside autocast."""
+    the call has more arguments, or the adapter is off, merged, not the only one, a variant
+    (DoRA), has a bias on B (peft's `lora_bias`), or where its dtypes differ from the input's
+    outside autocast."""
     from peft.tuners.lora.layer import Linear
 
     active = self.active_adapters
