@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -155,17 +156,20 @@ def apply_lora(model: nn.Module, cfg: VlpackLora) -> int:
     return len(adapted)
 
 
-@functools.cache
-def fused_lora_linear() -> type:
-    """peft's LoRA `Linear` with `forward` overridden (`_fused_forward`), made once and
-    registered in this module under its own name, so a model with it pickles."""
-    from peft.tuners.lora.layer import Linear
-
-    name = "FusedLoraLinear"
-    cls = type(name, (Linear,), {"forward": _fused_forward, "__module__": __name__,
-                                 "__qualname__": name})
+def _registered(name: str, base: type, forward: Callable) -> type:
+    """`base` with `forward` overridden, registered in this module as `name`, so a model with it
+    pickles (`__getattr__` makes it again for an unpickled model)."""
+    cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name})
     globals()[name] = cls
     return cls
+
+
+@functools.cache
+def fused_lora_linear() -> type:
+    """peft's LoRA `Linear` with `forward` overridden (`_fused_forward`), made once."""
+    from peft.tuners.lora.layer import Linear
+
+    return _registered("FusedLoraLinear", Linear, _fused_forward)
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -196,22 +200,16 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 @functools.cache
 def grouped_experts_lora() -> type:
-    """peft's `ParamWrapper` with `forward` overridden (`_grouped_forward`), made once and
-    registered in this module under its own name, so a model with it pickles."""
+    """peft's `ParamWrapper` with `forward` overridden (`_grouped_forward`), made once."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    name = "GroupedExpertsLora"
-    cls = type(name, (ParamWrapper,), {"forward": _grouped_forward, "__module__": __name__,
-                                       "__qualname__": name})
-    globals()[name] = cls
-    return cls
+    return _registered("GroupedExpertsLora", ParamWrapper, _grouped_forward)
 
 
 def __getattr__(name: str):  # an unpickled model finds the subclasses before anything made them
-    if name == "GroupedExpertsLora":
-        return grouped_experts_lora()
-    if name == "FusedLoraLinear":
-        return fused_lora_linear()
+    makers = {"GroupedExpertsLora": grouped_experts_lora, "FusedLoraLinear": fused_lora_linear}
+    if name in makers:
+        return makers[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
