@@ -97,8 +97,7 @@ def compile_regions(model: nn.Module) -> list[str]:
             f"model.compile found no norm or MLP module in {type(model).__name__}: "
             "set model.compile=false for this model"
         )
-    return (sorted(names) + _compile_rotary(model) + _compile_gdn_ends(model)
-            + _compile_experts(model))
+    return sorted(names) + _compile_rotary(model) + _compile_experts(model)
 
 
 def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> list[str]:
@@ -130,8 +129,7 @@ def compile_layers(model: nn.Module, trace_vision_attention: bool = False) -> li
     # norms and MLPs outside the layers, and inside their eager modules (the shared expert of
     # an MoE block, Gated-DeltaNet's gated norm), compile as regions
     names |= _compile_norms_and_mlps(model, skip=traced)
-    return (sorted(names) + _compile_rotary(model) + _compile_gdn_ends(model)
-            + _compile_experts(model))
+    return sorted(names) + _compile_rotary(model) + _compile_experts(model)
 
 
 def _compile_norms_and_mlps(model: nn.Module, skip: set[int] | None = None) -> set[str]:
@@ -165,24 +163,6 @@ def _keep_eager(module: nn.Module) -> None:
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
-
-
-def _compile_gdn_ends(model: nn.Module) -> list[str]:
-    """Gated-DeltaNet modules (vlpack's, model/gdn.py), in both scopes: the module stays eager
-    around fla's conv and delta rule (host boundaries, fla's autograd functions), and its two
-    ends run compiled, one function each shared by every layer: the input projections and gates
-    before the conv (`gdn.project`), the gated norm and output projection after the delta rule
-    (`gdn.finish`). Eager, those ends are about a hundred launches per layer and pass, adapters'
-    casts among them."""
-    from vlpack.model import gdn
-
-    ends = (_compiled(gdn.project), _compiled(gdn.finish))
-    found = False
-    for m in model.modules():
-        if isinstance(m, gdn.GatedDeltaNet):
-            m.vlpack_ends = ends
-            found = True
-    return ["gdn.finish", "gdn.project"] if found else []
 
 
 def _compile_experts(model: nn.Module) -> list[str]:

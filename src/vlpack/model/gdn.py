@@ -283,27 +283,6 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
     return out
 
 
-# --- the projections before the conv and the norm after the delta rule -------------------------
-def project(gdn, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The stock forward's input projections and gates of Gated-DeltaNet module `gdn`:
-    (mixed_BCT, z_BTHV, beta_BTH, g_BTH), the gates in float32 as the stock forward computes
-    them. Compiled under `model.compile` (compile.py's `_compile_gdn_ends`)."""
-    B, T, _ = x_BTD.shape
-    mixed_BCT = gdn.in_proj_qkv(x_BTD).transpose(1, 2)
-    z_BTHV = gdn.in_proj_z(x_BTD).reshape(B, T, -1, gdn.head_v_dim)
-    beta = gdn.in_proj_b(x_BTD).sigmoid()
-    g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(x_BTD).float() + gdn.dt_bias)
-    return mixed_BCT, z_BTHV, beta, g
-
-
-def finish(gdn, out_BTHV: torch.Tensor, z_BTHV: torch.Tensor) -> torch.Tensor:
-    """The stock forward's gated norm and output projection of `gdn` over the delta rule's
-    output. Compiled under `model.compile`, as `project`."""
-    B, T = z_BTHV.shape[:2]
-    out = gdn.norm(out_BTHV.reshape(-1, gdn.head_v_dim), z_BTHV.reshape(-1, gdn.head_v_dim))
-    return gdn.out_proj(out.reshape(B, T, -1))
-
-
 class GatedDeltaNet:
     """Mixin over a transformers Gated-DeltaNet class (`_vlpack_stock`): the packed forward."""
 
@@ -312,10 +291,6 @@ class GatedDeltaNet:
     """Run the short convolution per segment in torch (transformers' fallback arithmetic: the
     conv, then the activation on its rounded output) even where fla runs the delta rule; a
     subclass sets it (bench/bf16_offset.py's `-conv` way)."""
-    vlpack_ends: tuple[Callable, Callable] = (project, finish)
-    """The functions that run the projections before the conv and the norm after the delta rule
-    (`project`, `finish`); `model.compile` gives each module their compiled forms, so the eager
-    island around fla's kernels is the conv, the head split and the delta rule."""
 
     def forward(self, hidden_states, *args, **kwargs):
         bounds: Boundaries | None = kwargs.pop(BOUNDS_KWARG, None)
@@ -358,8 +333,10 @@ class GatedDeltaNet:
         the ranks holding it) and the delta rule (`context_delta_rule`, the recurrent state
         passed across ranks) all run on them."""
         B, T, _ = x_BTD.shape
-        project_fn, finish_fn = self.vlpack_ends
-        mixed_BCT, z_BTHV, beta, g = project_fn(self, x_BTD)
+        mixed_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
+        z = self.in_proj_z(x_BTD).reshape(B, T, -1, self.head_v_dim)
+        b = self.in_proj_b(x_BTD)
+        a = self.in_proj_a(x_BTD)
         conv = segment_conv1d if split is None else context_conv1d
         mixed_BCT = conv(mixed_BCT, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                          self.activation, segs if split is None else split, bounds=bounds,
@@ -369,6 +346,9 @@ class GatedDeltaNet:
         query = query.reshape(B, T, -1, self.head_k_dim)
         key = key.reshape(B, T, -1, self.head_k_dim)
         value = value.reshape(B, T, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        # the gates in float32, as the stock forward computes them
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if self.num_v_heads // self.num_k_heads > 1:
             query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
             key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
@@ -379,4 +359,5 @@ class GatedDeltaNet:
         else:
             out = context_delta_rule(query, key, value, g, beta, split, bounds,
                                      torch_fn=torch_fn, torch_only=torch_only)
-        return finish_fn(self, out, z_BTHV)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(B, z.shape[1], -1))
