@@ -108,30 +108,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_main(target, done: str, rank: int, port: int, *args) -> None:
+    """One rank of `run_ranks`: `target(rank, port, *args)`, its exit code (a return is 0, a
+    `sys.exit` its code) written to the file `done` before the interpreter's teardown, which on
+    gloo sometimes aborts after the work is done (`TEARDOWN_ABORT`). An exception writes none."""
+    try:
+        target(rank, port, *args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        Path(done).write_text(str(code))
+        raise
+    Path(done).write_text("0")
+
+
 def run_ranks(target, *args, world: int = 2, timeout: float = 300,
               grace: float = 60) -> list[int | None]:
     """`target(rank, port, *args)` in `world` spawned processes; their exit codes. The ranks
     still running `timeout` seconds after the start are killed (exit code -9), and so are those
-    still running `grace` seconds after a rank failed: they wait in a collective for it."""
+    still running `grace` seconds after a rank failed: they wait in a collective for it. A rank
+    that finished its work and then died of the teardown abort (SIGABRT, `TEARDOWN_ABORT`)
+    counts with the exit code its work ended with."""
+    import signal
+    import tempfile
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, failed_at = time.monotonic() + timeout, None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() > failed_at + grace:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    return [p.exitcode for p in procs]
+    with tempfile.TemporaryDirectory() as tmp:
+        done = [str(Path(tmp) / f"rank{r}") for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(target, done[r], r, port, *args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() > failed_at + grace:
+                break
+            time.sleep(0.2)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        codes = [p.exitcode for p in procs]
+        for r, code in enumerate(codes):
+            if code == -signal.SIGABRT and Path(done[r]).is_file():
+                codes[r] = int(Path(done[r]).read_text())
+        return codes
 
 
 def split_data(kw: dict) -> tuple[DataConfig, dict]:
