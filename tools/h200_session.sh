@@ -63,6 +63,8 @@
 #              (default 16), the last two under torch.profiler, torch.compile's time by phase printed at
 #              exit (flagship.log); the shell clock before launch in flagship_launch.txt; at most $FLAG_S s
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
+#   ab         the flagship recipe from $SRC_A and $SRC_B in the order $AB_ORDER (default "a b b a"), one process
+#              each, unprofiled; tools/ab_steps.py's paired per-step table in ab.txt
 #   experts    bench/experts_dispatch.py, K symbolic then static, one process each, at most 90 s each
 #   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
 #              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
@@ -286,6 +288,19 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
         train.progress=false train.log_every=1 train.max_steps=$n train.profile_steps=2 \
         train.profile_from=$(( n - 1 )) train.output_dir="$R/flagship" 2>&1 | grep -v Warning > "$R/flagship.log"
       grep -v "^  *[0-9]" "$R/flagship.log" | tail -40 ;;  # the log without the profile's rows
+    ab)  # the recipe as shipped from two sources in turn ($AB_ORDER, default "a b b a": $SRC_A, $SRC_B), one
+         # process each, unprofiled, $AB_STEPS steps (default 6), at most $AB_S s each (default 150); the paired
+         # per-step comparison in ab.txt (tools/ab_steps.py: the runs see the same bins in the same order)
+      k=0; runs=(); mkdir -p "$R/ab"
+      for side in ${AB_ORDER:-a b b a}; do
+        k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "${SRC_B:?SRC_B: the other source}")
+        PYTHONPATH=/tmp/site:$src timeout ${AB_S:-150} python3 -m vlpack train qwen3.5-35b-a3b-lora \
+          data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
+          train.progress=false train.log_every=1 train.max_steps=${AB_STEPS:-6} \
+          train.output_dir="$R/ab/$k-$side" 2>&1 | grep -v Warning > "$R/ab/$k-$side.log"
+        runs+=("$R/ab/$k-$side"); pack
+      done
+      python3 tools/ab_steps.py "${runs[@]}" | tee "$R/ab.txt" ;;
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
     experts) for k in dynamic static; do
