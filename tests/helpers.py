@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,16 +110,40 @@ def free_port() -> int:
 
 
 def _rank_main(target, done: str, rank: int, port: int, *args) -> None:
-    """One rank of `run_ranks`: `target(rank, port, *args)`, its exit code (a return is 0, a
-    `sys.exit` its code) written to the file `done` before the interpreter's teardown, which on
-    gloo sometimes aborts after the work is done (`TEARDOWN_ABORT`). An exception writes none."""
+    """One rank of `run_ranks`: `target(rank, port, *args)` with its stderr in the file
+    `done`.err, and its exit code (a return is 0, a `sys.exit` the status the process would end
+    with) written to the file `done` before the interpreter's teardown, which on gloo sometimes
+    aborts after the work is done (`TEARDOWN_ABORT`). An exception writes no code."""
+    err = os.open(f"{done}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
     try:
         target(rank, port, *args)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        Path(done).write_text(str(code))
+        code = 0 if e.code is None else (int(e.code) & 0xFF if isinstance(e.code, int) else 1)
+        _write_code(done, code)
         raise
-    Path(done).write_text("0")
+    _write_code(done, 0)
+
+
+def _write_code(done: str, code: int) -> None:
+    Path(f"{done}.tmp").write_text(str(code))
+    os.replace(f"{done}.tmp", done)
+
+
+def _rank_code(exitcode: int | None, done: str) -> int | None:
+    """A rank's exit code, or the code its work ended with where it then died of the teardown
+    abort: SIGABRT, a code written, and `TEARDOWN_ABORT` in its stderr."""
+    import signal
+
+    if exitcode != -signal.SIGABRT or not Path(done).is_file():
+        return exitcode
+    err = Path(f"{done}.err")
+    if not (err.is_file() and TEARDOWN_ABORT in err.read_text(errors="replace")):
+        return exitcode
+    try:
+        return int(Path(done).read_text())
+    except ValueError:
+        return exitcode
 
 
 def run_ranks(target, *args, world: int = 2, timeout: float = 300,
@@ -126,9 +151,8 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 300,
     """`target(rank, port, *args)` in `world` spawned processes; their exit codes. The ranks
     still running `timeout` seconds after the start are killed (exit code -9), and so are those
     still running `grace` seconds after a rank failed: they wait in a collective for it. A rank
-    that finished its work and then died of the teardown abort (SIGABRT, `TEARDOWN_ABORT`)
-    counts with the exit code its work ended with."""
-    import signal
+    that finished its work and then died of the teardown abort (`_rank_code`) counts with the
+    exit code its work ended with. Each rank's stderr is copied to this process's at the end."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -143,7 +167,8 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 300,
             p.start()
         deadline, failed_at = time.monotonic() + timeout, None
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            codes = [_rank_code(p.exitcode, d) for p, d in zip(procs, done, strict=True)]
+            if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() > failed_at + grace:
                 break
@@ -152,11 +177,12 @@ def run_ranks(target, *args, world: int = 2, timeout: float = 300,
             if p.is_alive():
                 p.kill()
             p.join()
-        codes = [p.exitcode for p in procs]
-        for r, code in enumerate(codes):
-            if code == -signal.SIGABRT and Path(done[r]).is_file():
-                codes[r] = int(Path(done[r]).read_text())
-        return codes
+        for r, d in enumerate(done):
+            if Path(f"{d}.err").is_file():
+                text = Path(f"{d}.err").read_text(errors="replace")
+                if text:
+                    sys.stderr.write(f"--- rank {r} stderr ---\n{text}")
+        return [_rank_code(p.exitcode, d) for p, d in zip(procs, done, strict=True)]
 
 
 def split_data(kw: dict) -> tuple[DataConfig, dict]:

@@ -20,8 +20,15 @@ from pathlib import Path
 
 
 def step_times(run: Path) -> dict[int, float]:
-    """{step: seconds} of a run folder's training rows."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """{step: seconds} of a run folder's training rows (none where it has no metrics; a line cut
+    short by a killed run is left out)."""
+    file = run / "metrics.jsonl"
+    rows = []
+    for line in (file.read_text().splitlines() if file.is_file() else []):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
     return {r["step"]: r["step_s"] for r in rows if "loss" in r and "step_s" in r}
 
 
@@ -30,8 +37,11 @@ def main(argv: list[str]) -> int:
     if not runs:
         print(__doc__)
         return 2
-    times = {run: step_times(run) for run in runs if (run / "metrics.jsonl").is_file()}
+    times = {run: t for run in runs if (t := step_times(run))}
     sides = {run: run.name[-1] for run in times}
+    others = [run.name for run in times if sides[run] not in "ab"]
+    if others:
+        print("not side a or b (left out of the ratios):", ", ".join(others))
     steps = sorted(set.intersection(*(set(t) for t in times.values()))) if times else []
     print("step  " + "  ".join(f"{run.name:>8}" for run in times) + "     b/a")
     ratios = []
@@ -45,6 +55,8 @@ def main(argv: list[str]) -> int:
     missing = [run.name for run in runs if run not in times]
     if missing:
         print("no metrics:", ", ".join(missing))
+    if steps and len({len(t) for t in times.values()}) > 1:
+        print(f"steps compared: those every run reached (1-{steps[-1]})")
     if ratios:
         print(f"median b/a over steps 2-{steps[-1]}: {statistics.median(ratios):.3f} "
               f"({sum(r < 1 for r in ratios)} of {len(ratios)} steps faster on b)")

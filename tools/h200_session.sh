@@ -291,9 +291,10 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
     ab)  # the recipe as shipped from two sources in turn ($AB_ORDER, default "a b b a": $SRC_A, $SRC_B), one
          # process each, unprofiled, $AB_STEPS steps (default 6), at most $AB_S s each (default 240); the paired
          # per-step comparison in ab.txt (tools/ab_steps.py: the runs see the same bins in the same order)
+      : "${SRC_B:?the ab part needs SRC_B, the other source}"
       k=0; runs=(); mkdir -p "$R/ab"
       for side in ${AB_ORDER:-a b b a}; do
-        k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "${SRC_B:?SRC_B: the other source}")
+        k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "$SRC_B")
         PYTHONPATH=/tmp/site:$src timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
           data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
           train.progress=false train.log_every=1 train.max_steps=${AB_STEPS:-6} \
