@@ -1,14 +1,15 @@
-"""Where vlpack plugs into transformers, installed by class at build time (the classes per family
-are in `vlpack.families`).
+"""Where vlpack plugs into transformers, installed by class at build time (the classes per family are
+in `vlpack.families`).
 
-Each seam is a subclass of one stock class that overrides one method (`forward`; the deepstack
-text model also its merge), made once per stock class and given to the model's instances of
-exactly that class (`module.__class__ = subclass`): the weights, config and every other method
-stay the stock ones, and the subclass is a class of this module, so a model pickles and deep-
-copies as usual. The text attention needs no subclass: it is registered with transformers'
-AttentionInterface (attention.py). The base model's subclass overrides three methods: `forward`,
-to hand a stock call's 2-D attention mask to that attention (`attention.StockMask`), and
-`get_image_features` and `get_placeholder_mask` (vision.py `ImageFeatures`).
+Each seam is a subclass of one stock class that overrides one method (`forward`; the deepstack text
+model also its merge), made once per stock class and given to the model's instances of exactly that
+class (`module.__class__ = subclass`): the weights, config and every other method stay the stock
+ones, and the subclass is a class of this module, so a model pickles and deep-copies as usual (a
+process that unpickles one makes the classes on lookup, `__getattr__`). The text attention needs no
+subclass: it is registered with transformers' AttentionInterface (attention.py). The base model's
+subclass overrides three methods: `forward`, to hand a stock call's 2-D attention mask to that
+attention (`attention.StockMask`), and `get_image_features` and `get_placeholder_mask` (vision.py
+`ImageFeatures`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ def packed_class(stock: type, mixin: type) -> type:
     return cls
 
 
-def install(model: nn.Module, name: str) -> dict[str, int]:
-    """Give `model`'s modules of family `name`'s seam classes (`vlpack.families`) their
-    subclasses; returns how many of each kind. Idempotent."""
+def _seam_pairs(name: str) -> dict[str, tuple[type, type]]:
+    """{kind: (stock class, mixin)} of family `name`'s seams (`vlpack.families`)."""
     seams = family(name)
     mod = importlib.import_module(seams.modeling_module)
     pairs = {"vision_attention": (seams.vision_attention, VisionAttention),
@@ -58,18 +58,50 @@ def install(model: nn.Module, name: str) -> dict[str, int]:
         pairs["deepstack"] = (seams.deepstack_text_model, DeepstackTextModel)
     if seams.gated_deltanet is not None:
         pairs["gated_deltanet"] = (seams.gated_deltanet, GatedDeltaNet)
-    counts = dict.fromkeys(pairs, 0)
-    for kind, (name, mixin) in pairs.items():
-        stock = getattr(mod, name, None)
+    out = {}
+    for kind, (stock_name, mixin) in pairs.items():
+        stock = getattr(mod, stock_name, None)
         if stock is None:
-            raise ValueError(f"{mod.__name__} has no {name}: this transformers version is not "
+            raise ValueError(f"{mod.__name__} has no {stock_name}: this transformers version is not "
                              f"supported by vlpack (tested: {TESTED_TRANSFORMERS})")
+        out[kind] = (stock, mixin)
+    return out
+
+
+def install(model: nn.Module, name: str) -> dict[str, int]:
+    """Give `model`'s modules of family `name`'s seam classes (`vlpack.families`) their
+    subclasses; returns how many of each kind. Idempotent."""
+    counts = {}
+    for kind, (stock, mixin) in _seam_pairs(name).items():
         sub = packed_class(stock, mixin)
+        counts[kind] = 0
         for m in model.modules():
             if type(m) is stock:
                 m.__class__ = sub
             counts[kind] += type(m) is sub
     return counts
+
+
+def __getattr__(name: str) -> type:
+    """A model unpickled in a process that built none finds its seam classes before anything
+    made them: `Packed<Stock>` is made from the family registry's stock classes, and vlpack's
+    attention and experts functions, which the model's config names, are registered with
+    transformers as a build registers them."""
+    if name.startswith("Packed"):
+        from vlpack.families import FAMILIES
+        from vlpack.model import attention, experts
+
+        for fam in FAMILIES:
+            try:
+                pairs = _seam_pairs(fam)
+            except (ImportError, ValueError):
+                continue  # a family this transformers lacks cannot be the one pickled
+            for stock, mixin in pairs.values():
+                if f"Packed{stock.__name__}" == name:
+                    attention.register()
+                    experts.register()
+                    return packed_class(stock, mixin)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
