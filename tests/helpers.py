@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def _rank_main(target, done: str, rank: int, port: int, *args) -> None:
     aborts after the work is done (`TEARDOWN_ABORT`). An exception writes no code."""
     err = os.open(f"{done}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)
+    os.close(err)
     try:
         target(rank, port, *args)
     except SystemExit as e:
@@ -133,8 +135,6 @@ def _write_code(done: str, code: int) -> None:
 def _rank_code(exitcode: int | None, done: str) -> int | None:
     """A rank's exit code, or the code its work ended with where it then died of the teardown
     abort: SIGABRT, a code written, and `TEARDOWN_ABORT` in its stderr."""
-    import signal
-
     if exitcode != -signal.SIGABRT or not Path(done).is_file():
         return exitcode
     err = Path(f"{done}.err")

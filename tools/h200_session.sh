@@ -92,6 +92,9 @@ fi
 export PYTHONPATH=/tmp/site:${SRC:-$PWD/src} PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
 NOFLA=/tmp/site-nofla:${SRC:-$PWD/src}
 LAYERS=${LAYERS:-4}
+# the overrides of docs/benchmarks.md's flagship command (the recipe as shipped, its run's length and output aside)
+FLAG_ARGS=(data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false
+           train.progress=false train.log_every=1)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device$TAG.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device$TAG.txt"
 TP="python3 bench/train_throughput.py --samples 96 --steps 4 --warmup 2 --out $R/throughput.json"
@@ -284,8 +287,7 @@ train.save_final=false" ;;
       timeout ${FLAG_S:-330} python3 -c "import atexit, sys, torch._dynamo.utils
 atexit.register(lambda: print('compile time by phase:', torch._dynamo.utils.calculate_time_spent()))
 from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main())" train qwen3.5-35b-a3b-lora \
-        data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
-        train.progress=false train.log_every=1 train.max_steps=$n train.profile_steps=2 \
+        "${FLAG_ARGS[@]}" train.max_steps=$n train.profile_steps=2 \
         train.profile_from=$(( n - 1 )) train.output_dir="$R/flagship" 2>&1 | grep -v Warning > "$R/flagship.log"
       grep -v "^  *[0-9]" "$R/flagship.log" | tail -40 ;;  # the log without the profile's rows
     ab)  # the recipe as shipped from two sources in turn ($AB_ORDER, default "a b b a": $SRC_A, $SRC_B), one
@@ -296,8 +298,7 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       for side in ${AB_ORDER:-a b b a}; do
         k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "$SRC_B")
         PYTHONPATH=/tmp/site:$src timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
-          data.synthetic_samples=2000 data.eval_samples=0 train.save_every=0 train.save_final=false \
-          train.progress=false train.log_every=1 train.max_steps=${AB_STEPS:-6} \
+          "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} \
           train.output_dir="$R/ab/$k-$side" 2>&1 | grep -v Warning > "$R/ab/$k-$side.log"
         runs+=("$R/ab/$k-$side"); pack
       done
