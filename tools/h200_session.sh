@@ -62,6 +62,8 @@
 #   flagship   the qwen3.5-35b-a3b-lora recipe as shipped (docs/benchmarks.md's command), $FLAG_STEPS steps
 #              (default 16), the last two under torch.profiler, torch.compile's time by phase printed at
 #              exit (flagship.log); the shell clock before launch in flagship_launch.txt; at most $FLAG_S s
+#   bins       the recipe as shipped under each override set of $BINS_SETS (e.g. bin lengths), one process each,
+#              unprofiled, $AB_STEPS steps, at most $AB_S s each (bins/k/metrics.jsonl, bins/sets.txt)
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
 #   ab         the flagship recipe from $SRC_A and $SRC_B in the order $AB_ORDER (default "a b b a"), one process
 #              each, unprofiled; tools/ab_steps.py's paired per-step table in ab.txt
@@ -303,6 +305,18 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
         runs+=("$R/ab/$k-$side"); pack
       done
       python3 tools/ab_steps.py "${runs[@]}" | tee "$R/ab.txt" ;;
+    bins)  # the recipe as shipped with each override set of $BINS_SETS (';' between sets, e.g. "data.seq_len=8192
+           # train.micro_batches=4;data.seq_len=12288 train.micro_batches=3"), one process each, unprofiled,
+           # $AB_STEPS steps (default 6), at most $AB_S s each (default 240); run k's metrics in bins/k
+      k=0; mkdir -p "$R/bins"
+      IFS=';' read -ra sets <<< "${BINS_SETS:?the bins part needs BINS_SETS}"
+      for set in "${sets[@]}"; do
+        k=$((k + 1)); read -ra over <<< "$set"; echo "bins/$k: $set" | tee -a "$R/bins/sets.txt"
+        timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora "${FLAG_ARGS[@]}" \
+          train.max_steps=${AB_STEPS:-6} "${over[@]}" train.output_dir="$R/bins/$k" 2>&1 | grep -v Warning \
+          > "$R/bins/$k.log"
+        grep -E "chooses|checkpoint_share=auto|out of memory|Error" "$R/bins/$k.log" | head -4; pack
+      done ;;
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
     experts) for k in dynamic static; do
