@@ -37,25 +37,31 @@ LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 a Conv3d; the MoE router's `gate` is a plain weight, not a linear layer)."""
 
 
-def _expect(name: str, trains: bool) -> torch.dtype:
-    """The rule, written out by name: a frozen linear or expert weight is bf16, all else fp32."""
+def _expect(name: str, trains: bool, sharded: bool = False) -> torch.dtype:
+    """The rule, written out by name: a frozen linear or expert weight and, on one device, a
+    frozen input embedding (built in bf16 here) are bf16, all else fp32."""
     module = name.replace(".base_layer", "").rsplit(".", 1)[0]
     linear = module.rsplit(".", 1)[-1] in LINEARS and "patch_embed" not in module
     expert = module.endswith(".experts")
-    return torch.bfloat16 if not trains and (linear or expert) else torch.float32
+    embedding = module.endswith("language_model.embed_tokens") and not sharded
+    return torch.bfloat16 if not trains and (linear or expert or embedding) else torch.float32
 
 
 def test_lora_base_is_bf16_and_adapters_float32(tmp_path: Path) -> None:
-    """A LoRA run under bf16 autocast: the base's linear and expert weights are bf16, the adapters
-    float32 masters, embeddings and norms float32, and the tied lm_head stays the float32
-    embedding; it trains."""
+    """A LoRA run under bf16 autocast: the base's linear and expert weights and its input
+    embedding (built in bf16, its lookup cast to float32) are bf16, the adapters float32
+    masters, norms float32, and the tied lm_head stays the embedding; it trains."""
     t = Trainer(small_cfg(tmp_path, "model.name=tiny-qwen3_5_moe", "model.dtype=bfloat16",
                           "model.lora.rank=4", "train.max_steps=2"), CPU)
     got = _dtypes(t.model)
     for n, (dtype, trains) in got.items():
         assert trains == ("lora_" in n), n
         assert dtype == _expect(n, trains), (n, dtype)
-    assert got["model.language_model.embed_tokens.weight"][0] == torch.float32
+    emb = t.model.get_input_embeddings()
+    assert got["model.language_model.embed_tokens.weight"][0] == torch.bfloat16
+    assert isinstance(emb, precision.HeldEmbedding)
+    assert emb(torch.tensor([1, 2])).dtype == torch.float32
+    assert t.model.lm_head.weight is emb.weight
     assert any(d == torch.bfloat16 and ".experts." in n for n, (d, _) in got.items())
     assert sum(d == torch.bfloat16 for d, _ in got.values()) > 20
     summary = t.fit()
@@ -85,13 +91,11 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
     those weights to bf16 at every use anyway): the memory saving is free. That holds with the
     routed experts adapted (`model.lora.experts`) too: their adapters reach vlpack's dispatch
     as factors, never folded into the weight (peft's parametrization would form W + B·A in W's
-    dtype, rounding the update into a bf16-held weight). The weights are rounded to bf16 first,
-    as a checkpoint stored in bf16 (the released ones) is."""
-    model, spec = build_model(name, dtype=torch.float32, device="cpu", seed=0)
-    if experts:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(torch.bfloat16))
+    dtype, rounding the update into a bf16-held weight). The model is built in bf16,
+    as the training build is where weights are drawn at random or stored in bf16 (the released
+    checkpoints), and the reference holds every parameter in float32; the held model keeps its
+    frozen input embedding in bf16 as well, its lookup cast to float32."""
+    model, spec = build_model(name, dtype=torch.bfloat16, device="cpu", seed=0)
     torch.manual_seed(1)
     from vlpack.model import lora
 
@@ -100,8 +104,11 @@ def test_holding_frozen_weights_in_bf16_changes_no_result(name: str, experts: bo
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
     held = copy.deepcopy(model)
+    assert precision.hold_parameters(model, None) == 0
     n_low = precision.hold_parameters(held, torch.bfloat16)
     assert n_low > 0
+    assert isinstance(held.get_input_embeddings(), precision.HeldEmbedding)
+    assert held.get_input_embeddings().weight.dtype == torch.bfloat16
     rng = np.random.default_rng(0)
     samples = [make_sample(f"s{i}", rng, text=(9, 13), grids=((1, 4, 4),), spec=spec,
                            patch_dim=spec.patch_dim) for i in range(3)]
@@ -133,7 +140,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
                               "model.lora.rank=4", "model.lora.experts=true",
                               "train.max_steps=1"), topo)
         got = _dtypes(t.model)
-        bad = [(n, d) for n, (d, trains) in got.items() if d != _expect(n, trains)]
+        bad = [(n, d) for n, (d, trains) in got.items() if d != _expect(n, trains, sharded=True)]
         assert not bad, bad[:4]
         assert any(hasattr(p, "to_local") for p in t.model.parameters())  # sharded
         t.fit()

@@ -8,9 +8,17 @@ experts' 3-D weights), vlpack holds it in bf16 from the start. The arithmetic is
 gradient bit for bit equal) and the frozen base takes half the memory: the 35.1 B parameters of
 Qwen3.5-35B-A3B take 65 GiB instead of 131.
 
-Everything else stays float32: trainable parameters (their AdamW masters), embeddings (their
-output is the float32 residual stream), norms, convolutions, the Gated-DeltaNet's A_log and
-dt_bias, and a linear weight tied to the embedding.
+On one device, a frozen input embedding built in that dtype (random weights drawn in it, a folder
+stored in it) is held in it too, and its lookup cast to float32, the dtype of the residual stream
+it starts (`HeldEmbedding`): the values are those the float32 table would hold, so this too
+changes no result, and saves half of a table that is 1.9 GiB in float32 for Qwen3.5-35B-A3B. A
+linear weight tied to it goes with it (autocast casts it to bf16 at every use). Under FSDP2 the
+embedding stays float32: it is sharded, and FSDP2 gathers it in bf16, which starts a bf16
+residual stream there.
+
+Everything else stays float32: trainable parameters (their AdamW masters), an embedding built in
+float32 (rounding it would change the residual stream), the vision tower's position embedding,
+norms, convolutions and the Gated-DeltaNet's A_log and dt_bias.
 """
 
 from __future__ import annotations
@@ -50,11 +58,38 @@ def matmul_parameters(model: nn.Module) -> set[str]:
     return out
 
 
-def hold_parameters(model: nn.Module, low: torch.dtype | None) -> int:
-    """Hold each frozen matmul parameter of `model` in `low` and every other parameter in
-    float32, in place (meta tensors too); returns the number of parameters held in `low`.
-    `requires_grad` decides, so it runs after LoRA and freezing (train/setup/prepare.py)."""
+class HeldEmbedding(nn.Embedding):
+    """A frozen input embedding held in the compute dtype (`hold_parameters`): its lookup is
+    cast to float32, the residual stream's dtype."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input).to(torch.float32)
+
+
+def _held_embedding(model: nn.Module, low: torch.dtype | None, embedding: bool
+                    ) -> nn.Embedding | None:
+    """`model`'s input embedding where `hold_parameters` holds it in `low`: frozen, a plain
+    nn.Embedding (or already held) and built in `low`, so holding it rounds nothing."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if embedding and low is not None and callable(get) else None
+    if type(emb) not in (nn.Embedding, HeldEmbedding):
+        return None
+    if emb.weight.requires_grad or emb.weight.dtype != low:
+        return None
+    return emb
+
+
+def hold_parameters(model: nn.Module, low: torch.dtype | None, *, embedding: bool = True) -> int:
+    """Hold each frozen matmul parameter of `model` in `low`, with `embedding` (one device, not
+    FSDP2) its input embedding too where it is frozen and built in `low` (`HeldEmbedding`), and
+    every other parameter in float32, in place (meta tensors too); returns the number of
+    parameters held in `low`. `requires_grad` decides, so it runs after LoRA and freezing
+    (train/setup/prepare.py)."""
     matmul = matmul_parameters(model) if low is not None else set()
+    emb = _held_embedding(model, low, embedding)
+    if emb is not None:
+        emb.__class__ = HeldEmbedding
+        matmul |= {n for n, p in model.named_parameters() if p is emb.weight}
     held = 0
     with torch.no_grad():
         for name, p in model.named_parameters():

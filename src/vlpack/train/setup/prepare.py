@@ -152,7 +152,7 @@ def prepare(model: nn.Module, p: Preparation, *, first: Step = "lora", last: Ste
     if "freeze" in steps:
         freeze(model, vision=p.freeze_vision, merger=p.freeze_merger, llm=p.freeze_llm)
     if "hold" in steps:
-        precision.hold_parameters(model, p.frozen_dtype)
+        precision.hold_parameters(model, p.frozen_dtype, embedding=not p.sharded)
     if "int8" in steps and p.int8_experts:
         from vlpack.model.quant import quantize_experts
 

@@ -77,6 +77,9 @@ def plan_memory(cfg: Config, topo: Topology, prep: Preparation, *, free: int | N
     m, d = cfg.model, cfg.data
     autocast, sharded = prep.autocast, prep.sharded
     shapes = meta_model(m.name)
+    with torch.no_grad():  # built in the build's dtype, which decides what `hold` keeps low
+        for p in shapes.parameters():
+            p.data = p.data.to(prep.build_dtype)
     # as the build: only what trains keeps gradients and optimizer state (a LoRA run's adapters
     # outside the frozen groups)
     prepare(shapes, prep, last="int8", topo=topo, shapes=True)
