@@ -507,10 +507,11 @@ class TrainConfig:
     memory_check: Literal["refuse", "shorten", "warn", "skip"] = "refuse"
     """Before building: `refuse` a run whose memory plan (train/setup/memory.py, `vlpack train
     --dry-run`) exceeds the free memory (the message names the bin length that fits);
-    `shorten` trains instead at the longest halving of data.seq_len whose plan fits, with
-    train.micro_batches multiplied so a step's tokens and the schedule stay (a sample longer
-    than the shorter bins meets data.overlong), and refuses where none fits; `warn` starts it
-    anyway; `skip` checks nothing."""
+    `shorten` trains instead at the longest shorter length whose plan fits (sixteenths of
+    data.seq_len, then halvings: train/setup/stack.py `bin_lengths`), with as many
+    train.micro_batches as come nearest to a step's tokens (a sample longer than the shorter
+    bins meets data.overlong), and refuses where none fits; `warn` starts it anyway; `skip`
+    checks nothing."""
     fsdp: Literal["auto", "always"] = "auto"
     """`auto`: FSDP2 when torchrun starts more than one process; `always`: FSDP2 on one process
     too (a one-rank group), so one GPU computes with bf16 parameters under FSDP's

@@ -318,40 +318,57 @@ def test_ways_out_offer_8bit_moments_where_the_training_state_outweighs_activati
 
 
 # --- train.memory_check=shorten -----------------------------------------------------------------
-def test_shorten_trains_the_longest_halving_of_the_bins_that_fits() -> None:
+def test_bin_lengths_and_micro_batches_by_hand() -> None:
+    """The lengths `shorten` tries below 32,768 (sixteenths, then halvings, at least MIN_BIN,
+    multiples of the alignment) and the micro-batches nearest to a step's tokens, written out."""
+    from vlpack.train.setup.stack import bin_lengths
+
+    assert bin_lengths(32768, 8) == [30720, 28672, 26624, 24576, 22528, 20480, 18432, 16384,
+                                     14336, 12288, 10240, 8192, 6144, 4096, 2048, 1024]
+    assert bin_lengths(2048, 8) == [1920, 1792, 1664, 1536, 1408, 1280, 1152, 1024]
+    assert bin_lengths(2000, 48) == [1872, 1728, 1584, 1488, 1344, 1248, 1104]
+    assert bin_lengths(1024, 8) == []
+    assert [memory.micro_batches_for(1, 32768, n) for n in (16384, 10240, 6144, 24576, 30720)] \
+        == [2, 3, 5, 1, 1]
+    assert memory.micro_batches_for(4, 8192, 10240) == 3
+    assert memory.tokens_kept(32768, 32768) == "keeps the tokens per step"
+    assert memory.tokens_kept(32768, 30720) == "gives 30,720 tokens per step where 32,768 were asked"
+
+
+def test_shorten_trains_the_longest_bins_that_fit() -> None:
     """The 35B-A3B cut to 8 layers, LoRA, every layer recomputed, 32k bins: with just enough
     room for the plan at 8,192 tokens (the reference: the plan at each fixed data.seq_len),
     `shorten` plans 8,192-token bins and 4 micro-batches per step, and `refuse` names that
-    length in its ways out; just below, 4,096 and 8 micro-batches; where even MIN_BIN-token bins
-    do not fit, none is named and the run is refused."""
+    length in its ways out; just below, 6,144 and 5 micro-batches (30,720 tokens a step); where
+    even MIN_BIN-token bins do not fit, none is named and the run is refused."""
     from vlpack.train.setup.stack import MIN_BIN, check_plan, shorten_to_plan
 
     ac = ("model.activation_checkpointing=true", "model.checkpoint_share=1.0",
           "train.memory_check=refuse")
     at = {n: _plan(_cut_lora(*ac, f"data.seq_len={n}"), CPU,
-                         free=2**50)[0].train_bytes for n in (32768, 16384, 8192, 4096)}
-    assert at[32768] > at[16384] > at[8192] > at[4096]
-    for room, fitting in ((at[8192], 8192), (at[8192] - 2**20, 4096)):
+                         free=2**50)[0].train_bytes for n in (32768, 10240, 8192, 6144)}
+    assert at[32768] > at[10240] > at[8192] > at[6144]
+    for room, fitting, micro in ((at[8192], 8192, 4), (at[8192] - 2**20, 6144, 5)):
         free = -(-room // (1 - memory.HEADROOM)) + 8
         cfg = _cut_lora(*ac, "train.memory_check=shorten")
         plan, _ = _plan(cfg, CPU, free=free)
         assert (plan.seq_len, plan.train_bytes) == (fitting, at[fitting])
         check_plan(plan, cfg, CPU, preparation(cfg, CPU), [], setting="shorten", free=free)
         shorten_to_plan(cfg, plan, CPU, free)
-        assert (cfg.data.seq_len, cfg.train.micro_batches) == (fitting, 32768 // fitting)
+        assert (cfg.data.seq_len, cfg.train.micro_batches) == (fitting, micro)
         refused, ways = _plan(_cut_lora(*ac), CPU, free=free)
         assert (refused.seq_len, refused.fitting_seq_len) == (32768, fitting)
-        assert f"data.seq_len={fitting} train.micro_batches={32768 // fitting} fits" in " ".join(ways)
+        assert f"data.seq_len={fitting} train.micro_batches={micro} fits" in " ".join(ways)
         with pytest.raises(ValueError, match=f"data.seq_len={fitting} train.micro_batches"):
             check_plan(refused, _cut_lora(*ac), CPU, preparation(_cut_lora(*ac), CPU), ways, free=free)
     budget = _cut_lora(*ac, "train.memory_check=shorten", "train.tokens_per_step=20000")
     plan, _ = _plan(budget, CPU, free=free)
     shorten_to_plan(budget, plan, CPU, free)
-    assert (budget.data.seq_len, budget.train.micro_batches) == (4096, 1)  # the budget sets them
+    assert (budget.data.seq_len, budget.train.micro_batches) == (6144, 1)  # the budget sets them
     cfg = _cut_lora(*ac, "train.memory_check=shorten")
     plan, ways = _plan(cfg, CPU, free=1)
     assert MIN_BIN == 1024 and plan.seq_len == 32768 and plan.fitting_seq_len == 0
-    assert not any("shorter bins" in w for w in ways)  # no halving fits: not offered
+    assert not any("shorter bins" in w for w in ways)  # no shorter bins fit: not offered
     with pytest.raises(ValueError, match="training it would take about"):
         check_plan(plan, cfg, CPU, preparation(cfg, CPU), ways, setting="shorten", free=1)
 
@@ -397,19 +414,20 @@ def test_shorten_through_the_trainer(tmp_path: Path, monkeypatch, caplog) -> Non
 
 def test_shorten_refuses_padded_batches_and_keeps_resumed_bins_only_under_shorten(
         tmp_path: Path) -> None:
-    """Padded batches have no bins to halve; a resumed run's bins are kept only where
-    `shorten` could have chosen them (a halving of data.seq_len)."""
+    """Padded batches have no bins to shorten; a resumed run's bins are kept only where
+    `shorten` could have chosen them (one of `bin_lengths(data.seq_len)`)."""
     from vlpack.train.setup.stack import keep_resumed_bins
 
     with pytest.raises(ValueError, match=r"data\.packing=none trains padded batches"):
         small_cfg(tmp_path, "data.packing=none", "train.memory_check=shorten")
     cases = [("shorten", (1024, 2), True), ("refuse", (1024, 2), False),
              ("shorten", (2048, 1), False), ("shorten", (4096, 1), False),
-             ("shorten", (768, 1), False), ("shorten", None, False)]
+             ("shorten", (768, 1), False), ("shorten", (1000, 2), False),
+             ("shorten", (1536, 1), True), ("shorten", None, False)]
     for check, resumed, kept in cases:
         cfg = small_cfg(tmp_path, "data.seq_len=2048", f"train.memory_check={check}")
         assert keep_resumed_bins(cfg, resumed, CPU) == kept
-        assert cfg.data.seq_len == (1024 if kept else 2048)
+        assert cfg.data.seq_len == (resumed[0] if kept else 2048)
 
 
 def test_the_first_step_autotunes_only_where_no_configurations_serve() -> None:
@@ -428,7 +446,7 @@ def test_the_first_step_autotunes_only_where_no_configurations_serve() -> None:
 
 def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
     """`--dry-run --device-memory SIZE` plans one GPU of that size from a CPU machine: the
-    35B-A3B LoRA recipe as shipped chooses 8k bins × 4 on an 80 GB H100 (79.18 GiB as torch
+    35B-A3B LoRA recipe as shipped chooses 10k bins × 3 on an 80 GB H100 (79.18 GiB as torch
     reports it) and its 32k bins × 1 on an H200 (139.7 GiB); --device-memory alone, or a size
     that is not one, is refused."""
     from vlpack.cli import main, parse_size
@@ -436,7 +454,7 @@ def test_dry_run_for_a_card_this_machine_does_not_have(capsys) -> None:
     assert main(["train", "qwen3.5-35b-a3b-lora", "--dry-run", "--device-memory", "79.18GiB"]) == 0
     out = capsys.readouterr().out
     assert "on one GPU of 79.2 GiB (78.7 GiB free)" in out
-    assert "chooses: 8,192-token bins (32,768 did not fit: train.memory_check=shorten), 4 per " \
+    assert "chooses: 10,240-token bins (32,768 did not fit: train.memory_check=shorten), 3 per " \
            "step;" in out and "(model.checkpoint_share=auto); compiled (layers)" in out
     assert main(["train", "qwen3.5-35b-a3b-lora", "--device-memory=139.7GiB", "--dry-run"]) == 0
     assert "chooses: 32,768-token bins, 1 per step;" in capsys.readouterr().out

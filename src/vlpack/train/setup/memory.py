@@ -129,8 +129,8 @@ class MemoryPlan:
     text_layers: int = 0
     """The model's decoder layers (`recompute_share` of them recompute)."""
     fitting_seq_len: int | None = None
-    """Where this plan does not fit: the longest halving of `seq_len` whose plan does, 0 where
-    none does (train/setup/stack.py `shorter_bins`); None where no halving was planned."""
+    """Where this plan does not fit: the longest shorter bin length whose plan does, 0 where
+    none does (train/setup/stack.py `shorter_bins`); None where none was planned."""
 
     @property
     def train_bytes(self) -> int:
@@ -367,7 +367,7 @@ def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True,
         if p.recompute_share < 1.0:
             out.append("recompute more of each layer stack (model.activation_checkpointing=true "
                        "model.checkpoint_share=1.0)")
-        if p.fitting_seq_len != 0:  # 0: no halving of the bins fits
+        if p.fitting_seq_len != 0:  # 0: no shorter bins fit
             out.append(shorter_bins_way(p, micro_batches))
         out.append(f"split each row over more GPUs (parallel.cp={2 * cp})")
     out.append("more GPUs (FSDP2 shards weights, gradients and optimizer state)")
@@ -376,14 +376,28 @@ def ways_out(p: MemoryPlan, *, lora: bool, cp: int, vision_capped: bool = True,
 
 def shorter_bins_way(p: MemoryPlan, micro_batches: int | None) -> str:
     """The way out through shorter bins: the fitting length and the micro-batches that keep a
-    step's tokens, where the plan found one."""
+    step's tokens as near as whole bins allow, where the plan found one."""
     n = p.fitting_seq_len
     if not n or not p.seq_len:
         return "shorter bins (data.seq_len)"
-    keep = ("" if micro_batches is None else
-            f" train.micro_batches={micro_batches * p.seq_len // n}")
-    return (f"shorter bins: data.seq_len={n}{keep} fits and keeps the tokens per step "
+    if micro_batches is None:
+        return f"shorter bins: data.seq_len={n} fits (train.memory_check=shorten chooses it)"
+    micro = micro_batches_for(micro_batches, p.seq_len, n)
+    return (f"shorter bins: data.seq_len={n} train.micro_batches={micro} fits and "
+            f"{tokens_kept(micro_batches * p.seq_len, micro * n)} "
             "(train.memory_check=shorten chooses it)")
+
+
+def micro_batches_for(micro_batches: int, seq_len: int, shorter: int) -> int:
+    """The micro-batches per step in `shorter`-token bins nearest to `micro_batches` bins of
+    `seq_len` tokens (at least 1)."""
+    return max(1, round(micro_batches * seq_len / shorter))
+
+
+def tokens_kept(before: int, after: int) -> str:
+    """How a step's padded tokens change with shorter bins, for the log and the ways out."""
+    return ("keeps the tokens per step" if before == after else
+            f"gives {after:,} tokens per step where {before:,} were asked")
 
 
 def fits(p: MemoryPlan, device: torch.device, free: int | None, *,

@@ -66,8 +66,8 @@ def plan_memory(cfg: Config, topo: Topology, prep: Preparation, *, free: int | N
     out that apply to it. With
     `model.checkpoint_share=auto`, the plan of the least share that fits `free` bytes (None:
     this device's free memory), the same on every rank (`auto_share`).
-    Where the plan at `data.seq_len` does not fit, the longest of its halvings that does is
-    `plan.fitting_seq_len` (`shorter_bins`), which the ways out name; under
+    Where the plan at `data.seq_len` does not fit, the longest shorter length that does
+    (`bin_lengths`) is `plan.fitting_seq_len` (`shorter_bins`), which the ways out name; under
     `train.memory_check=shorten` (`shorten`: None reads it from the config) the plan is that
     length's (`shorten_to_plan` applies it).
     `autotunes`: fla's kernels autotune in the first step (no kept configurations for this GPU),
@@ -152,18 +152,37 @@ def all_fit(flags: list[bool], topo: Topology) -> list[bool]:
     return [bool(x) for x in all_reduce([float(f) for f in flags], topo, op="min")]
 
 
+def bin_lengths(seq_len: int, multiple: int) -> list[int]:
+    """The bin lengths below `seq_len` that `train.memory_check=shorten` may train, longest
+    first: seq_len · k/16 for k = 15 .. 1, then the halvings of seq_len / 16, each rounded down
+    to a multiple of `multiple`, none below MIN_BIN. Sixteenths rather than halvings alone: an
+    80 GB card that cannot hold 16,384-token bins of the 35B recipe holds 10,240, and the step's
+    fixed host cost per bin weighs less in longer ones."""
+    steps = [seq_len * k // 16 for k in range(15, 0, -1)]
+    n = seq_len // 32
+    while n >= MIN_BIN:
+        steps.append(n)
+        n //= 2
+    lengths = {n - n % multiple for n in steps}
+    return sorted((n for n in lengths if n >= max(MIN_BIN, multiple) and n < seq_len),
+                  reverse=True)
+
+
 def shorter_bins(plan_of: Callable[[int], memory.MemoryPlan], seq_len: int, *, multiple: int,
                  topo: Topology, fits: Callable[[memory.MemoryPlan], bool]) -> int | None:
-    """The longest of seq_len / 2, / 4, ... (multiples of `multiple`, at least MIN_BIN tokens)
-    whose plan fits on every rank; None where none does. Every rank plans every length, so the
-    collectives inside `plan_of` (`auto_share`) run alike on all of them."""
-    lengths = []
-    n = seq_len // 2
-    while n >= max(MIN_BIN, multiple) and n % multiple == 0:
-        lengths.append(n)
-        n //= 2
-    ok = all_fit([fits(plan_of(n)) for n in lengths], topo)
-    return next((n for n, good in zip(lengths, ok, strict=True) if good), None)
+    """The longest of `bin_lengths(seq_len, multiple)` whose plan fits on every rank; None
+    where none does. A bisection (a plan grows with its bins), each probe decided on every
+    rank alike (one collective), so the collectives inside `plan_of` (`auto_share`) run alike
+    on all of them."""
+    lengths = bin_lengths(seq_len, multiple)
+    lo, hi = 0, len(lengths)  # the answer's index is in [lo, hi]; len(lengths): none fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if all_fit([fits(plan_of(lengths[mid]))], topo)[0]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lengths[lo] if lo < len(lengths) else None
 
 
 def auto_share(plan_at: Callable[[float], memory.MemoryPlan], layers: int, topo: Topology,
@@ -211,13 +230,13 @@ def fla_autotunes(cfg: Config, device_name: str, environ: dict[str, str] | None 
 
 
 def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, topo: Topology) -> bool:
-    """A run resumed under `train.memory_check=shorten` keeps the bins it trained (a halving of
-    data.seq_len chosen on its first device): the data stream continues by bin position, so
-    other bins would skip or repeat samples. Sets them in `cfg` and says so; True where it did
-    (the plan then refuses what does not fit rather than shortening again)."""
+    """A run resumed under `train.memory_check=shorten` keeps the bins it trained (one of
+    `bin_lengths(data.seq_len)`, chosen on its first device): the data stream continues by bin
+    position, so other bins would skip or repeat samples. Sets them in `cfg` and says so; True
+    where it did (the plan then refuses what does not fit rather than shortening again)."""
     d, t = cfg.data, cfg.train
-    if (t.memory_check != "shorten" or resumed is None or resumed[0] == d.seq_len
-            or resumed[0] > d.seq_len or d.seq_len % resumed[0]):
+    if (t.memory_check != "shorten" or resumed is None
+            or resumed[0] not in bin_lengths(d.seq_len, d.pad_to_multiple_of * cfg.parallel.cp)):
         return False
     if topo.is_main:
         log.info("train.memory_check=shorten: the resumed run trained %d-token bins, %d per step; "
@@ -231,17 +250,17 @@ def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, topo: Topolo
 def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, topo: Topology,
                     free: int | None = None) -> None:
     """Train at the plan's bin length where `train.memory_check=shorten` chose a shorter one:
-    data.seq_len becomes it and train.micro_batches grows by the same factor (unless
-    train.tokens_per_step sets a step's bins), so a step's tokens and the schedule stay.
-    `free`: the bytes the plan was fitted to, for the log (None: the device's now)."""
+    data.seq_len becomes it and train.micro_batches `memory.micro_batches_for` it (unless
+    train.tokens_per_step sets a step's bins), so a step's tokens stay as near as whole bins
+    allow. `free`: the bytes the plan was fitted to, for the log (None: the device's now)."""
     d, t = cfg.data, cfg.train
     if not plan.seq_len or plan.seq_len == d.seq_len:
         return
-    factor = d.seq_len // plan.seq_len
+    micro = memory.micro_batches_for(t.micro_batches, d.seq_len, plan.seq_len)
     if topo.is_main:
         steps = ("train.tokens_per_step sets each step's bins" if t.tokens_per_step else
-                 f"train.micro_batches {t.micro_batches} → {t.micro_batches * factor} keeps "
-                 "the tokens per step")
+                 f"train.micro_batches {t.micro_batches} → {micro} "
+                 + memory.tokens_kept(t.micro_batches * d.seq_len, micro * plan.seq_len))
         log.info("train.memory_check=shorten: data.seq_len %d does not fit the device's %s; "
                  "training in %d-token bins (%s; samples longer than that meet "
                  "data.overlong=%s)", d.seq_len, _room_text(topo, free), plan.seq_len, steps,
@@ -252,7 +271,7 @@ def shorten_to_plan(cfg: Config, plan: memory.MemoryPlan, topo: Topology,
                     "samples", plan.seq_len)
     d.seq_len = plan.seq_len
     if not t.tokens_per_step:
-        t.micro_batches *= factor
+        t.micro_batches = micro
 
 
 def _room_text(topo: Topology, free: int | None) -> str:
