@@ -280,3 +280,22 @@ def test_resume_with_another_frozen_dtype_is_refused(tmp_path: Path) -> None:
     again = Trainer(small_cfg(tmp_path, "train.max_steps=2", "train.resume=auto", *auto), CPU)
     with pytest.raises(ValueError, match=r"other dtypes \(model\.frozen_dtype"):
         again.fit()
+
+
+def test_a_held_embedding_leaves_the_frozen_dtypes_fingerprint_as_it_was() -> None:
+    """A run checkpointed with its frozen input embedding in float32 resumes where it is held
+    in bf16 (the same values, the same results); a frozen linear held otherwise still changes
+    the fingerprint."""
+    from vlpack.train.run.checkpoint import frozen_dtypes_fingerprint
+
+    model, _ = build_model("tiny-qwen3_5_moe", dtype=torch.bfloat16, device="cpu", seed=0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    before = copy.deepcopy(model)
+    precision.hold_parameters(before, torch.bfloat16, embedding=False)
+    assert before.get_input_embeddings().weight.dtype == torch.float32
+    precision.hold_parameters(model, torch.bfloat16)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert frozen_dtypes_fingerprint(model) == frozen_dtypes_fingerprint(before)
+    precision.hold_parameters(before, None)  # every frozen weight float32
+    assert frozen_dtypes_fingerprint(model) != frozen_dtypes_fingerprint(before)

@@ -190,9 +190,14 @@ def frozen_fingerprint(model: torch.nn.Module) -> str:
 
 def frozen_dtypes_fingerprint(model: torch.nn.Module) -> str:
     """A short digest of the dtypes the frozen parameters are held in (`model.frozen_dtype`):
-    a resume rebuilds the frozen base, so it must hold it as the run did."""
+    a resume rebuilds the frozen base, so it must hold it as the run did. The input embedding
+    (and a weight tied to it) is left out: held in bf16 (`precision.HeldEmbedding`) it gives the
+    float32 table's values, so a run that held it in float32 resumes exactly either way."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    skip = {id(p) for p in emb.parameters()} if isinstance(emb, torch.nn.Module) else set()
     return _digest({f"{_clean(n)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False)
-                    if not p.requires_grad})
+                    if not p.requires_grad and id(p) not in skip})
 
 
 def file_digest(file: Path) -> str:
