@@ -156,8 +156,8 @@ def bin_lengths(seq_len: int, multiple: int) -> list[int]:
     """The bin lengths below `seq_len` that `train.memory_check=shorten` may train, longest
     first: seq_len · k/16 for k = 15 .. 1, then the halvings of seq_len / 16, each rounded down
     to a multiple of `multiple`, none below MIN_BIN. Sixteenths rather than halvings alone: an
-    80 GB card that cannot hold 16,384-token bins of the 35B recipe holds 10,240, and the step's
-    fixed host cost per bin weighs less in longer ones."""
+    80 GB card that cannot hold 16,384-token bins of the 35B recipe holds 10,240, which cut fewer
+    long samples than 8,192 (its step is as fast per token: docs/benchmarks.md, runs 8-10)."""
     steps = [seq_len * k // 16 for k in range(15, 0, -1)]
     n = seq_len // 32
     while n >= MIN_BIN:
