@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from vlpack.pickles import load_weights_only
 from vlpack.train.distributed.parallel import Topology, all_gather_object, all_reduce, barrier
+from vlpack.train.setup.precision import input_embedding
 
 MARKER = "COMPLETE"
 HEADROOM = 1.1
@@ -193,9 +194,8 @@ def frozen_dtypes_fingerprint(model: torch.nn.Module) -> str:
     a resume rebuilds the frozen base, so it must hold it as the run did. The input embedding
     (and a weight tied to it) is left out: held in bf16 (`precision.HeldEmbedding`) it gives the
     float32 table's values, so a run that held it in float32 resumes exactly either way."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if callable(get) else None
-    skip = {id(p) for p in emb.parameters()} if isinstance(emb, torch.nn.Module) else set()
+    emb = input_embedding(model)
+    skip = {id(p) for p in emb.parameters()} if emb is not None else set()
     return _digest({f"{_clean(n)}:{p.dtype}" for n, p in model.named_parameters(remove_duplicate=False)
                     if not p.requires_grad and id(p) not in skip})
 

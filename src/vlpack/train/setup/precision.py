@@ -66,12 +66,18 @@ class HeldEmbedding(nn.Embedding):
         return super().forward(input).to(torch.float32)
 
 
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """`model`'s input embedding (transformers' `get_input_embeddings`), None where it has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return emb if isinstance(emb, nn.Module) else None
+
+
 def _held_embedding(model: nn.Module, low: torch.dtype | None, embedding: bool
                     ) -> nn.Embedding | None:
     """`model`'s input embedding where `hold_parameters` holds it in `low`: frozen, a plain
     nn.Embedding (or already held) and built in `low`, so holding it rounds nothing."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if embedding and low is not None and callable(get) else None
+    emb = input_embedding(model) if embedding and low is not None else None
     if type(emb) not in (nn.Embedding, HeldEmbedding):
         return None
     if emb.weight.requires_grad or emb.weight.dtype != low:

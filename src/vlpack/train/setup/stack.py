@@ -76,10 +76,7 @@ def plan_memory(cfg: Config, topo: Topology, prep: Preparation, *, free: int | N
 
     m, d = cfg.model, cfg.data
     autocast, sharded = prep.autocast, prep.sharded
-    shapes = meta_model(m.name)
-    with torch.no_grad():  # built in the build's dtype, which decides what `hold` keeps low
-        for p in shapes.parameters():
-            p.data = p.data.to(prep.build_dtype)
+    shapes = meta_model(m.name, prep.build_dtype)  # as built: it decides what `hold` keeps low
     # as the build: only what trains keeps gradients and optimizer state (a LoRA run's adapters
     # outside the frozen groups)
     prepare(shapes, prep, last="int8", topo=topo, shapes=True)
@@ -129,7 +126,7 @@ def plan_memory(cfg: Config, topo: Topology, prep: Preparation, *, free: int | N
 
     if not all_fit([fits(plan)], topo)[0]:
         fitting = shorter_bins(lambda n: plan_of(n, announce=False), d.seq_len,
-                               multiple=d.pad_to_multiple_of * cfg.parallel.cp, topo=topo,
+                               multiple=bin_multiple(cfg), topo=topo,
                                fits=fits)
         plan = dataclasses.replace(plan, fitting_seq_len=fitting or 0)
         if fitting and (cfg.train.memory_check == "shorten" if shorten is None else shorten):
@@ -150,6 +147,12 @@ MIN_BIN = 1024
 def all_fit(flags: list[bool], topo: Topology) -> list[bool]:
     """Each flag, true where it is true on every rank (one collective)."""
     return [bool(x) for x in all_reduce([float(f) for f in flags], topo, op="min")]
+
+
+def bin_multiple(cfg: Config) -> int:
+    """What a shorter bin length must be a multiple of: each sample's alignment times the
+    context-parallel ranks a row is split over."""
+    return cfg.data.pad_to_multiple_of * cfg.parallel.cp
 
 
 def bin_lengths(seq_len: int, multiple: int) -> list[int]:
@@ -236,7 +239,7 @@ def keep_resumed_bins(cfg: Config, resumed: tuple[int, int] | None, topo: Topolo
     where it did (the plan then refuses what does not fit rather than shortening again)."""
     d, t = cfg.data, cfg.train
     if (t.memory_check != "shorten" or resumed is None
-            or resumed[0] not in bin_lengths(d.seq_len, d.pad_to_multiple_of * cfg.parallel.cp)):
+            or resumed[0] not in bin_lengths(d.seq_len, bin_multiple(cfg))):
         return False
     if topo.is_main:
         log.info("train.memory_check=shorten: the resumed run trained %d-token bins, %d per step; "
