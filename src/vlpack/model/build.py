@@ -199,8 +199,8 @@ def folder_has_weights(path: Path) -> bool:
     return any(Path(path).glob("*.safetensors"))
 
 
-def meta_model(name_or_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of a preset or HF folder on the meta device, its parameters in `dtype`: shapes
+def meta_model(name_or_dir: str, param_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of a preset or HF folder on the meta device, its parameters in `param_dtype`: shapes
     only, no memory, no weights read (for estimates before building it)."""
     path = Path(name_or_dir)
     if path.is_dir():
@@ -214,7 +214,7 @@ def meta_model(name_or_dir: str, dtype: torch.dtype = torch.float32) -> nn.Modul
         preset = get_preset(name_or_dir)
         cls, config = _model_class(preset.family), preset_config(preset)
     with torch.device("meta"):
-        return cls._from_config(config, attn_implementation="sdpa", dtype=dtype)
+        return cls._from_config(config, attn_implementation="sdpa", dtype=param_dtype)
 
 
 def set_attn_implementation(model: nn.Module, name: str) -> None:
