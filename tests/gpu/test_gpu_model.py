@@ -201,6 +201,42 @@ def test_fla_backward_approved_at_the_qwen3_5_head_shape():
         assert e_fast <= 2 * e_plain + 1e-3, (n, float(e_fast), float(e_plain))
 
 
+def _flash_qla_or_skip():
+    import importlib.util
+
+    if gdn._fla() is None or importlib.util.find_spec("flash_qla") is None:
+        pytest.skip("needs fla and flash-qla (FlashQLA, on tilelang)")
+
+
+def test_flash_qla_is_named_self_tested_and_switchable(monkeypatch):
+    """Where flash-qla is installed, fla hands Qwen3.5's delta rule (K = V = 128, bf16) to
+    FlashQLA: vlpack names it, self-tests it against the torch kernel per segment (at the
+    35B's 32 value heads), says so in the paths report, and `FLA_FLASH_QLA=0` gives fla's own
+    kernels back (docs/model.md)."""
+    _flash_qla_or_skip()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q = torch.randn(1, 64, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    call = (q, q, q, -torch.rand(1, 64, 32, device=dev), torch.rand(1, 64, 32, device=dev))
+    backend = fla_hopper.dispatched_backend(*call)
+    if backend is None:
+        pytest.skip(f"fla does not dispatch to FlashQLA on {torch.cuda.get_device_name(dev)}")
+    assert backend == ("flash_qla", "FLA_FLASH_QLA")
+    d = fla_hopper.decide(128, 128, dev, _torch_delta_rule(), heads=32, backend=backend)
+    print(d.describe())
+    assert d.ok and "FlashQLA" in d.reason and d.errors, d.describe()
+    segs = Segments.from_host((0, 61, 64, 250, 384), dev)
+    bounds = Boundaries(text=segs)
+    x = [torch.randn(1, 384, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+         for _ in range(3)]
+    out = gdn.segment_delta_rule(*x, -torch.rand(1, 384, 32, device=dev),
+                                 torch.rand(1, 384, 32, device=dev, dtype=torch.bfloat16), segs,
+                                 bounds, torch_fn=_torch_delta_rule())
+    out.float().sum().backward()
+    assert "FlashQLA" in bounds.paths["gdn.delta_rule"], bounds.paths
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert fla_hopper.dispatched_backend(*call) is None
+
+
 def test_broken_tiling_is_refused():
     """Head dim 64 tiles 64 wide on Hopper, the width fla #640 pins the miscompile to: refused
     before any kernel runs, and the delta rule of such a layer keeps the per-segment torch path.

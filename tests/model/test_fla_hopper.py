@@ -110,3 +110,92 @@ def test_fla_self_test_says_nothing_of_transformers_fallback(monkeypatch):
     finally:
         log.removeHandler(handler)
     assert seen == []
+
+
+@pytest.mark.parametrize("leaky", [False, True])
+def test_a_backend_fla_dispatches_to_is_self_tested_whatever_the_guard(monkeypatch, leaky):
+    """FlashQLA (a backend fla's entry point hands the whole delta rule to) is self-tested
+    against the torch kernel even where fla's Hopper guard does not apply: a kernel that carries
+    state across boundaries is refused, by its name, with its errors; a correct one approved."""
+    from vlpack.model import fla_hopper
+
+    raw, Backend = _stand_in_fla(monkeypatch, leaky)
+    monkeypatch.setattr(fla_hopper, "guard_applies", lambda: False)
+    qla = fla_hopper.Backend("flash_qla", "FLA_FLASH_QLA")
+    fla_hopper.decide.cache_clear()
+    try:
+        d = fla_hopper.decide(16, 16, torch.device("cpu"), raw, heads=3, backend=qla)
+        trusted = fla_hopper.decide(16, 16, torch.device("cpu"), raw, heads=3)
+    finally:
+        fla_hopper.decide.cache_clear()
+    assert d.ok is not leaky, d.describe()
+    assert "FlashQLA" in d.reason and set(d.errors) == {"q", "k", "v", "g", "beta"}
+    assert ("refused" in d.reason) is leaky
+    assert trusted.ok and not trusted.errors  # no backend: fla's own backward, as before
+    assert Backend.approved == {}  # the backend's self-test approves no tiling of fla's
+
+
+def test_dispatched_backend_follows_flas_registry(monkeypatch):
+    """`dispatched_backend` names the first backend of fla's registry that is available,
+    enabled and accepts the call (fla's own order), None where none does or fla is absent."""
+    import sys
+    import types
+
+    from vlpack.model import fla_hopper
+
+    class Candidate:
+        def __init__(self, kind, available=True, enabled=True, accepts=True, env_var=None):
+            self.backend_type, self.env_var = kind, env_var
+            self.available, self.enabled, self.accepts = available, enabled, accepts
+
+        def is_available(self):
+            return self.available
+
+        def is_enabled(self):
+            return self.enabled
+
+        def verify(self, name, *args, **kwargs):
+            assert name == "chunk_gated_delta_rule" and kwargs["use_qk_l2norm_in_kernel"]
+            return self.accepts, None if self.accepts else "no"
+
+    def with_registry(*backends):
+        registry = types.SimpleNamespace(_get_sorted_backends=lambda: list(backends))
+        module = types.ModuleType("fla.backends")
+        module._load_operation_registry = lambda op: registry if op == "gated_delta_rule" else None
+        monkeypatch.setitem(sys.modules, "fla.backends", module)
+        return fla_hopper.dispatched_backend(*[torch.zeros(1)] * 5)
+
+    assert with_registry(Candidate("a", available=False), Candidate("b", enabled=False),
+                         Candidate("c", accepts=False), Candidate("flash_qla", env_var="FLA_FLASH_QLA"),
+                         Candidate("d")) == ("flash_qla", "FLA_FLASH_QLA")
+    assert with_registry(Candidate("x")).switch == "FLA_X"
+    assert with_registry(Candidate("c", accepts=False)) is None
+    monkeypatch.setitem(sys.modules, "fla.backends", None)  # fla not installed
+    assert fla_hopper.dispatched_backend(*[torch.zeros(1)] * 5) is None
+
+
+def test_a_refused_backend_stops_the_packed_layer_with_its_switch(monkeypatch):
+    """Where fla would hand the packed delta rule to a backend that vlpack's self-test refuses,
+    the layer raises a ValueError that names the backend and the variable switching it off,
+    instead of training on it or falling back in silence; an approved one runs, said in the
+    paths report."""
+    from vlpack.model import fla_hopper, gdn
+    from vlpack.model.bounds import Boundaries
+
+    raw, _ = _stand_in_fla(monkeypatch, leaky=False)
+    qla = fla_hopper.Backend("flash_qla", "FLA_FLASH_QLA")
+    monkeypatch.setattr(gdn, "_use_fla", lambda x: True)
+    monkeypatch.setattr(gdn, "_fla", lambda: (None, lambda *a, **k: ("ran", None)))
+    monkeypatch.setattr(fla_hopper, "dispatched_backend", lambda *a: qla)
+    verdict = {}
+    monkeypatch.setattr(fla_hopper, "decide", lambda *a, **k: verdict["d"])
+    x = [torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3)]
+    g, beta = torch.rand(1, 8, 2, requires_grad=True), torch.rand(1, 8, 2, requires_grad=True)
+    bounds = Boundaries(None)
+    verdict["d"] = fla_hopper.Decision(False, "FlashQLA (fla's flash_qla backend) is refused")
+    with pytest.raises(ValueError, match=r"FlashQLA.*refused.*FLA_FLASH_QLA=0"):
+        gdn._delta_rule_kernel(*x, g, beta, bounds, raw, torch_only=False)
+    verdict["d"] = fla_hopper.Decision(True, "FlashQLA (fla's flash_qla backend) approved")
+    kernel = gdn._delta_rule_kernel(*x, g, beta, bounds, raw, torch_only=False)
+    assert kernel is not None and kernel.backend == qla and kernel()[0] == "ran"
+    assert "FlashQLA" in gdn._via(kernel) and "approved" in bounds.paths["gdn.backward"]

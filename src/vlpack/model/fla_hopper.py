@@ -19,6 +19,12 @@ vlpack decides per (device, key dim, value dim, heads), once per process:
      approved shapes only; failed → refused.
 The decision and the self-test's errors go into the forward's paths report (`gdn.backward`).
 
+fla's entry point may hand the whole delta rule to another backend (`dispatched_backend`: FlashQLA,
+PyPI `flash-qla` on tilelang, where it is importable on Hopper and newer, unless
+`FLA_FLASH_QLA=0`). Such a backend's forward and backward are vlpack's to trust too: `decide`
+runs the same self-test through fla's entry point for it, whatever fla's guard says, and a
+refused backend stops the run with the switch that turns it off (gdn.py).
+
 Legend: T = tokens, H = heads, K/V = key/value head dims, BK/BV = the kernel's block widths.
 """
 
@@ -29,7 +35,7 @@ import importlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -163,10 +169,37 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
     block widths `width` (default: fla's own tiling) on a row of `heads` heads against
     `torch_fn` (transformers' torch kernel) per segment; approve (K, V) if every gradient meets
     the bf16 rule (and `approve`; otherwise the approvals are left as they were)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     cls = _register()
     widths = width or fla_tiling(K, V, device.index or 0)
+    before = cls.approved.get((K, V))
+    cls.approved[(K, V)] = widths
+    try:
+        errors = compare_with_torch(K, V, device, torch_fn, heads=heads)
+    except Exception as e:
+        _restore(cls.approved, (K, V), before)
+        return Decision(False, f"fla's backward failed to run in its self-test ({e})")
+    bad = _outside_bf16_rule(errors)
+    if bad or not approve:
+        _restore(cls.approved, (K, V), before)
+    if bad:
+        return Decision(False, f"fla's backward at block widths {widths} is refused: "
+                        f"d{', d'.join(bad)} outside the bf16 rule", errors)
+    return Decision(True, f"fla's backward at block widths {widths} approved", errors)
+
+
+def _outside_bf16_rule(errors: dict[str, tuple[float, float]]) -> list[str]:
+    """The gradients whose error is more than 2x the bf16 torch kernel's (+ 1e-3)."""
+    return [n for n, (a, b) in errors.items() if not a <= 2 * b + 1e-3]
+
+
+def compare_with_torch(K: int, V: int, device: torch.device, torch_fn: Callable, *,
+                       heads: int = SELF_TEST_HEADS) -> dict[str, tuple[float, float]]:
+    """fla's varlen gated delta rule (whichever backend its entry point dispatches to) forward
+    and backward on a packed row of `heads` heads (`SELF_TEST_BOUNDS`), against `torch_fn`
+    (transformers' torch kernel) per segment: per gradient, (fla's relative error, the bf16
+    torch kernel's), both against the torch kernel in float32."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     gen = torch.Generator(device=device).manual_seed(0)
     T, H = SELF_TEST_BOUNDS[-1], heads
 
@@ -206,22 +239,58 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
     with plain_saving, torch.autocast(device.type, enabled=False), quiet_fallback():
         ref = grads(per_segment, torch.float32)
         plain = grads(per_segment, torch.bfloat16)
-    before = cls.approved.get((K, V))
-    cls.approved[(K, V)] = widths
+    with plain_saving, torch.autocast(device.type, enabled=False):
+        fast = grads(fla, torch.bfloat16)
+    return {n: (_rel(fast[n], ref[n]), _rel(plain[n], ref[n])) for n in ref}
+
+
+BACKEND_NAMES = {"flash_qla": "FlashQLA (fla's flash_qla backend)"}
+"""How the paths report and the messages name a backend of fla's delta rule."""
+
+
+class Backend(NamedTuple):
+    """A backend of fla's delta rule other than its Triton kernels: its type (fla's
+    `backend_type`) and the environment variable that switches it off (`=0`)."""
+
+    kind: str
+    switch: str
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAMES.get(self.kind, f"fla's {self.kind} backend")
+
+
+def dispatched_backend(q, k, v, g, beta) -> Backend | None:
+    """The backend fla's `chunk_gated_delta_rule` dispatches this call to (its registry's
+    first available, enabled backend whose verifier accepts the call, as fla picks it), or
+    None for fla's own Triton kernels (also where fla's registry cannot be read)."""
     try:
-        with plain_saving, torch.autocast(device.type, enabled=False):
-            fast = grads(fla, torch.bfloat16)
+        from fla.backends import _load_operation_registry
+
+        backends = _load_operation_registry("gated_delta_rule")._get_sorted_backends()
+    except Exception:
+        return None
+    for b in backends:
+        if (b.is_available() and b.is_enabled()
+                and b.verify("chunk_gated_delta_rule", q, k, v, g, beta,
+                             use_qk_l2norm_in_kernel=True)[0]):
+            return Backend(b.backend_type, b.env_var or f"FLA_{b.backend_type.upper()}")
+    return None
+
+
+def self_test_backend(backend: Backend, K: int, V: int, device: torch.device,
+                      torch_fn: Callable, heads: int = SELF_TEST_HEADS) -> Decision:
+    """The self-test of a backend that fla's entry point dispatches the whole delta rule to:
+    approved when every gradient meets the bf16 rule, else refused with its errors."""
+    name = backend.name
+    try:
+        errors = compare_with_torch(K, V, device, torch_fn, heads=heads)
     except Exception as e:
-        _restore(cls.approved, (K, V), before)
-        return Decision(False, f"fla's backward failed to run in its self-test ({e})")
-    errors = {n: (_rel(fast[n], ref[n]), _rel(plain[n], ref[n])) for n in ref}
-    bad = [n for n, (a, b) in errors.items() if not a <= 2 * b + 1e-3]
-    if bad or not approve:
-        _restore(cls.approved, (K, V), before)
-    if bad:
-        return Decision(False, f"fla's backward at block widths {widths} is refused: "
-                        f"d{', d'.join(bad)} outside the bf16 rule", errors)
-    return Decision(True, f"fla's backward at block widths {widths} approved", errors)
+        return Decision(False, f"{name} failed to run in vlpack's self-test ({e})")
+    if bad := _outside_bf16_rule(errors):
+        return Decision(False, f"{name} is refused by vlpack's self-test: d{', d'.join(bad)} "
+                        "outside the bf16 rule", errors)
+    return Decision(True, f"{name} approved", errors)
 
 
 def _restore(approved: dict, key: tuple[int, int], before: tuple[int, int] | None) -> None:
@@ -233,10 +302,13 @@ def _restore(approved: dict, key: tuple[int, int], before: tuple[int, int] | Non
 
 @functools.cache
 def decide(K: int, V: int, device: torch.device, torch_fn: Callable,
-           heads: int = SELF_TEST_HEADS) -> Decision:
+           heads: int = SELF_TEST_HEADS, backend: Backend | None = None) -> Decision:
     """Whether fla's gated-delta-rule backward runs for head dims K, V on `device` (cached per
     process; see the module docstring for the order of the rules); `heads`, the layer's head
-    count, sizes the self-test's row."""
+    count, sizes the self-test's row; `backend`, the backend fla dispatches the call to
+    (`dispatched_backend`), is self-tested whatever fla's guard says."""
+    if backend is not None:
+        return self_test_backend(backend, K, V, device, torch_fn, heads)
     if not guard_applies():
         return Decision(True, "fla's own backward (fla's Hopper guard does not apply here)")
     widths = fla_tiling(K, V, device.index or 0)

@@ -32,6 +32,7 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -199,7 +200,7 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     segs.check(T, "Gated-DeltaNet")
     gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
     if gdr is not None:
-        bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)"
+        bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)" + _via(gdr)
         out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
                      **_fla_bounds(gdr, segs, bounds, query.device, _fla_chunk()))
         return out
@@ -212,21 +213,45 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     return torch.cat(outs, dim=1)
 
 
+class _Kernel(NamedTuple):
+    """fla's delta-rule entry point and the backend it dispatches this call to (None: fla's
+    Triton kernels)."""
+
+    fn: Callable
+    backend: fla_hopper.Backend | None
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _refused(decision: fla_hopper.Decision, backend: fla_hopper.Backend) -> ValueError:
+    return ValueError(f"vlpack: {decision.describe()}. Run with {backend.switch}=0 to train "
+                      "with fla's Triton kernels instead")
+
+
+def _via(kernel: _Kernel) -> str:
+    return f", run by {kernel.backend.name}" if kernel.backend is not None else ""
+
+
 def _delta_rule_kernel(query, key, value, g, beta, bounds: Boundaries, torch_fn: Callable,
-                       torch_only: bool):
+                       torch_only: bool) -> _Kernel | None:
     """fla's varlen delta rule where it runs (and its backward is approved), else None: the
-    same decision as `segment_delta_rule`, said in `bounds.paths`."""
+    same decision as `segment_delta_rule`, said in `bounds.paths`. A backend fla hands the call
+    to (FlashQLA) that fails vlpack's self-test stops the run: ValueError with its switch."""
     if torch_only or not _use_fla(query):
         return None
+    backend = fla_hopper.dispatched_backend(query, key, value, g, beta)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta)):
         decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn,
-                                     heads=value.shape[2])
+                                     heads=value.shape[2], backend=backend)
         bounds.paths["gdn.backward"] = decision.describe()
+        if not decision.ok and backend is not None:
+            raise _refused(decision, backend)
         if not decision.ok:
             _warn_once(f"vlpack: {decision.describe()}; the delta rule runs per segment in "
                        "torch (install tilelang or Triton >= 3.7.1 for fla's backward)")
             return None
-    return _fla()[1]
+    return _Kernel(_fla()[1], backend)
 
 
 def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
@@ -246,8 +271,8 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
     H, Dk = key.shape[2], key.shape[3]
     gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
     bounds.paths["gdn.delta_rule"] = (
-        "fla chunk_gated_delta_rule (cu_seqlens), state passed across ranks" if gdr is not None
-        else "per-chunk torch chunk_gated_delta_rule, state passed across ranks")
+        "fla chunk_gated_delta_rule (cu_seqlens)" + _via(gdr) + ", state passed across ranks"
+        if gdr is not None else "per-chunk torch chunk_gated_delta_rule, state passed across ranks")
 
     def run(v, initial):  # (outputs [1, R, H, Dv], final states [n, H, Dk, Dv]) of the chunks
         if gdr is not None:
@@ -319,8 +344,14 @@ class GatedDeltaNet:
         if not (x.is_cuda and torch.is_grad_enabled() and _fla() is not None):
             return
         torch_fn = torch_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
-        decision = fla_hopper.decide(self.head_k_dim, self.head_v_dim, x.device, torch_fn,
-                                     heads=self.num_v_heads)
+        # a call of the layer's shape, as transformers makes it (q/k repeated to the value heads)
+        H, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q = x.new_empty((1, 1, H, K), dtype=torch.bfloat16).requires_grad_()
+        backend = fla_hopper.dispatched_backend(q, q, x.new_empty((1, 1, H, V), dtype=q.dtype),
+                                                x.new_empty((1, 1, H)), q.new_empty((1, 1, H)))
+        decision = fla_hopper.decide(K, V, x.device, torch_fn, heads=H, backend=backend)
+        if not decision.ok and backend is not None:
+            raise _refused(decision, backend)
         if not decision.ok:
             raise ValueError(f"{decision.describe()}: transformers' Gated-DeltaNet forward (padded "
                              "batches) would call fla's refused backward. Train packed "
