@@ -63,16 +63,16 @@ def inputs(T: int, heads: str, device: torch.device, seed: int = 0) -> dict[str,
     g = torch.Generator(device=device).manual_seed(seed)
     qk_heads = HV if heads == "repeat" else H
 
-    def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device=device, generator=g).to(dtype)
+    def rand(*shape, as_type=torch.bfloat16):
+        return torch.randn(*shape, device=device, generator=g).to(as_type)
 
     q, k = rand(1, T, H, K), rand(1, T, H, K)
     if qk_heads == HV:  # what vlpack's layer passes today: repeated to the value heads
         q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
     a_log = torch.empty(HV, device=device).uniform_(1, 16, generator=g).log()
-    decay = -a_log.exp() * F.softplus(rand(1, T, HV, dtype=torch.float32) - 4.0)
+    decay = -a_log.exp() * F.softplus(rand(1, T, HV, as_type=torch.float32) - 4.0)
     leaves = dict(q=q, k=k, v=rand(1, T, HV, V), g=decay,
-                  beta=rand(1, T, HV, dtype=torch.float32).sigmoid().to(torch.bfloat16))
+                  beta=rand(1, T, HV, as_type=torch.float32).sigmoid().to(torch.bfloat16))
     return {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
 
 
