@@ -13,7 +13,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64)
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$W/wheels" flash-qla==0.1.3 tilelang==0.1.15 \
-  "apache-tvm-ffi>=0.1.11,<0.1.13" torch-c-dlpack-ext "z3-solver>=4.13.0,<4.15.5" ml-dtypes cloudpickle
+  "apache-tvm-ffi>=0.1.11,<0.1.13" torch-c-dlpack-ext "z3-solver>=4.13.0,<4.15.5" ml-dtypes cloudpickle psutil tqdm
 python3 -m pip install -q --no-deps --target "$W/site" "${PLAT[@]}" "$W"/wheels/*.whl
 rm -rf "$W/site/bin"  # z3's and tvm-ffi's command-line tools
 mkdir -p .carry
