@@ -152,7 +152,8 @@ def _moe_stats(spec: ModelSpec, capture: RouterCapture | None, real_T: torch.Ten
     if capture is None:
         return None
     return router_stats(capture.logits, real_T, spec.num_experts, spec.num_experts_per_tok,
-                        group_sum=None if split is None else split.all_reduce)
+                        group_sum=None if split is None else split.all_reduce,
+                        chosen=capture.indices)
 
 
 def _experts_implementation(model: nn.Module) -> str:

@@ -60,7 +60,8 @@ def padded_forward(
     stats = None
     if capture is not None:
         real = batch.attention_mask.reshape(-1).bool()
-        stats = router_stats(capture.logits, real, spec.num_experts, spec.num_experts_per_tok)
+        stats = router_stats(capture.logits, real, spec.num_experts, spec.num_experts_per_tok,
+                             chosen=capture.indices)
     return ForwardOut(
         loss_sum=loss_sum, num_label_tokens=n,
         aux_loss=None if stats is None else stats.aux_loss, router_stats=stats,
