@@ -2,9 +2,13 @@
 
     python3 bench/experts_dispatch.py --k static  [--tokens 8192 32768] [--out OUT.json]
     python3 bench/experts_dispatch.py --k dynamic [--tokens 8192 32768] [--out OUT.json]
+    python3 bench/experts_dispatch.py --k static --row-sum torch [--out OUT.json]
 
 One process per mode. `static` calls the dispatch as `vlpack_experts_forward_compiled` does
 (experts per token marked static); `dynamic` leaves K a symbol of the graph, as before that mark.
+`--row-sum kernel` (the default) is the dispatch as shipped, each token's sum over its experts
+and the row gather's backward in vlpack's Triton kernel (model/rows.py); `torch` compiles the same
+dispatch with the torch expression there instead.
 The experts are frozen bf16 weights (E=256, D=2048, I=512, K=8, the LoRA recipe's), the hidden
 states float32 and trained, the routing softmax top-k of random logits. Prints and writes the
 median forward and backward time over 20 steps after 5 warm-up steps (CUDA events), and the
@@ -22,12 +26,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from vlpack.model import experts
+from vlpack.model import experts, rows
 
 E, D, I, K = 256, 2048, 512, 8  # noqa: E741 (the legend of model/experts.py)
 
 
-def time_tokens(T: int, static: bool, steps: int = 20, warmup: int = 5) -> dict:
+def dispatch_fn(row_sum: str):
+    """The compiled dispatch as shipped (`kernel`) or compiled with the torch row sum."""
+    if row_sum == "kernel":
+        return experts._compiled_silu_dispatch()
+    return torch.compile(lambda *a: experts._dispatch(*a[:5], experts._silu_gate, *a[5:],
+                                                      row_sum=rows.reference), dynamic=True)
+
+
+def time_tokens(T: int, static: bool, steps: int = 20, warmup: int = 5,
+                row_sum: str = "kernel") -> dict:
     """Median forward and backward milliseconds of the compiled dispatch at `T` tokens."""
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = torch.randn(E, 2 * I, D, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
@@ -37,7 +50,7 @@ def time_tokens(T: int, static: bool, steps: int = 20, warmup: int = 5) -> dict:
     if static:
         for t in (idx, w):
             torch._dynamo.mark_static(t, 1)
-    fn = experts._compiled_silu_dispatch()
+    fn = dispatch_fn(row_sum)
     grad = torch.randn(T, D, device="cuda", generator=g)
 
     def step(times: list | None) -> None:
@@ -72,15 +85,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--k", choices=("static", "dynamic"), required=True)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--row-sum", choices=("kernel", "torch"), default="kernel")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/experts_dispatch.py needs CUDA")
-    result = {"device": torch.cuda.get_device_name(), "k": args.k, "runs": []}
+    result = {"device": torch.cuda.get_device_name(), "k": args.k, "row_sum": args.row_sum,
+              "runs": []}
     for T in args.tokens:
-        r = time_tokens(T, args.k == "static")
+        r = time_tokens(T, args.k == "static", row_sum=args.row_sum)
         result["runs"].append(r)
-        print(f"K {args.k:7s} T {T:6d}: forward {r['forward_ms']:.3f} ms, backward "
+        print(f"K {args.k:7s} row sum {args.row_sum:6s} T {T:6d}: forward {r['forward_ms']:.3f} ms, backward "
               f"{r['backward_ms']:.3f} ms", flush=True)
         for name, ms in r["top_kernels_ms"]:
             print(f"    {ms:9.3f} ms  {name}")

@@ -68,7 +68,8 @@
 #   ab         the flagship recipe from $SRC_A and $SRC_B in the order $AB_ORDER (default "a b b a"), one process
 #              each, unprofiled; tools/ab_steps.py's paired per-step table in ab.txt; $PRE_A / $PRE_B go before
 #              each side's PYTHONPATH (e.g. PRE_B=/tmp/site-qla: FlashQLA against fla's kernels, SRC_B=$PWD/src)
-#   experts    bench/experts_dispatch.py, K symbolic then static, one process each, at most 90 s each
+#   experts    bench/experts_dispatch.py, K static, the row sum in torch and in vlpack's kernel, alternated
+#              twice, one process each, at most 90 s each
 #   gdn        bench/gdn_kernels.py for each KERNEL:HEADS of $GDN_RUNS (default "fla:repeat fla:grouped
 #              flash_qla:repeat flash_qla:grouped"), one process each with empty Triton and tilelang caches, the
 #              FlashQLA runs with /tmp/site-qla on PYTHONPATH, at most $GDN_S s each (gdn_kernels.json)
@@ -335,9 +336,9 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
              timeout ${GDN_S:-150} python3 bench/gdn_kernels.py --kernel $kernel --heads $heads \
              --out "$R/gdn_kernels.json" 2>&1 | grep -v Warning | tail -12; pack
          done ;;
-    experts) for k in dynamic static; do
-               timeout 90 python3 bench/experts_dispatch.py --k $k --out "$R/experts_dispatch_$k.json" 2>&1 |
-                 grep -v Warning | tail -12
+    experts) for rs in torch kernel torch kernel; do  # the row sum in torch, then vlpack's kernel, twice
+               timeout 90 python3 bench/experts_dispatch.py --k static --row-sum $rs \
+                 --out "$R/experts_dispatch_$rs.json" 2>&1 | grep -v Warning | tail -12
              done ;;
     conv-12L)
       timeout ${CONV_S:-400} python3 bench/convergence.py --recipe qwen3.5-35b-a3b-lora --layers 12 --steps 100 \

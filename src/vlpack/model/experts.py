@@ -12,15 +12,15 @@ Outside autocast it is transformers' `grouped_mm` unchanged, except for int8 wei
 (`model.frozen_dtype=int8`, model/quant.py), which it runs in the hidden states' dtype.
 
 `vlpack_grouped_mm_compiled` (set by model/compile.py when a compile scope is on) runs the same
-dispatch as one compiled function: inductor fuses the row gathers, the casts, the SiLU gate with
-the routing weight and the sum over each token's experts around the two grouped GEMMs, which
-otherwise make several memory-bound passes over the routed rows (docs/benchmarks.md, the 35B at
-32k bins). The routing weight scales the down projection's P × I input rather than its P × D
-output, so the weight's gradient reduces over I (512 in the 35B) instead of D (2,048) and
-fuses with the gate's backward. The token count is a dynamic size (one graph for every bin);
-K, the experts per token, is marked static: the model's constant, it makes the sum over each
-token's K outputs (and its backward) a reduction of known length, where a symbolic K compiled a
-looped reduction.
+dispatch as one compiled function: inductor fuses the row gathers, the casts and the SiLU gate
+with the routing weight around the two grouped GEMMs, which otherwise make several memory-bound
+passes over the routed rows (docs/benchmarks.md, the 35B at 32k bins); the sum over each token's
+K outputs and the row gather's backward, the same sum, run vlpack's row-sum kernel on CUDA
+(model/rows.py: `gather_sum`, checked against the torch expression once per device). The
+routing weight scales the down projection's P × I input rather than its P × D output, so the
+weight's gradient reduces over I (512 in the 35B) instead of D (2,048) and fuses with the
+gate's backward. The token count is a dynamic size (one graph for every bin); K, the experts
+per token, is marked static: the model's constant (the row sum's unrolled loop).
 
 LoRA on the routed experts (`model.lora.experts`, model/lora.py) reaches the dispatch as factors
 (`ExpertAdapter`: A [E, r, X], B [E, O, r] and the scale), not as an adapted weight: each
@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from vlpack.model import rows
 from vlpack.model.quant import dequantize, scales
 
 IMPLEMENTATION = "vlpack_grouped_mm"
@@ -135,32 +136,33 @@ def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | N
 class _RouteRows(torch.autograd.Function):
     """`x_TD[token_P]`: each token's row once per routed pair, pairs sorted by expert. Backward
     sums each token's K row gradients in float32 by gathering them (`inverse_P`: a pair's
-    position in expert order), deterministic and without the scatter-add of indexing."""
+    position in expert order; `row_sum`: model/rows.py), deterministic and without the
+    scatter-add of indexing."""
 
     @staticmethod
-    def forward(x_TD, token_P, inverse_P, K):
+    def forward(x_TD, token_P, inverse_P, K, row_sum):
         return x_TD[token_P]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[2])
-        ctx.K = inputs[3]
+        ctx.K, ctx.row_sum = inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx, grad_PD):
         (inverse_P,) = ctx.saved_tensors
-        grad_TKD = grad_PD[inverse_P].view(-1, ctx.K, grad_PD.shape[-1])
-        return grad_TKD.sum(1, dtype=torch.float32).to(grad_PD.dtype), None, None, None
+        return ctx.row_sum(grad_PD, inverse_P, ctx.K, grad_PD.dtype), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
-    """Each token's K pair outputs summed in float32 (`out_PD[inverse_P]` viewed [T, K, D]), in
-    the order of its K experts: deterministic, no atomics, as transformers' un-permute and sum.
-    Backward gathers each pair's token gradient (`token_P`) instead of scattering it."""
+    """Each token's K pair outputs summed in float32 (`row_sum` of `out_PD` at `inverse_P`,
+    model/rows.py), in the order of its K experts: deterministic, no atomics, as transformers'
+    un-permute and sum. Backward gathers each pair's token gradient (`token_P`) instead of
+    scattering it."""
 
     @staticmethod
-    def forward(out_PD, inverse_P, token_P, K):
-        return out_PD[inverse_P].view(-1, K, out_PD.shape[-1]).sum(1, dtype=torch.float32)
+    def forward(out_PD, inverse_P, token_P, K, row_sum):
+        return row_sum(out_PD, inverse_P, K, torch.float32)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -170,7 +172,7 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         (token_P,) = ctx.saved_tensors
-        return grad_TD.to(ctx.dtype)[token_P], None, None, None
+        return grad_TD.to(ctx.dtype)[token_P], None, None, None, None
 
 
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
@@ -178,12 +180,14 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               dtype: torch.dtype, gate_up_scale_E2I: torch.Tensor | None = None,
               down_scale_ED: torch.Tensor | None = None,
               gate_up_adapter: ExpertAdapter | None = None,
-              down_adapter: ExpertAdapter | None = None) -> torch.Tensor:
+              down_adapter: ExpertAdapter | None = None,
+              row_sum: Callable = rows.reference) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
     scales are given; each with its LoRA adapter's update where one is given) with each pair's
     routing weight applied between them, and sum its K
     outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum). The
-    row gather and the sum are each other's backward: a gather and a float32 sum over K, and a
+    row gather and the sum are each other's backward: a gather and a float32 sum over K
+    (`row_sum`: the torch expression, or the compiled dispatch's kernel, model/rows.py), and a
     gather by token, where indexing's backward would scatter-add."""
     K = idx_TK.shape[1]
     E = gate_up_E2ID.shape[0]
@@ -195,7 +199,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-    rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K)
+    rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K, row_sum)
     gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype,
                            gate_up_adapter)
     h_PI = gate(gate_up_P2I)
@@ -203,7 +207,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     # the projection being linear without bias): its gradient then sums over I, not D.
     h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
     out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype, down_adapter)
-    return _CombineRows.apply(out_PD, inverse_P, token_P, K).to(x_TD.dtype)
+    return _CombineRows.apply(out_PD, inverse_P, token_P, K, row_sum).to(x_TD.dtype)
 
 
 def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
@@ -218,7 +222,8 @@ def _compiled_silu_dispatch() -> Callable:
     def silu_dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, dtype, gate_up_scale_E2I,
                       down_scale_ED, gate_up_adapter, down_adapter):
         return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype,
-                         gate_up_scale_E2I, down_scale_ED, gate_up_adapter, down_adapter)
+                         gate_up_scale_E2I, down_scale_ED, gate_up_adapter, down_adapter,
+                         row_sum=rows.gather_sum)
     return torch.compile(silu_dispatch, dynamic=True)
 
 
@@ -295,6 +300,7 @@ def vlpack_experts_forward_compiled(self, hidden_states: torch.Tensor, top_k_ind
     if not torch.compiler.is_compiling():  # marks are for the compiled call below
         for routing_TK in (top_k_index, top_k_weights):
             torch._dynamo.mark_static(routing_TK, 1)
+        rows.check_kernel(hidden_states.device, top_k_index.shape[1])
     with torch.autocast(hidden_states.device.type, enabled=False):  # casts are explicit
         return _compiled_silu_dispatch()(hidden_states, top_k_index, top_k_weights,
                                          self.gate_up_proj, self.down_proj, dtype, *scales(self),
