@@ -5,8 +5,8 @@
 `index_P` is each routed pair's position in `src_PD` (the dispatch's `inverse_P`), so a token's K
 rows are read by position, summed in a fixed order (deterministic, no atomics) and written once.
 torch.compile fuses the torch expression (`src[index].view(T, K, D).sum(1)`) into one reduction
-whose every output element loads its own K indices; on an H100 at 8,192-token bins it ran at
-about a third of the memory bandwidth (docs/benchmarks/profiles.md, `triton_per_fused_index_sum_view`).
+kernel; on an H100 at 8,192-token bins it moved its bytes at about a third of the card's memory
+bandwidth (docs/benchmarks/profiles.md, `triton_per_fused_index_sum_view`: 318 µs a call).
 On CUDA with Triton, `gather_sum` runs `_gather_sum_kernel` instead: one program per token and
 block of D, its K indices loaded once, its K row blocks read and summed in registers. It is a
 torch library op made with `torch.library.triton_op`, so compiled code calls the same kernel;
