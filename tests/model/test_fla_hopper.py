@@ -197,5 +197,5 @@ def test_a_refused_backend_stops_the_packed_layer_with_its_switch(monkeypatch):
         gdn._delta_rule_kernel(*x, g, beta, bounds, raw, torch_only=False)
     verdict["d"] = fla_hopper.Decision(True, "FlashQLA (fla's flash_qla backend) approved")
     kernel = gdn._delta_rule_kernel(*x, g, beta, bounds, raw, torch_only=False)
-    assert kernel is not None and kernel.backend == qla and kernel()[0] == "ran"
+    assert kernel is not None and kernel.backend == qla and kernel.fn()[0] == "ran"
     assert "FlashQLA" in gdn._via(kernel) and "approved" in bounds.paths["gdn.backward"]

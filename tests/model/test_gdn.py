@@ -65,6 +65,32 @@ def test_fla_chunk_indices_are_built_on_the_host():
     assert "chunk_indices" not in gdn._fla_bounds(fla_fn, chunks, bounds, "cpu", 64)
 
 
+def test_the_packed_delta_rule_hands_fla_the_host_boundaries(monkeypatch):
+    """Where fla runs the delta rule, the call reaches fla's own function with the host copy of
+    the boundaries and the chunk indices (what its signature takes), so fla never reads them
+    back from the device; and `paths` names the call."""
+    seen = {}
+
+    def fla_gdr(q, k, v, g=None, beta=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                cu_seqlens_cpu=None, chunk_indices=None):
+        seen.update(cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+        return v, None
+
+    monkeypatch.setattr(gdn, "_use_fla", lambda x: True)
+    monkeypatch.setattr(gdn, "_fla", lambda: (None, fla_gdr))
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: 64)
+    monkeypatch.setattr(gdn.fla_hopper, "dispatched_backend", lambda *a: None)
+    segs = Segments.from_host((0, 5, 12), torch.device("cpu"))
+    bounds = Boundaries(text=segs)
+    x = torch.randn(1, 12, 2, 4)
+    with torch.no_grad():
+        out = gdn.segment_delta_rule(x, x, x, torch.zeros(1, 12, 2), torch.ones(1, 12, 2), segs,
+                                     bounds, torch_fn=None)
+    assert out is x and seen["cu_seqlens_cpu"].tolist() == [0, 5, 12]
+    assert seen["chunk_indices"].tolist() == [[0, 0], [1, 0]]
+    assert bounds.paths["gdn.delta_rule"] == "fla chunk_gated_delta_rule (cu_seqlens)"
+
+
 def test_gdn_seam_leaves_transformers_untouched():
     """Building a packed Qwen3.5 changes the classes of its own GDN modules only: the modeling
     module's functions stay transformers' own, and a stock GDN module built afterwards keeps

@@ -201,8 +201,8 @@ def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Bound
     gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
     if gdr is not None:
         bounds.paths["gdn.delta_rule"] = "fla chunk_gated_delta_rule (cu_seqlens)" + _via(gdr)
-        out, _ = gdr(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
-                     **_fla_bounds(gdr, segs, bounds, query.device, _fla_chunk()))
+        out, _ = gdr.fn(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                        **_fla_bounds(gdr.fn, segs, bounds, query.device, _fla_chunk()))
         return out
     bounds.paths["gdn.delta_rule"] = "per-segment torch chunk_gated_delta_rule"
     outs = [
@@ -219,9 +219,6 @@ class _Kernel(NamedTuple):
 
     fn: Callable
     backend: fla_hopper.Backend | None
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
 
 
 def _refused(decision: fla_hopper.Decision, backend: fla_hopper.Backend) -> ValueError:
@@ -276,9 +273,9 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
 
     def run(v, initial):  # (outputs [1, R, H, Dv], final states [n, H, Dk, Dv]) of the chunks
         if gdr is not None:
-            out, final = gdr(query, key, v, g=g, beta=beta, initial_state=initial,
-                             output_final_state=True, use_qk_l2norm_in_kernel=True,
-                             **_fla_bounds(gdr, chunks, None, query.device))
+            out, final = gdr.fn(query, key, v, g=g, beta=beta, initial_state=initial,
+                                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                **_fla_bounds(gdr.fn, chunks, None, query.device))
             return out, final
         outs, finals = [], []
         for j, (s, e) in enumerate(itertools.pairwise(chunks.host)):
