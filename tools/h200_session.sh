@@ -44,7 +44,8 @@
 #   debug-8b   the same in 2,048-token bins, eager, CUDA_LAUNCH_BLOCKING=1 and autograd anomaly
 #              mode: the forward traceback of the backward node that faults (debug-8b.log)
 #   gputests   the GPU test suite (tests/gpu; $GPUTEST_K: a -k expression, e.g. "fla or host_syncs";
-#              more pytest arguments in $GPUTEST_ARGS), gputests.log
+#              more pytest arguments in $GPUTEST_ARGS; $GPUTEST_PRE goes before PYTHONPATH, e.g.
+#              /tmp/site-qla for the FlashQLA test), appended to gputests.log
 #   prof-fsdp2 qwen3-vl-2b recipe on 2 GPUs, steps 7-8 under torch.profiler (profile_rank*.txt)
 #   noac-8b    qwen3-vl-8b vlpack packed, no optimizer, without activation checkpointing
 #   scale      qwen3-vl-2b recipe under torchrun on 1 and 2 GPUs, 1 and 2 bins per GPU per step
@@ -215,9 +216,9 @@ for part in "$@"; do
                --activation-checkpointing --checkpoint-share $share --out "$R/throughput_ac9b.json"
              pack
            done ;;
-    gputests) timeout ${GPUTEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu \
-                ${GPUTEST_K:+-k "$GPUTEST_K"} ${GPUTEST_ARGS:-} 2>&1 |
-                grep -v Warning | tee "$R/gputests.log" | tail -30 ;;
+    gputests) PYTHONPATH=${GPUTEST_PRE:+$GPUTEST_PRE:}$PYTHONPATH timeout ${GPUTEST_S:-240} \
+                python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_K:+-k "$GPUTEST_K"} \
+                ${GPUTEST_ARGS:-} 2>&1 | grep -v Warning | tee -a "$R/gputests.log" | tail -30 ;;
     recipe-1) vtrain 1 ${RECIPE:-qwen3-vl-2b} 600 recipe-1 data.num_workers=6 train.max_steps=12 \
                 ${RECIPE_ARGS:-} | tee "$R/recipe-1.log" | tail -8 ;;
     recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
