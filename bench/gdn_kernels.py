@@ -11,15 +11,19 @@ there. `--heads repeat` passes q and k repeated to the value heads, as vlpack's 
 today (transformers' torch kernel needs that); `grouped` passes them at the key heads (fla and
 FlashQLA read value head h's q/k from key head h // (HV / H), repeat_interleave's order).
 
-One packed row per `--tokens` size, cut into segments of the synthetic data's spread
-(`segment_lengths`), inputs shaped as the layer makes them (q/k/v bf16 from the conv, the decay
-g in float32, beta a bf16 sigmoid, q/k L2-normalised in the kernel). Prints and writes per size:
-the first forward + backward's seconds (Triton's or tilelang's compilation, fla's autotuning:
-give each process a fresh TRITON_CACHE_DIR for a cold figure), the median forward and backward
-milliseconds of `--steps` steps after 3 warm-up steps (CUDA events), the memory the forward
-keeps for the backward, and, for the first size, the relative error of the output and of every
-input's gradient against transformers' torch kernel run per segment in float32, beside the error
-of that kernel fed bf16 (the bound of vlpack's backward self-test: at most 2× it + 1e-3).
+First the layer's decision, timed apart (`decide_s`): fla_hopper.decide self-tests a backend fla
+hands the call to (FlashQLA), or fla's own backward where fla's Hopper guard applies (Triton
+3.4-3.7.0); its kernels compile there. Then one packed row per `--tokens` size, cut into segments
+of the synthetic data's spread (`segment_lengths`), with inputs shaped as the layer makes them
+(q/k/v bf16 from the conv, the decay g in float32, beta a bf16 sigmoid, q/k L2-normalised in
+the kernel) and its boundary arguments as the layer passes them (`gdn._fla_bounds`: host copies
+and chunk indices, built once). Prints and writes per size: the first forward + backward's
+seconds (Triton's or tilelang's compilation, fla's autotuning: give each process a fresh
+TRITON_CACHE_DIR for a cold figure), the median forward and backward milliseconds of `--steps`
+steps after 3 warm-up steps (CUDA events), the memory the forward keeps for the backward, and,
+for the first size, the relative error of the output and of every input's gradient against
+transformers' torch kernel run per segment in float32, beside the error of that kernel fed bf16
+(the bound of vlpack's backward self-test: at most 2× it + 1e-3).
 Needs CUDA.
 
 Legend: T = tokens, H = key heads, HV = value heads, K/V = head dims.
@@ -121,15 +125,19 @@ def time_size(T: int, heads: str, dev: torch.device, gdr, steps: int, check=None
     """One row of T tokens through fla's `gdr`: the first call's seconds, median forward and
     backward milliseconds, the memory kept for the backward, and with `check` (the torch
     kernel) the errors of `reference_errors`."""
+    from vlpack.model import gdn
+    from vlpack.model.bounds import Boundaries, Segments
     from vlpack.model.torch_kernels import quiet_fallback
 
     lengths = segment_lengths(T)
     cu = [0, *itertools.accumulate(lengths)]
-    cu_dev = torch.tensor(cu, device=dev)
+    segs = Segments.from_host(tuple(cu), dev)
+    # the boundary arguments as vlpack's layer passes them: the device and host copies and the
+    # chunk indices, built once on the host, the same objects for every call (gdn._fla_bounds)
+    bounds_kw = gdn._fla_bounds(gdr, segs, Boundaries(text=segs), dev, gdn._fla_chunk())
 
     def kernel(q, k, v, g, beta):
-        return gdr(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev,
-                   cu_seqlens_cpu=cu_dev.cpu())[0]
+        return gdr(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds_kw)[0]
 
     leaves = inputs(T, heads, dev)
     do = torch.randn_like(leaves["v"])
@@ -188,6 +196,7 @@ def main(argv=None) -> int:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
+    from vlpack.model import fla_hopper
     from vlpack.model.torch_kernels import torch_function
 
     import_s = time.perf_counter() - t_import
@@ -200,6 +209,17 @@ def main(argv=None) -> int:
     row: dict = {"kernel": args.kernel, "heads": args.heads, "device": torch.cuda.get_device_name(dev),
                  "torch": torch.__version__, "layout": {"H": H, "HV": HV, "K": K, "V": V},
                  "import_s": import_s, "sizes": {}}
+    # as the layer decides it: a backend fla hands the call to is self-tested; fla's own backward
+    # on Hopper with Triton 3.4-3.7.0 runs through vlpack's approved backend (fla #640)
+    probe = inputs(64, args.heads, dev)
+    backend = fla_hopper.dispatched_backend(*probe.values())
+    t = time.perf_counter()
+    decision = fla_hopper.decide(K, V, dev, torch_fn, heads=HV, backend=backend)
+    row["decision"], row["decide_s"] = decision.describe(), time.perf_counter() - t
+    print(f"{args.kernel}: {decision.describe()} ({row['decide_s']:.1f} s)", flush=True)
+    if not decision.ok:
+        print("the kernel's backward is refused here: nothing to time", file=sys.stderr)
+        return 1
     for v in ("fla-core", "flash-qla", "tilelang", "triton"):
         try:
             from importlib.metadata import version

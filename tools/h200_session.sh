@@ -337,9 +337,11 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
              timeout ${GDN_S:-150} python3 bench/gdn_kernels.py --kernel $kernel --heads $heads \
              --out "$R/gdn_kernels.json" 2>&1 | grep -v Warning | tail -12; pack
          done ;;
-    experts) for rs in torch kernel torch kernel; do  # the row sum in torch, then vlpack's kernel, twice
+    experts) k=0
+             for rs in torch kernel torch kernel; do  # the row sum in torch, then vlpack's kernel, twice
+               k=$((k + 1))
                timeout 90 python3 bench/experts_dispatch.py --k static --row-sum $rs \
-                 --out "$R/experts_dispatch_$rs.json" 2>&1 | grep -v Warning | tail -12
+                 --out "$R/experts_dispatch_$k-$rs.json" 2>&1 | grep -v Warning | tail -12
              done ;;
     conv-12L)
       timeout ${CONV_S:-400} python3 bench/convergence.py --recipe qwen3.5-35b-a3b-lora --layers 12 --steps 100 \

@@ -23,11 +23,13 @@ def _stand_in_fla(monkeypatch, leaky: bool):
 
     raw = torch_function(m.Qwen3_5GatedDeltaNet, "torch_chunk_gated_delta_rule")
 
-    def stand_in(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens):
+    def stand_in(q, k, v, g, beta, use_qk_l2norm_in_kernel, cu_seqlens, initial_state=None):
         host = [0, q.shape[1]] if leaky else cu_seqlens.tolist()
         return torch.cat([raw(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
-                          for s, e in itertools.pairwise(host)], dim=1), None
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                              initial_state=None if initial_state is None
+                              else initial_state[i : i + 1])[0]
+                          for i, (s, e) in enumerate(itertools.pairwise(host))], dim=1), None
 
     ops = types.ModuleType("fla.ops.gated_delta_rule")
     ops.chunk_gated_delta_rule = stand_in
@@ -129,8 +131,11 @@ def test_a_backend_fla_dispatches_to_is_self_tested_whatever_the_guard(monkeypat
     finally:
         fla_hopper.decide.cache_clear()
     assert d.ok is not leaky, d.describe()
-    assert "FlashQLA" in d.reason and set(d.errors) == {"q", "k", "v", "g", "beta"}
+    grads = {"q", "k", "v", "g", "beta"}
+    assert "FlashQLA" in d.reason and set(d.errors) == (
+        grads | {f"long {n}" for n in grads} | {f"state {n}" for n in grads | {"h0"}})
     assert ("refused" in d.reason) is leaky
+    assert ("long dq" in d.describe()) and ("state dh0" in d.describe())
     assert trusted.ok and not trusted.errors  # no backend: fla's own backward, as before
     assert Backend.approved == {}  # the backend's self-test approves no tiling of fla's
 
@@ -144,9 +149,11 @@ def test_dispatched_backend_follows_flas_registry(monkeypatch):
     from vlpack.model import fla_hopper
 
     class Candidate:
-        def __init__(self, kind, available=True, enabled=True, accepts=True, env_var=None):
+        def __init__(self, kind, available=True, enabled=True, accepts=True, env_var=None,
+                     implements=True):
             self.backend_type, self.env_var = kind, env_var
             self.available, self.enabled, self.accepts = available, enabled, accepts
+            self.implements = implements
 
         def is_available(self):
             return self.available
@@ -154,22 +161,28 @@ def test_dispatched_backend_follows_flas_registry(monkeypatch):
         def is_enabled(self):
             return self.enabled
 
+        def get_implementation(self, name):
+            return print if self.implements else None
+
         def verify(self, name, *args, **kwargs):
             assert name == "chunk_gated_delta_rule" and kwargs["use_qk_l2norm_in_kernel"]
             return self.accepts, None if self.accepts else "no"
 
-    def with_registry(*backends):
+    def with_registry(*backends, dispatch_off=False):
         registry = types.SimpleNamespace(_get_sorted_backends=lambda: list(backends))
         module = types.ModuleType("fla.backends")
         module._load_operation_registry = lambda op: registry if op == "gated_delta_rule" else None
+        module._DISPATCH_DISABLED = dispatch_off
         monkeypatch.setitem(sys.modules, "fla.backends", module)
         return fla_hopper.dispatched_backend(*[torch.zeros(1)] * 5)
 
     assert with_registry(Candidate("a", available=False), Candidate("b", enabled=False),
-                         Candidate("c", accepts=False), Candidate("flash_qla", env_var="FLA_FLASH_QLA"),
+                         Candidate("c", accepts=False), Candidate("e", implements=False),
+                         Candidate("flash_qla", env_var="FLA_FLASH_QLA"),
                          Candidate("d")) == ("flash_qla", "FLA_FLASH_QLA")
     assert with_registry(Candidate("x")).switch == "FLA_X"
     assert with_registry(Candidate("c", accepts=False)) is None
+    assert with_registry(Candidate("x"), dispatch_off=True) is None  # FLA_DISABLE_BACKEND_DISPATCH
     monkeypatch.setitem(sys.modules, "fla.backends", None)  # fla not installed
     assert fla_hopper.dispatched_backend(*[torch.zeros(1)] * 5) is None
 

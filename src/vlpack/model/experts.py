@@ -156,13 +156,13 @@ class _RouteRows(torch.autograd.Function):
 
 class _CombineRows(torch.autograd.Function):
     """Each token's K pair outputs summed in float32 (`row_sum` of `out_PD` at `inverse_P`,
-    model/rows.py), in the order of its K experts: deterministic, no atomics, as transformers'
-    un-permute and sum. Backward gathers each pair's token gradient (`token_P`) instead of
-    scattering it."""
+    model/rows.py) and stored in the hidden states' dtype, in the order of its K experts:
+    deterministic, no atomics, as transformers' un-permute and sum. Backward gathers each
+    pair's token gradient (`token_P`) instead of scattering it."""
 
     @staticmethod
-    def forward(out_PD, inverse_P, token_P, K, row_sum):
-        return row_sum(out_PD, inverse_P, K, torch.float32)
+    def forward(out_PD, inverse_P, token_P, K, row_sum, out_dtype):
+        return row_sum(out_PD, inverse_P, K, out_dtype)  # summed in float32, stored in out_dtype
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -172,7 +172,7 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         (token_P,) = ctx.saved_tensors
-        return grad_TD.to(ctx.dtype)[token_P], None, None, None, None
+        return grad_TD.to(ctx.dtype)[token_P], None, None, None, None, None
 
 
 def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
@@ -207,7 +207,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     # the projection being linear without bias): its gradient then sums over I, not D.
     h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
     out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype, down_adapter)
-    return _CombineRows.apply(out_PD, inverse_P, token_P, K, row_sum).to(x_TD.dtype)
+    return _CombineRows.apply(out_PD, inverse_P, token_P, K, row_sum, x_TD.dtype)
 
 
 def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:

@@ -59,10 +59,16 @@ class Decision:
     """Per gradient: (fla's relative error, the bf16 torch kernel's), both against fp32 torch."""
 
     def describe(self) -> str:
-        errs = ", ".join(f"d{k} {a:.4f} vs {b:.4f}" for k, a, b in
+        errs = ", ".join(f"{grad_label(k)} {a:.4f} vs {b:.4f}" for k, a, b in
                          ((k, *v) for k, v in self.errors.items()))
         return self.reason + (f" (self-test, relative error fla vs bf16 torch: {errs})"
                               if errs else "")
+
+
+def grad_label(key: str) -> str:
+    """An error's name as the messages say it: `q` → `dq`, `long q` → `long dq`."""
+    *row, name = key.split(" ")
+    return " ".join([*row, "d" + name])
 
 
 def guard_applies() -> bool:
@@ -183,7 +189,7 @@ def self_test(K: int, V: int, device: torch.device, torch_fn: Callable, *,
         _restore(cls.approved, (K, V), before)
     if bad:
         return Decision(False, f"fla's backward at block widths {widths} is refused: "
-                        f"d{', d'.join(bad)} outside the bf16 rule", errors)
+                        f"{', '.join(map(grad_label, bad))} outside the bf16 rule", errors)
     return Decision(True, f"fla's backward at block widths {widths} approved", errors)
 
 
@@ -193,15 +199,17 @@ def _outside_bf16_rule(errors: dict[str, tuple[float, float]]) -> list[str]:
 
 
 def compare_with_torch(K: int, V: int, device: torch.device, torch_fn: Callable, *,
-                       heads: int = SELF_TEST_HEADS) -> dict[str, tuple[float, float]]:
+                       heads: int = SELF_TEST_HEADS, bounds: tuple[int, ...] = SELF_TEST_BOUNDS,
+                       initial_state: bool = False) -> dict[str, tuple[float, float]]:
     """fla's varlen gated delta rule (whichever backend its entry point dispatches to) forward
-    and backward on a packed row of `heads` heads (`SELF_TEST_BOUNDS`), against `torch_fn`
+    and backward on a packed row of `heads` heads cut at `bounds`, each segment from a random
+    recurrent state with `initial_state` (its gradient `h0` compared too), against `torch_fn`
     (transformers' torch kernel) per segment: per gradient, (fla's relative error, the bf16
     torch kernel's), both against the torch kernel in float32."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     gen = torch.Generator(device=device).manual_seed(0)
-    T, H = SELF_TEST_BOUNDS[-1], heads
+    T, H, N = bounds[-1], heads, len(bounds) - 1
 
     def rand(*shape):
         return torch.randn(*shape, device=device, generator=gen)
@@ -209,26 +217,29 @@ def compare_with_torch(K: int, V: int, device: torch.device, torch_fn: Callable,
     base = dict(q=rand(1, T, H, K), k=rand(1, T, H, K), v=rand(1, T, H, V),
                 g=-torch.rand(1, T, H, device=device, generator=gen) * 0.5,
                 beta=torch.rand(1, T, H, device=device, generator=gen))
+    if initial_state:
+        base["h0"] = rand(N, H, K, V) * 0.1
     do = rand(1, T, H, V)
 
     def grads(fn, dtype):
-        # fresh leaves per run; the decay stays float32, as the GDN layer computes it
-        leaves = {n: t.detach().to(torch.float32 if n == "g" else dtype).clone().requires_grad_()
-                  for n, t in base.items()}
+        # fresh leaves per run; the decay and the states stay float32, as the layer keeps them
+        leaves = {n: t.detach().to(torch.float32 if n in ("g", "h0") else dtype).clone()
+                  .requires_grad_() for n, t in base.items()}
         with torch.enable_grad():
             out = fn(**leaves)
             torch.autograd.backward(out.float(), do)
         return {n: t.grad.float() for n, t in leaves.items()}
 
-    def per_segment(q, k, v, g, beta):
+    def per_segment(q, k, v, g, beta, h0=None):
         return torch.cat([torch_fn(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e],
-                                   beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
-                          for s, e in itertools.pairwise(SELF_TEST_BOUNDS)], dim=1)
+                                   beta=beta[:, s:e], use_qk_l2norm_in_kernel=True,
+                                   initial_state=None if h0 is None else h0[i : i + 1])[0]
+                          for i, (s, e) in enumerate(itertools.pairwise(bounds))], dim=1)
 
-    cu = torch.tensor(SELF_TEST_BOUNDS, dtype=torch.long, device=device)
+    cu = torch.tensor(bounds, dtype=torch.long, device=device)
 
-    def fla(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta,
+    def fla(q, k, v, g, beta, h0=None):
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
     # The self-test runs inside the first forward of a GDN layer, which activation
@@ -262,34 +273,50 @@ class Backend(NamedTuple):
 
 def dispatched_backend(q, k, v, g, beta) -> Backend | None:
     """The backend fla's `chunk_gated_delta_rule` dispatches this call to (its registry's
-    first available, enabled backend whose verifier accepts the call, as fla picks it), or
-    None for fla's own Triton kernels (also where fla's registry cannot be read)."""
+    first available, enabled backend with an implementation whose verifier accepts the call,
+    as fla's dispatch picks it), or None for fla's own Triton kernels: also where fla's
+    dispatch is off (`FLA_DISABLE_BACKEND_DISPATCH=1`) or its registry cannot be read."""
     try:
-        from fla.backends import _load_operation_registry
-
-        backends = _load_operation_registry("gated_delta_rule")._get_sorted_backends()
+        fla_backends = importlib.import_module("fla.backends")
+        if getattr(fla_backends, "_DISPATCH_DISABLED", False):
+            return None
+        candidates = (fla_backends._load_operation_registry("gated_delta_rule")
+                      ._get_sorted_backends())
     except Exception:
         return None
-    for b in backends:
-        if (b.is_available() and b.is_enabled()
-                and b.verify("chunk_gated_delta_rule", q, k, v, g, beta,
-                             use_qk_l2norm_in_kernel=True)[0]):
+    name = "chunk_gated_delta_rule"
+    for b in candidates:
+        if (b.is_available() and b.is_enabled() and b.get_implementation(name) is not None
+                and b.verify(name, q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]):
             return Backend(b.backend_type, b.env_var or f"FLA_{b.backend_type.upper()}")
     return None
 
 
+BACKEND_ROWS = {"": SELF_TEST_BOUNDS, "long ": (0, 7000, 8192)}
+"""A backend's self-test rows (by the prefix of their errors' names): the Hopper self-test's, and
+one long segment in a row of 8,192 tokens, where FlashQLA splits a sequence within the card
+(its `auto_cp`: few sequences for the heads); the first also from random initial states
+(`state ` prefix: context parallelism starts its chunks from the states of the ranks before)."""
+
+
 def self_test_backend(backend: Backend, K: int, V: int, device: torch.device,
                       torch_fn: Callable, heads: int = SELF_TEST_HEADS) -> Decision:
-    """The self-test of a backend that fla's entry point dispatches the whole delta rule to:
-    approved when every gradient meets the bf16 rule, else refused with its errors."""
+    """The self-test of a backend that fla's entry point dispatches the whole delta rule to, on
+    `BACKEND_ROWS`: approved when every gradient meets the bf16 rule, else refused with its
+    errors."""
     name = backend.name
+    errors: dict[str, tuple[float, float]] = {}
     try:
-        errors = compare_with_torch(K, V, device, torch_fn, heads=heads)
+        for prefix, bounds in BACKEND_ROWS.items():
+            errors |= {prefix + n: e for n, e in compare_with_torch(
+                K, V, device, torch_fn, heads=heads, bounds=bounds).items()}
+        errors |= {"state " + n: e for n, e in compare_with_torch(
+            K, V, device, torch_fn, heads=heads, initial_state=True).items()}
     except Exception as e:
         return Decision(False, f"{name} failed to run in vlpack's self-test ({e})")
     if bad := _outside_bf16_rule(errors):
-        return Decision(False, f"{name} is refused by vlpack's self-test: d{', d'.join(bad)} "
-                        "outside the bf16 rule", errors)
+        return Decision(False, f"{name} is refused by vlpack's self-test: "
+                        f"{', '.join(map(grad_label, bad))} outside the bf16 rule", errors)
     return Decision(True, f"{name} approved", errors)
 
 

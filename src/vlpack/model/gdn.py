@@ -341,9 +341,11 @@ class GatedDeltaNet:
         if not (x.is_cuda and torch.is_grad_enabled() and _fla() is not None):
             return
         torch_fn = torch_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
-        # a call of the layer's shape, as transformers makes it (q/k repeated to the value heads)
+        # a call of the layer's shape and dtype, as transformers makes it (q/k repeated to the
+        # value heads, in the autocast dtype or the input's)
         H, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
-        q = x.new_empty((1, 1, H, K), dtype=torch.bfloat16).requires_grad_()
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        q = x.new_empty((1, 1, H, K), dtype=dtype).requires_grad_()
         backend = fla_hopper.dispatched_backend(q, q, x.new_empty((1, 1, H, V), dtype=q.dtype),
                                                 x.new_empty((1, 1, H)), q.new_empty((1, 1, H)))
         decision = fla_hopper.decide(K, V, x.device, torch_fn, heads=H, backend=backend)

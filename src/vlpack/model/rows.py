@@ -82,6 +82,11 @@ def check_kernel(device: torch.device, k: int) -> None:
     k); ValueError where they differ by more than float32 rounding. Nothing to do off CUDA."""
     if not runs_kernel(torch.empty(0, device=device)):
         return
+    with torch.cuda.device(device):  # the eager launch goes to the current device
+        _check_on(device, k)
+
+
+def _check_on(device: torch.device, k: int) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     for T, D in ((97, 2048), (5, 1000)):
         src = torch.randn(T * k, D, device=device, generator=g).to(torch.bfloat16)
