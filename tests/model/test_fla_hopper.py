@@ -127,15 +127,17 @@ def test_a_backend_fla_dispatches_to_is_self_tested_whatever_the_guard(monkeypat
     fla_hopper.decide.cache_clear()
     try:
         d = fla_hopper.decide(16, 16, torch.device("cpu"), raw, heads=3, backend=qla)
+        cp = fla_hopper.decide(16, 16, torch.device("cpu"), raw, heads=3, backend=qla, states=True)
         trusted = fla_hopper.decide(16, 16, torch.device("cpu"), raw, heads=3)
     finally:
         fla_hopper.decide.cache_clear()
-    assert d.ok is not leaky, d.describe()
     grads = {"q", "k", "v", "g", "beta"}
-    assert "FlashQLA" in d.reason and set(d.errors) == (
-        grads | {f"long {n}" for n in grads} | {f"state {n}" for n in grads | {"h0"}})
-    assert ("refused" in d.reason) is leaky
-    assert ("long dq" in d.describe()) and ("state dh0" in d.describe())
+    for decision, states in ((d, set()), (cp, {f"state {n}" for n in grads | {"h0"}})):
+        assert decision.ok is not leaky, decision.describe()
+        assert "FlashQLA" in decision.reason and set(decision.errors) == (
+            grads | {f"long {n}" for n in grads} | states)
+        assert ("refused" in decision.reason) is leaky
+    assert "long dq" in d.describe() and "state dh0" in cp.describe()
     assert trusted.ok and not trusted.errors  # no backend: fla's own backward, as before
     assert Backend.approved == {}  # the backend's self-test approves no tiling of fla's
 

@@ -231,16 +231,18 @@ def _via(kernel: _Kernel) -> str:
 
 
 def _delta_rule_kernel(query, key, value, g, beta, bounds: Boundaries, torch_fn: Callable,
-                       torch_only: bool) -> _Kernel | None:
+                       torch_only: bool, states: bool = False) -> _Kernel | None:
     """fla's varlen delta rule where it runs (and its backward is approved), else None: the
-    same decision as `segment_delta_rule`, said in `bounds.paths`. A backend fla hands the call
-    to (FlashQLA) that fails vlpack's self-test stops the run: ValueError with its switch."""
+    same decision as `segment_delta_rule`, said in `bounds.paths`; `states`: the calls start
+    from initial states (context parallelism). A backend fla hands the call to (FlashQLA) that
+    fails vlpack's self-test stops the run: ValueError with its switch."""
     if torch_only or not _use_fla(query):
         return None
     backend = fla_hopper.dispatched_backend(query, key, value, g, beta)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta)):
         decision = fla_hopper.decide(key.shape[-1], value.shape[-1], query.device, torch_fn,
-                                     heads=value.shape[2], backend=backend)
+                                     heads=value.shape[2], backend=backend,
+                                     states=states and backend is not None)
         bounds.paths["gdn.backward"] = decision.describe()
         if not decision.ok and backend is not None:
             raise _refused(decision, backend)
@@ -266,7 +268,8 @@ def context_delta_rule(query, key, value, g, beta, split, bounds: Boundaries, *,
     chunks = split.chunks_q
     n = len(chunks.host) - 1  # this rank's chunks: two per sample (chunks r and 2·cp−1−r)
     H, Dk = key.shape[2], key.shape[3]
-    gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only)
+    gdr = _delta_rule_kernel(query, key, value, g, beta, bounds, torch_fn, torch_only,
+                             states=True)
     bounds.paths["gdn.delta_rule"] = (
         "fla chunk_gated_delta_rule (cu_seqlens)" + _via(gdr) + ", state passed across ranks"
         if gdr is not None else "per-chunk torch chunk_gated_delta_rule, state passed across ranks")
