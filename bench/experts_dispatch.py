@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cuda_timing import fwd_bwd_step  # bench/, the script's folder
+
 from vlpack.model import experts, rows
 
 E, D, I, K = 256, 2048, 512, 8  # noqa: E741 (the legend of model/experts.py)
@@ -54,16 +56,8 @@ def time_tokens(T: int, static: bool, steps: int = 20, warmup: int = 5,
     grad = torch.randn(T, D, device="cuda", generator=g)
 
     def step(times: list | None) -> None:
-        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        a.record()
-        out = fn(x, idx, w, gate_up, down, torch.bfloat16, None, None, None, None)
-        b.record()
-        out.backward(grad)
-        c.record()
-        if times is not None:
-            torch.cuda.synchronize()
-            times.append((a.elapsed_time(b), b.elapsed_time(c)))
-        x.grad = None
+        fwd_bwd_step(lambda: fn(x, idx, w, gate_up, down, torch.bfloat16, None, None, None, None),
+                     grad, [x], times)
 
     for _ in range(warmup):
         step(None)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cuda_timing import fwd_bwd_step  # bench/, the script's folder
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-35B-A3B's linear-attention heads
 MEAN_SEGMENT = 955
@@ -143,17 +144,7 @@ def time_size(T: int, heads: str, dev: torch.device, gdr, steps: int, check=None
     do = torch.randn_like(leaves["v"])
 
     def step(times: list | None) -> None:
-        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        a.record()
-        out = kernel(**leaves)
-        b.record()
-        out.backward(do)
-        c.record()
-        if times is not None:
-            torch.cuda.synchronize()
-            times.append((a.elapsed_time(b), b.elapsed_time(c)))
-        for t in leaves.values():
-            t.grad = None
+        fwd_bwd_step(lambda: kernel(**leaves), do, leaves.values(), times)
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
