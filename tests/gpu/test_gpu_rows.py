@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from vlpack.model import experts, rows
 
@@ -35,10 +36,36 @@ def test_row_sum_kernel_equals_the_torch_expression(compiled):
             assert err <= _step(dtype) * want.float().abs().max(), (T, K, D, dtype, float(err))
 
 
-def test_compiled_dispatch_with_the_kernel_equals_it_with_the_torch_sum():
+def _per_expert_reference(x, idx, w, gate_up, down):
+    """The routed experts in float32, one expert at a time (no dispatch code): each token's
+    pairs through SiLU(gate) * up, scaled by their routing weight, down, added to the token."""
+    xb = x.to(torch.bfloat16).float()  # the dispatch routes bf16 rows
+    out = torch.zeros_like(xb)
+    for e in range(gate_up.shape[0]):
+        t, k = (idx == e).nonzero(as_tuple=True)
+        g, u = (xb[t] @ gate_up[e].float().T).chunk(2, dim=-1)
+        out = out.index_add(0, t, (F.silu(g) * u * w[t, k, None]) @ down[e].float().T)
+    return out
+
+
+def _dispatch_errors(fn, x, idx, w, gate_up, down) -> list[float]:
+    """Errors of `fn`'s output and gradients (hidden states, routing weights) against the
+    float32 per-expert reference, relative to the reference (Frobenius norms)."""
+    got, want = [], []
+    for f in (fn, _per_expert_reference):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = f(xi, idx, wi, gate_up, down)
+        out.float().pow(2).sum().backward()
+        (got if f is fn else want).append([out.detach().float(), xi.grad, wi.grad])
+    return [float((a - b).norm() / b.norm()) for a, b in zip(*got, *want, strict=True)]
+
+
+def test_compiled_dispatch_with_the_kernel_meets_the_bf16_rule():
     """The compiled dispatch as shipped (the kernel for the combine and for the row gather's
-    backward) against the same dispatch compiled with the torch expression: output and the
-    gradients of the hidden states and routing weights, bf16 experts as the recipe holds them."""
+    backward) and the same dispatch compiled with the torch sum, each against a float32
+    per-expert reference: output and the gradients of the hidden states and routing weights,
+    bf16 experts as the recipe holds them. The two need not agree bit for bit: where the sum
+    is torch's, Inductor may fuse it into the down projection and skip its bf16 rounding."""
     from vlpack.model.experts import _dispatch, _silu_gate
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -51,16 +78,15 @@ def test_compiled_dispatch_with_the_kernel_equals_it_with_the_torch_sum():
     with_torch = torch.compile(
         lambda *a: _dispatch(*a[:5], _silu_gate, *a[5:], row_sum=rows.reference), dynamic=True)
 
-    def run(fn):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        for t in (idx, wi):
-            torch._dynamo.mark_static(t, 1)
-        out = fn(xi, idx, wi, gate_up, down, torch.bfloat16, None, None, None, None)
-        out.pow(2).sum().backward()
-        return [out.detach(), xi.grad, wi.grad]
+    def call(fn):
+        def run(xi, idx, wi, gate_up, down):
+            for t in (idx, wi):
+                torch._dynamo.mark_static(t, 1)
+            return fn(xi, idx, wi, gate_up, down, torch.bfloat16, None, None, None, None)
+        return run
 
-    # the hidden states' gradient is the row gather's backward, a bf16 sum: one rounding step
-    for name, got, want, bound in zip(("out", "dx", "dw"), run(shipped), run(with_torch),
-                                      (1e-5, 2 ** -7, 1e-4), strict=True):
-        err = (got - want).abs().max()
-        assert err <= bound * want.abs().max(), (name, float(err), float(want.abs().max()))
+    errors = {name: _dispatch_errors(call(fn), x, idx, w, gate_up, down)
+              for name, fn in (("kernel", shipped), ("torch", with_torch))}
+    print(errors)
+    for name, errs in errors.items():  # output, dx, dw: a few bf16 roundings each
+        assert all(e <= 2 ** -6 for e in errs), (name, errs)
