@@ -136,32 +136,34 @@ def _project(a_PX: torch.Tensor, w_EOX: torch.Tensor, scale_EO: torch.Tensor | N
 class _RouteRows(torch.autograd.Function):
     """`x_TD[token_P]`: each token's row once per routed pair, pairs sorted by expert. Backward
     sums each token's K row gradients in float32 by gathering them (`inverse_P`: a pair's
-    position in expert order; `row_sum`: model/rows.py), deterministic and without the
-    scatter-add of indexing."""
+    position in expert order; model/rows.py's op with `kernel`, else its torch expression),
+    deterministic and without the scatter-add of indexing."""
 
     @staticmethod
-    def forward(x_TD, token_P, inverse_P, K, row_sum):
+    def forward(x_TD, token_P, inverse_P, K, kernel):
         return x_TD[token_P]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[2])
-        ctx.K, ctx.row_sum = inputs[3], inputs[4]
+        ctx.K, ctx.kernel = inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx, grad_PD):
         (inverse_P,) = ctx.saved_tensors
-        return ctx.row_sum(grad_PD, inverse_P, ctx.K, grad_PD.dtype), None, None, None, None
+        row_sum = rows.gather_sum if ctx.kernel else rows.reference
+        return row_sum(grad_PD, inverse_P, ctx.K, grad_PD.dtype), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
-    """Each token's K pair outputs summed in float32 (`row_sum` of `out_PD` at `inverse_P`,
-    model/rows.py) and stored in the hidden states' dtype, in the order of its K experts:
-    deterministic, no atomics, as transformers' un-permute and sum. Backward gathers each
-    pair's token gradient (`token_P`) instead of scattering it."""
+    """Each token's K pair outputs summed in float32 (`out_PD` at `inverse_P`: model/rows.py's op
+    with `kernel`, else its torch expression) and stored in the hidden states' dtype, in the
+    order of its K experts: deterministic, no atomics, as transformers' un-permute and sum.
+    Backward gathers each pair's token gradient (`token_P`) instead of scattering it."""
 
     @staticmethod
-    def forward(out_PD, inverse_P, token_P, K, row_sum, out_dtype):
+    def forward(out_PD, inverse_P, token_P, K, kernel, out_dtype):
+        row_sum = rows.gather_sum if kernel else rows.reference
         return row_sum(out_PD, inverse_P, K, out_dtype)  # summed in float32, stored in out_dtype
 
     @staticmethod
@@ -181,13 +183,13 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
               down_scale_ED: torch.Tensor | None = None,
               gate_up_adapter: ExpertAdapter | None = None,
               down_adapter: ExpertAdapter | None = None,
-              row_sum: Callable = rows.reference) -> torch.Tensor:
+              kernel: bool = False) -> torch.Tensor:
     """Route each token to its K experts, two grouped GEMMs in `dtype` (int8 weights where
     scales are given; each with its LoRA adapter's update where one is given) with each pair's
     routing weight applied between them, and sum its K
     outputs (in float32, deterministic: no atomics, as transformers' un-permute and sum). The
     row gather and the sum are each other's backward: a gather and a float32 sum over K
-    (`row_sum`: the torch expression, or the compiled dispatch's kernel, model/rows.py), and a
+    (model/rows.py: its torch expression, or with `kernel` its op, the compiled dispatch's), and a
     gather by token, where indexing's backward would scatter-add."""
     K = idx_TK.shape[1]
     E = gate_up_E2ID.shape[0]
@@ -199,7 +201,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     offs_E = per_expert_E.cumsum(0, dtype=torch.int32)
     inverse_P = torch.empty_like(order_P)
     inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
-    rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K, row_sum)
+    rows_PD = _RouteRows.apply(x_TD.to(dtype), token_P, inverse_P, K, kernel)
     gate_up_P2I = _project(rows_PD, gate_up_E2ID, gate_up_scale_E2I, offs_E, dtype,
                            gate_up_adapter)
     h_PI = gate(gate_up_P2I)
@@ -207,7 +209,7 @@ def _dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
     # the projection being linear without bias): its gradient then sums over I, not D.
     h_PI = h_PI * w_TK.reshape(-1)[order_P].unsqueeze(-1).to(h_PI.dtype)
     out_PD = _project(h_PI, down_EDI, down_scale_ED, offs_E, dtype, down_adapter)
-    return _CombineRows.apply(out_PD, inverse_P, token_P, K, row_sum, x_TD.dtype)
+    return _CombineRows.apply(out_PD, inverse_P, token_P, K, kernel, x_TD.dtype)
 
 
 def _silu_gate(gate_up_P2I: torch.Tensor) -> torch.Tensor:
@@ -223,7 +225,7 @@ def _compiled_silu_dispatch() -> Callable:
                       down_scale_ED, gate_up_adapter, down_adapter):
         return _dispatch(x_TD, idx_TK, w_TK, gate_up_E2ID, down_EDI, _silu_gate, dtype,
                          gate_up_scale_E2I, down_scale_ED, gate_up_adapter, down_adapter,
-                         row_sum=rows.gather_sum)
+                         kernel=True)
     return torch.compile(silu_dispatch, dynamic=True)
 
 

@@ -37,8 +37,13 @@ BLOCK_D = 1024
 
 def reference(src_PD: torch.Tensor, index_P: torch.Tensor, k: int,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """The torch expression: gather the rows, view [T, K, D], sum over K in float32."""
-    return src_PD[index_P].view(-1, k, src_PD.shape[-1]).sum(1, dtype=torch.float32).to(out_dtype)
+    """The torch expression: gather the rows, view [T, K, D], sum over K in float32.
+
+    The float32 sum is returned itself, not through a no-op `.to(torch.float32)`: an
+    autograd.Function forward (model/experts.py) that returns such an alias of its own
+    intermediate gets zero gradients under torch.compile in torch 2.11 (tests/model/test_rows.py)."""
+    sum_TD = src_PD[index_P].view(-1, k, src_PD.shape[-1]).sum(1, dtype=torch.float32)
+    return sum_TD if out_dtype == torch.float32 else sum_TD.to(out_dtype)
 
 
 def runs_kernel(src_PD: torch.Tensor) -> bool:
