@@ -218,7 +218,8 @@ for part in "$@"; do
            done ;;
     gputests) PYTHONPATH=${GPUTEST_PRE:+$GPUTEST_PRE:}$PYTHONPATH timeout ${GPUTEST_S:-240} \
                 python3 -m pytest -q -p no:cacheprovider tests/gpu ${GPUTEST_K:+-k "$GPUTEST_K"} \
-                ${GPUTEST_ARGS:-} 2>&1 | grep -v Warning | tee -a "$R/gputests.log" | tail -30 ;;
+                ${GPUTEST_ARGS:-} 2>&1 | grep -v Warning | tee -a "$R/gputests.log" | tail -30
+              echo "pytest exit status ${PIPESTATUS[0]}" | tee -a "$R/gputests.log" ;;  # a crash prints nothing
     recipe-1) vtrain 1 ${RECIPE:-qwen3-vl-2b} 600 recipe-1 data.num_workers=6 train.max_steps=12 \
                 ${RECIPE_ARGS:-} | tee "$R/recipe-1.log" | tail -8 ;;
     recipe-8b) SCALE_S=${SCALE_S:-200} vtrain 2 qwen3-vl-8b 800 recipe-8b data.num_workers=3 train.max_steps=12 |
