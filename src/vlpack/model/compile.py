@@ -17,7 +17,7 @@ regions, as in `regions`.
 
 Routed experts, in both scopes: the module stays eager, and the dispatch around its two grouped
 GEMMs (gathers, casts, the SiLU gate and routing weight, the sum over each token's experts) runs as one
-compiled function shared by every layer (`experts.vlpack_grouped_mm_compiled`): every tensor in
+compiled function shared by every layer (`experts.vlpack_experts_forward_compiled`): every tensor in
 it has a size fixed by the token count, so it compiles like the layers do.
 
 `dynamic=True`: packed bins have a different token count every step; one graph serves all.
@@ -168,7 +168,7 @@ def _compiled(fn: Callable) -> Callable:
 def _compile_experts(model: nn.Module) -> list[str]:
     """Routed experts (MoE families built with vlpack's experts): the module stays eager in both
     scopes, its token dispatch around the grouped GEMMs runs compiled (experts.py's
-    `vlpack_grouped_mm_compiled`, set through transformers' experts interface)."""
+    `vlpack_experts_forward_compiled`, set through transformers' experts interface)."""
     from vlpack.model import experts
 
     text = model.config.get_text_config()
