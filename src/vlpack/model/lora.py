@@ -4,9 +4,9 @@
 the model stays the transformers model with vlpack's seams, so the packed forward, activation
 checkpointing, compiled layers and FSDP2 see the same module tree with LoRA linears in it. Only
 the LoRA weights train. Each adapted linear is a `FusedLoraLinear`, peft's `Linear` with `forward`
-overridden, installed by class: base(x) + scale · (x Aᵀ) Bᵀ as one `addmm` after the base
-projection, where peft's forward makes two more passes over the output (scale, add) and its
-backward a third. `save_adapter` writes peft's format (`adapter_config.json` +
+overridden, installed by class: base(x) + scale · (x Aᵀ) Bᵀ as one in-place `addmm_` on the base
+projection's output, where peft's forward makes two more passes over the output (scale, add) and
+its backward a third. `save_adapter` writes peft's format (`adapter_config.json` +
 `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads on the base model;
 `merged_state_dict` folds the adapter into the base weights for a plain transformers folder.
 
@@ -193,8 +193,12 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     dropout = self.lora_dropout[name]
     base_NO = self.base_layer(x)
     low_NR = F.linear(x if isinstance(dropout, nn.Identity) else dropout(x), a_RX)
-    out_NO = torch.addmm(base_NO.reshape(-1, base_NO.shape[-1]), low_NR.reshape(-1, a_RX.shape[0]),
-                         b_OR.t(), alpha=self.scaling[name])
+    # In place: the out-of-place addmm first copies the base output into a new tensor (a device
+    # copy per call), and nothing keeps that output for its backward (a base that does fails
+    # autograd's version check). In-place ops are not autocast: B takes the output's dtype.
+    out_NO = base_NO.reshape(-1, base_NO.shape[-1])
+    out_NO.addmm_(low_NR.reshape(-1, a_RX.shape[0]).to(out_NO.dtype), b_OR.t().to(out_NO.dtype),
+                  alpha=self.scaling[name])
     return out_NO.view(base_NO.shape)
 
 
