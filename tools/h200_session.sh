@@ -63,6 +63,9 @@
 #   flagship   the qwen3.5-35b-a3b-lora recipe as shipped (docs/benchmarks.md's command), $FLAG_STEPS steps
 #              (default 16), the last two under torch.profiler, torch.compile's time by phase printed at
 #              exit (flagship.log); the shell clock before launch in flagship_launch.txt; at most $FLAG_S s
+#   alloc      the recipe as shipped under each allocator setting of $ALLOC_ORDER (default "a b b a": a is
+#              expandable_segments:True, which vlpack train sets, b expandable_segments:False, the allocator's
+#              default), one process each, unprofiled, $AB_STEPS steps, at most $AB_S s each; paired steps in alloc.txt
 #   bins       the recipe as shipped under each override set of $BINS_SETS (e.g. bin lengths), one process each,
 #              unprofiled, $AB_STEPS steps, at most $AB_S s each (bins/k/metrics.jsonl, bins/sets.txt)
 #   spread     bench/attention_rule_spread.py over 12 seeds (attention_rule_spread.json)
@@ -317,6 +320,16 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
         runs+=("$R/ab/$k-$side"); pack
       done
       python3 tools/ab_steps.py "${runs[@]}" | tee "$R/ab.txt" ;;
+    alloc)  # as ab, the sides differing only in PYTORCH_CUDA_ALLOC_CONF (tools/ab_steps.py's table in alloc.txt)
+      k=0; runs=(); mkdir -p "$R/alloc"
+      for side in ${ALLOC_ORDER:-a b b a}; do
+        k=$((k + 1)); conf=expandable_segments:$([[ $side == a ]] && echo True || echo False)
+        PYTORCH_CUDA_ALLOC_CONF=$conf timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
+          "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} train.output_dir="$R/alloc/$k-$side" 2>&1 | grep -v Warning \
+          > "$R/alloc/$k-$side.log"
+        runs+=("$R/alloc/$k-$side"); pack
+      done
+      python3 tools/ab_steps.py "${runs[@]}" | tee "$R/alloc.txt" ;;
     bins)  # the recipe as shipped with each override set of $BINS_SETS (';' between sets, e.g. "data.seq_len=8192
            # train.micro_batches=4;data.seq_len=12288 train.micro_batches=3"), one process each, unprofiled,
            # $AB_STEPS steps (default 6), at most $AB_S s each (default 240); run k's metrics in bins/k
