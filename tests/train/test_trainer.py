@@ -117,9 +117,10 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for key in ("lr", "grad_norm", "real_tokens", "padded_tokens", "tokens_per_s", "mfu",
-                "peak_mem_gib", "peak_reserved_gib", "skipped", "packing_efficiency", "time",
-                "elapsed_s", "eta_s"):
+                "peak_mem_gib", "peak_reserved_gib", "alloc_retries", "skipped", "packing_efficiency",
+                "time", "elapsed_s", "eta_s"):
         assert key in steps[0]
+    assert steps[0]["alloc_retries"] is None  # no caching allocator on a CPU
     assert [r["tokens_seen"] for r in steps] == list(itertools.accumulate(r["real_tokens"] for r in steps))
     assert [r["epoch"] for r in steps] == [round(r["samples"] / 20, 4) for r in steps]  # 24 - 4 eval
     assert steps[0]["eta_s"] is None and steps[2]["eta_s"] == 0.0
@@ -288,3 +289,18 @@ def test_the_first_step_says_what_it_waits_for() -> None:
     cpu = torch.device("cpu")
     assert "torch.compile" in _first_step_waits(load_config("qwen3-vl-2b"), gdn, cpu, None)
     assert _first_step_waits(load_config("tiny"), gdn, cpu, None) is None
+
+
+def test_allocator_retries_are_said_once_from_the_second_step(tmp_path: Path, capfd, monkeypatch) -> None:
+    """A step in which PyTorch's caching allocator released its cache and retried (read before
+    and after each step) gets one line on stderr, the first time after step 1 (which compiles
+    and autotunes): here the counter reads 0, 1 | 1, 1 | 1, 3 | 3, 5 over steps 1-4."""
+    from vlpack.train import trainer as trainer_module
+
+    reads = iter([0, 1, 1, 1, 1, 3, 3, 5])
+    monkeypatch.setattr(trainer_module, "alloc_retries", lambda device: next(reads))
+    Trainer(small_cfg(tmp_path, "train.max_steps=4"), CPU).fit()
+    err = [x for x in capfd.readouterr().err.splitlines() if "caching allocator" in x]
+    assert len(err) == 1 and err[0].startswith(
+        "vlpack: step 3: PyTorch's caching allocator ran out of cached memory and released its "
+        "cache 2 time(s)"), err

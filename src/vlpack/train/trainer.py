@@ -41,7 +41,7 @@ from vlpack.train.resume import keep_changed_config, resumed_bins, run_id, warn_
 from vlpack.train.run import checkpoint as ckpt
 from vlpack.train.run.export import export_live, export_live_adapter
 from vlpack.train.run.generate import HeldOutGeneration
-from vlpack.train.run.metrics import MetricsWriter, epoch_of, step_row
+from vlpack.train.run.metrics import MetricsWriter, alloc_retries, epoch_of, retry_note, step_row
 from vlpack.train.run.plot import missing_matplotlib, plot_runs
 from vlpack.train.run.profile import StepProfiler
 from vlpack.train.run.progress import Eta, Progress
@@ -366,6 +366,7 @@ class Trainer:
         profiler = StepProfiler(out_dir / f"profile_rank{topo.rank}.txt", device=topo.device,
                                 start=cfg.train.profile_from, count=cfg.train.profile_steps)
         plain_s, plain_n = 0.0, 0  # unprofiled step time after the first, the profile's reference
+        told_retries = False  # retry_note, said once a run (metrics.jsonl counts every retry)
         try:
             while self.step < cfg.train.max_steps:
                 t_data = time.perf_counter()
@@ -377,11 +378,17 @@ class Trainer:
                         cfg, self.spec, topo.device, self.tuned_kernels)):
                     print(f"vlpack: step {self.step + 1} waits for {w}", flush=True)
                 profiler.before(self.step + 1)
+                retries = alloc_retries(topo.device)
                 try:
                     r = self.train_step(mbs)
                 except torch.OutOfMemoryError:
                     raise RunOutOfMemoryError(self._oom_message()) from None
                 self.step += 1
+                note = retry_note(self.step - first_step, retries, alloc_retries(topo.device))
+                if note and not told_retries:
+                    told_retries = True
+                    rank = f"rank {topo.rank}, " if topo.world_size > 1 else ""
+                    print(f"vlpack: {rank}{note}", file=sys.stderr, flush=True)
                 if not profiler.covers(self.step) and self.step > 1:
                     plain_s, plain_n = plain_s + r.seconds, plain_n + 1
                 profiler.after(self.step, plain_s / plain_n if plain_n else None)

@@ -5,8 +5,9 @@ tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s; `recompute_flops_sha
 of the FLOPs the step performed that went into recomputing checkpointed layers, which MFU does not
 count, train/setup/flops.py), the memory of the step's busiest
 moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
-allocator: what other processes cannot use), and where the run stands: `time` (Unix seconds),
-`elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier
+allocator: what other processes cannot use; `alloc_retries`, the allocator's retries so far, each
+a release of its cache that waits for the GPU: `retry_note`), and where the run stands: `time`
+(Unix seconds), `elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier
 processes of a resumed run included; the step's own time is `step_s`), `samples`, `tokens_seen`
 (real tokens so far), `eta_s` and, on logged steps, `epoch` (samples consumed / training samples) with the
 skipped and truncated counts. An evaluation row holds step, samples, eval_loss and eval_s.
@@ -42,10 +43,33 @@ def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], pea
         "recompute_flops_share": r.flops_recomputed / max(r.flops + r.flops_recomputed, 1.0),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+        "alloc_retries": alloc_retries(device),
         "step_s": r.seconds, "data_wait_s": data_wait,
         "time": round(time.time(), 3), "elapsed_s": elapsed_s,
         "tokens_seen": totals["real_tokens"], "eta_s": eta_s,
     }
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """How often PyTorch's caching allocator found no cached block, released its cache and retried
+    the allocation on `device` so far (None off CUDA): a host read of its counters, no wait."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def retry_note(step: int, before: int | None, now: int | None) -> str | None:
+    """What to tell a user whose step `step` made the allocator retry (`before` and `now`: the
+    counts at its start and end), None where it did not or it is the first step (which
+    autotunes and compiles). A retry synchronizes the device and frees every unused cached block,
+    which the next steps allocate again: a run at its card's memory cap loses speed to it."""
+    if step <= 1 or before is None or now is None or now <= before:
+        return None
+    return (f"step {step}: PyTorch's caching allocator ran out of cached memory and released its "
+            f"cache {now - before} time(s) (each waits for the GPU, and the next steps allocate "
+            "the cache again): the run trains at the card's memory cap. Steps run faster with "
+            "some room: a shorter data.seq_len or a higher model.checkpoint_share "
+            "(`vlpack train ... --dry-run` prints the plan)")
 
 
 def epoch_of(accounting: dict[str, Any], n_items: int | None) -> float | None:
