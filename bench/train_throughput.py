@@ -61,6 +61,7 @@ from vlpack.model.forward import stock_visuals
 from vlpack.model.presets import get_preset, reduced_depth
 from vlpack.train.distributed.parallel import Topology
 from vlpack.train.optim import build_optimizer, build_scheduler
+from vlpack.train.run.metrics import allocator_counts
 from vlpack.train.run.profile import StepProfiler, count_host_syncs
 from vlpack.train.setup.flops import flop_model
 from vlpack.train.setup.prepare import Preparation, prepare
@@ -361,7 +362,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
         _progress(mode, f"warmup step {i + 1}/{args.warmup} ({b.num_tokens} tokens) done", t0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    allocs0 = _allocator_counts(device)
+    allocs0 = allocator_counts(device)
     handles = hook_regions(model, timer)
     t_start = time.perf_counter()
     for b in batches[args.warmup : args.warmup + args.steps]:
@@ -394,7 +395,7 @@ def run_mode(mode: str, args, samples, device) -> dict:
                          if device.type == "cuda" else None),
         # the caching allocator's retries and cudaMalloc / cudaFree calls in the timed steps
         # (a retry or a cudaFree waits for the whole GPU)
-        "allocator": {k: v - allocs0[k] for k, v in _allocator_counts(device).items()},
+        "allocator": {k: v - allocs0[k] for k, v in allocator_counts(device).items()},
         "optimizer": ("AdamW, fp32 states" if args.optimizer else
                       "SGD at lr 0, no state (the trainer's step needs one)" if mode.startswith("vlpack")
                       else "none (forward + backward)"),
@@ -414,15 +415,6 @@ def run_mode(mode: str, args, samples, device) -> dict:
         # every point where the host waited for the GPU in one step (sync debug mode)
         res["host_syncs"] = count_host_syncs(lambda: step(last, False), device)
     return res
-
-
-def _allocator_counts(device: torch.device) -> dict:
-    """The caching allocator's retry, cudaMalloc and cudaFree counts so far ({} off CUDA)."""
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
-                                         "num_device_free")}
 
 
 def profile_steps(step, batches, device, out: Path, step_s: float, stacks: bool = False) -> dict:

@@ -50,12 +50,20 @@ def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], pea
     }
 
 
-def alloc_retries(device: torch.device) -> int | None:
-    """How often PyTorch's caching allocator found no cached block, released its cache and retried
-    the allocation on `device` so far (None off CUDA): a host read of its counters, no wait."""
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """PyTorch's caching allocator's counts on `device` so far ({} off CUDA), a host read without
+    a wait: `num_alloc_retries` (no cached block fit: the cache released, the allocation retried),
+    `num_device_alloc` and `num_device_free` (memory taken from and given back to CUDA)."""
     if device.type != "cuda":
-        return None
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc",
+                                              "num_device_free")}
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """`allocator_counts`' retries so far (None off CUDA)."""
+    return allocator_counts(device).get("num_alloc_retries")
 
 
 def retry_note(step: int, before: int | None, now: int | None) -> str | None:
