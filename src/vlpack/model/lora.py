@@ -191,15 +191,17 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not torch.is_autocast_enabled(x.device.type) and not x.dtype == a_RX.dtype == b_OR.dtype:
         return Linear.forward(self, x, *args, **kwargs)
     dropout = self.lora_dropout[name]
-    base_NO = self.base_layer(x)
-    low_NR = F.linear(x if isinstance(dropout, nn.Identity) else dropout(x), a_RX)
+    # 2-D rows throughout, so the in-place add below lands on the base's own output, not a view
+    # of it (autograd would copy the output in backward to rebase the view)
+    x_NX = x.reshape(-1, x.shape[-1])
+    base_NO = self.base_layer(x_NX)
+    low_NR = F.linear(x_NX if isinstance(dropout, nn.Identity) else dropout(x_NX), a_RX)
     # In place: the out-of-place addmm first copies the base output into a new tensor (a device
-    # copy per call), and nothing keeps that output for its backward (a base that does fails
-    # autograd's version check). In-place ops are not autocast: B takes the output's dtype.
-    out_NO = base_NO.reshape(-1, base_NO.shape[-1])
-    out_NO.addmm_(low_NR.reshape(-1, a_RX.shape[0]).to(out_NO.dtype), b_OR.t().to(out_NO.dtype),
-                  alpha=self.scaling[name])
-    return out_NO.view(base_NO.shape)
+    # copy per eager call; compiled graphs lower both forms alike), and nothing keeps that output
+    # for its backward (a base that does fails autograd's version check). In-place ops are not
+    # autocast: the factors take the output's dtype.
+    base_NO.addmm_(low_NR.to(base_NO.dtype), b_OR.t().to(base_NO.dtype), alpha=self.scaling[name])
+    return base_NO.view(*x.shape[:-1], base_NO.shape[-1])
 
 
 @functools.cache
