@@ -302,5 +302,17 @@ def test_allocator_retries_are_said_once_from_the_second_step(tmp_path: Path, ca
     Trainer(small_cfg(tmp_path, "train.max_steps=4"), CPU).fit()
     err = [x for x in capfd.readouterr().err.splitlines() if "caching allocator" in x]
     assert len(err) == 1 and err[0].startswith(
-        "vlpack: step 3: PyTorch's caching allocator ran out of cached memory and released its "
-        "cache 2 time(s)"), err
+        "vlpack: step 3: a CUDA allocation failed for lack of memory 2 time(s) and PyTorch's "
+        "caching allocator freed its cache to retry"), err
+
+
+def test_a_resumed_run_names_its_own_step_and_exempts_its_first() -> None:
+    """The note names the run's step (a resumed run's too), never for the process's first step
+    (a resume compiles again), and only where the count grew."""
+    from vlpack.train.run.metrics import retry_note
+
+    assert retry_note(103, 4, 7, first=False).startswith(
+        "step 103: a CUDA allocation failed for lack of memory 3 time(s)")
+    assert retry_note(101, 0, 5, first=True) is None
+    assert retry_note(103, 7, 7, first=False) is None
+    assert retry_note(103, None, None, first=False) is None

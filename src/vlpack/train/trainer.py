@@ -384,7 +384,8 @@ class Trainer:
                 except torch.OutOfMemoryError:
                     raise RunOutOfMemoryError(self._oom_message()) from None
                 self.step += 1
-                note = retry_note(self.step - first_step, retries, alloc_retries(topo.device))
+                note = retry_note(self.step, retries, alloc_retries(topo.device),
+                                  first=self.step == first_step + 1)
                 if note and not told_retries:
                     told_retries = True
                     rank = f"rank {topo.rank}, " if topo.world_size > 1 else ""

@@ -5,8 +5,8 @@ tokens_per_s, packing_efficiency, mfu, step_s, data_wait_s; `recompute_flops_sha
 of the FLOPs the step performed that went into recomputing checkpointed layers, which MFU does not
 count, train/setup/flops.py), the memory of the step's busiest
 moment (`peak_mem_gib` allocated by tensors, `peak_reserved_gib` held by PyTorch's caching
-allocator: what other processes cannot use; `alloc_retries`, the allocator's retries so far, each
-a release of its cache that waits for the GPU: `retry_note`), and where the run stands: `time`
+allocator: what other processes cannot use; `alloc_retries`, this process's allocator retries so far,
+each a release of its cache that waits for the GPU: `retry_note`), and where the run stands: `time`
 (Unix seconds), `elapsed_s` (wall-clock seconds since training started: evaluations, saves and the earlier
 processes of a resumed run included; the step's own time is `step_s`), `samples`, `tokens_seen`
 (real tokens so far), `eta_s` and, on logged steps, `epoch` (samples consumed / training samples) with the
@@ -66,18 +66,19 @@ def alloc_retries(device: torch.device) -> int | None:
     return allocator_counts(device).get("num_alloc_retries")
 
 
-def retry_note(step: int, before: int | None, now: int | None) -> str | None:
+def retry_note(step: int, before: int | None, now: int | None, *, first: bool) -> str | None:
     """What to tell a user whose step `step` made the allocator retry (`before` and `now`: the
-    counts at its start and end), None where it did not or it is the first step (which
-    autotunes and compiles). A retry synchronizes the device and frees every unused cached block,
-    which the next steps allocate again: a run at its card's memory cap loses speed to it."""
-    if step <= 1 or before is None or now is None or now <= before:
+    counts at its start and end), None where it did not or it is the process's `first` step
+    (which autotunes and compiles). A retry follows a cudaMalloc that failed for lack of memory:
+    the allocator synchronizes the device, frees its unused cached blocks and allocates again,
+    and the next steps take those blocks from CUDA again: a run at its card's memory cap."""
+    if first or before is None or now is None or now <= before:
         return None
-    return (f"step {step}: PyTorch's caching allocator ran out of cached memory and released its "
-            f"cache {now - before} time(s) (each waits for the GPU, and the next steps allocate "
-            "the cache again): the run trains at the card's memory cap. Steps run faster with "
-            "some room: a shorter data.seq_len or a higher model.checkpoint_share "
-            "(`vlpack train ... --dry-run` prints the plan)")
+    return (f"step {step}: a CUDA allocation failed for lack of memory {now - before} time(s) and "
+            "PyTorch's caching allocator freed its cache to retry (each time it waits for the GPU, "
+            "and the next steps allocate the cache again): the run trains at the card's memory cap. "
+            "Steps run faster with some room: a shorter data.seq_len (`vlpack train ... --dry-run` "
+            "prints the plan)")
 
 
 def epoch_of(accounting: dict[str, Any], n_items: int | None) -> float | None:
