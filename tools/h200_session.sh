@@ -324,9 +324,11 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       k=0; runs=(); mkdir -p "$R/alloc"
       for side in ${ALLOC_ORDER:-a b b a}; do
         k=$((k + 1)); conf=expandable_segments:$([[ $side == a ]] && echo True || echo False)
-        PYTORCH_CUDA_ALLOC_CONF=$conf timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
-          "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} train.output_dir="$R/alloc/$k-$side" 2>&1 | grep -v Warning \
-          > "$R/alloc/$k-$side.log"
+        # (PYTORCH_ALLOC_CONF, where set, overrides PYTORCH_CUDA_ALLOC_CONF: unset for the run)
+        env -u PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF=$conf timeout ${AB_S:-240} python3 -m vlpack train \
+          qwen3.5-35b-a3b-lora "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} train.output_dir="$R/alloc/$k-$side" \
+          2>&1 | grep -v Warning > "$R/alloc/$k-$side.log"
+        grep -E "out of memory|allocation failed|Error" "$R/alloc/$k-$side.log" | head -3
         runs+=("$R/alloc/$k-$side"); pack
       done
       python3 tools/ab_steps.py "${runs[@]}" | tee "$R/alloc.txt" ;;
