@@ -52,7 +52,7 @@ def step_row(step: int, r: Any, *, data_wait: float, totals: dict[str, Any], pea
 
 def allocator_counts(device: torch.device) -> dict[str, int]:
     """PyTorch's caching allocator's counts on `device` so far ({} off CUDA), a host read without
-    a wait: `num_alloc_retries` (no cached block fit: the cache released, the allocation retried),
+    a wait: `num_alloc_retries` (a cudaMalloc failed: the cache released, the allocation retried),
     `num_device_alloc` and `num_device_free` (memory taken from and given back to CUDA)."""
     if device.type != "cuda":
         return {}
