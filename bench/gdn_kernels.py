@@ -1,29 +1,35 @@
 """Gated-DeltaNet's delta rule at Qwen3.5-35B-A3B's head layout, one process per kernel.
 
-    python3 bench/gdn_kernels.py --kernel fla --heads repeat --out gdn.json
-    python3 bench/gdn_kernels.py --kernel fla --heads grouped --out gdn.json
+    python3 bench/gdn_kernels.py --kernel fla --heads repeat --prep torch --out gdn.json
+    python3 bench/gdn_kernels.py --kernel fla --heads grouped --prep kernel --out gdn.json
     python3 bench/gdn_kernels.py --kernel flash_qla --heads grouped --out gdn.json
 
 `--kernel fla`: fla's Triton kernels (its FlashQLA backend switched off, `FLA_FLASH_QLA=0`);
 `flash_qla`: the same fla call dispatched to FlashQLA (PyPI `flash-qla` on tilelang, fla's
 `flash_qla` backend: Hopper and newer, head dims 128), an error where fla does not dispatch
-there. `--heads repeat` passes q and k repeated to the value heads, as vlpack's layer does
-today (transformers' torch kernel needs that); `grouped` passes them at the key heads (fla and
-FlashQLA read value head h's q/k from key head h // (HV / H), repeat_interleave's order).
+there. What is timed starts from the layer's projections' outputs (q/k at the key heads, v, and
+the raw gate and beta projections `a` and `b`, all bf16 as autocast makes them) and ends at the
+delta rule's output, forward and backward:
+- `--heads repeat` repeats q and k to the value heads first, as vlpack's layer does today
+  (transformers' torch kernel needs that); `grouped` passes them at the key heads (fla and
+  FlashQLA read value head h's q/k from key head h // (HV / H), repeat_interleave's order).
+- `--prep torch` computes the decay g = -exp(A_log) · softplus(a + dt_bias) in float32 and
+  beta = sigmoid(b) in torch, as the layer does today; `kernel` hands the raw `a` and `b` to
+  fla (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`: fla's Triton kernels only, FlashQLA
+  takes neither). A_log and dt_bias are frozen, as in a LoRA run.
 
 First the layer's decision, timed apart (`decide_s`): fla_hopper.decide self-tests a backend fla
 hands the call to (FlashQLA), or fla's own backward where fla's Hopper guard applies (Triton
 3.4-3.7.0); its kernels compile there. Then one packed row per `--tokens` size, cut into segments
-of the synthetic data's spread (`segment_lengths`), with inputs shaped as the layer makes them
-(q/k/v bf16 from the conv, the decay g in float32, beta a bf16 sigmoid, q/k L2-normalised in
-the kernel) and its boundary arguments as the layer passes them (`gdn._fla_bounds`: host copies
-and chunk indices, built once). Prints and writes per size: the first forward + backward's
-seconds (Triton's or tilelang's compilation, fla's autotuning: give each process a fresh
-TRITON_CACHE_DIR for a cold figure), the median forward and backward milliseconds of `--steps`
-steps after 3 warm-up steps (CUDA events), the memory the forward keeps for the backward, and,
-for the first size, the relative error of the output and of every input's gradient against
-transformers' torch kernel run per segment in float32, beside the error of that kernel fed bf16
-(the bound of vlpack's backward self-test: at most 2× it + 1e-3).
+of the synthetic data's spread (`segment_lengths`), with its boundary arguments as the layer
+passes them (`gdn._fla_bounds`: host copies and chunk indices, built once). Prints and writes per
+size: the first forward + backward's seconds (Triton's or tilelang's compilation, fla's
+autotuning: give each process a fresh TRITON_CACHE_DIR for a cold figure), the median forward and
+backward milliseconds of `--steps` steps after 3 warm-up steps (CUDA events), the memory the
+forward keeps for the backward, and, for the first size, the relative error of the output and of
+every input's gradient against the layer's torch path (the gates in torch, q/k repeated,
+transformers' torch kernel per segment) in float32, beside the error of that path fed bf16 (the
+bound of vlpack's backward self-test: at most 2× it + 1e-3).
 Needs CUDA.
 
 Legend: T = tokens, H = key heads, HV = value heads, K/V = head dims.
@@ -63,22 +69,44 @@ def segment_lengths(T: int, seed: int = 0) -> list[int]:
     return out
 
 
-def inputs(T: int, heads: str, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The delta rule's inputs for one row, as leaves that need gradients."""
+def inputs(T: int, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
+    """The layer's projections' outputs for one row (bf16 leaves that need gradients: q, k at
+    the key heads, v, the raw gate `a` and beta `b`) and its frozen float32 gate parameters."""
     g = torch.Generator(device=device).manual_seed(seed)
-    qk_heads = HV if heads == "repeat" else H
 
     def rand(*shape, as_type=torch.bfloat16):
         return torch.randn(*shape, device=device, generator=g).to(as_type)
 
-    q, k = rand(1, T, H, K), rand(1, T, H, K)
-    if qk_heads == HV:  # what vlpack's layer passes today: repeated to the value heads
-        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
-    a_log = torch.empty(HV, device=device).uniform_(1, 16, generator=g).log()
-    decay = -a_log.exp() * F.softplus(rand(1, T, HV, as_type=torch.float32) - 4.0)
-    leaves = dict(q=q, k=k, v=rand(1, T, HV, V), g=decay,
-                  beta=rand(1, T, HV, as_type=torch.float32).sigmoid().to(torch.bfloat16))
-    return {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}
+    leaves = dict(q=rand(1, T, H, K), k=rand(1, T, H, K), v=rand(1, T, HV, V),
+                  a=rand(1, T, HV) - 4.0, b=rand(1, T, HV))
+    frozen = dict(A_log=torch.empty(HV, device=device).uniform_(1, 16, generator=g).log(),
+                  dt_bias=rand(HV, as_type=torch.float32))
+    return {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}, frozen
+
+
+def torch_gates(a, b, A_log, dt_bias):
+    """The decay (float32) and beta as vlpack's layer computes them (gdn.GatedDeltaNet._packed)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def repeat_heads(q, k, v):
+    """q and k repeated to v's heads (repeat_interleave: value head h reads key head h // r)."""
+    r = v.shape[2] // q.shape[2]
+    return (q, k) if r == 1 else tuple(t.repeat_interleave(r, dim=2) for t in (q, k))
+
+
+def layer_call(gdr, heads: str, prep: str, frozen: dict, bounds_kw: dict):
+    """The delta rule from the projections' outputs through fla's `gdr`, as `--heads` and
+    `--prep` say."""
+    def call(q, k, v, a, b):
+        if heads == "repeat":
+            q, k = repeat_heads(q, k, v)
+        if prep == "kernel":
+            return gdr(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True, **frozen, **bounds_kw)[0]
+        g, beta = torch_gates(a, b, **frozen)
+        return gdr(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds_kw)[0]
+    return call
 
 
 class Dispatched(logging.Handler):
@@ -94,22 +122,23 @@ class Dispatched(logging.Handler):
             self.seen.add(msg.split("->")[-1].strip())
 
 
-def reference_errors(leaves: dict, cu: list[int], kernel, torch_fn) -> dict[str, list[float]]:
-    """Per output and gradient: [kernel's relative error, the bf16 torch kernel's], both
-    against the torch kernel in float32, per segment (q/k repeated to the value heads there)."""
+def reference_errors(leaves: dict, frozen: dict, cu: list[int], kernel,
+                     torch_fn) -> dict[str, list[float]]:
+    """Per output and gradient: [kernel's relative error, the bf16 torch path's], both against
+    the layer's torch path in float32 (gates in torch, q/k repeated, the torch kernel per
+    segment)."""
     dev = leaves["q"].device
     do = torch.randn(*leaves["v"].shape, device=dev, generator=torch.Generator(dev).manual_seed(1))
 
-    def torch_rows(q, k, v, g, beta):
-        if q.shape[2] != v.shape[2]:
-            q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
+    def torch_rows(q, k, v, a, b):
+        g, beta = torch_gates(a, b, **frozen)
+        q, k = repeat_heads(q, k, v)
         return torch.cat([torch_fn(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                                    use_qk_l2norm_in_kernel=True)[0]
                           for s, e in itertools.pairwise(cu)], dim=1)
 
     def run(fn, dtype):
-        xs = {n: t.detach().to(torch.float32 if n == "g" else dtype or t.dtype).requires_grad_()
-              for n, t in leaves.items()}
+        xs = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in leaves.items()}
         out = fn(**xs)
         out.float().backward(do)
         return {"out": out.detach().float(), **{f"d{n}": t.grad.float() for n, t in xs.items()}}
@@ -122,8 +151,9 @@ def reference_errors(leaves: dict, cu: list[int], kernel, torch_fn) -> dict[str,
     return {n: [rel(fast[n], ref[n]), rel(plain[n], ref[n])] for n in ref}
 
 
-def time_size(T: int, heads: str, dev: torch.device, gdr, steps: int, check=None) -> dict:
-    """One row of T tokens through fla's `gdr`: the first call's seconds, median forward and
+def time_size(T: int, heads: str, prep: str, dev: torch.device, gdr, steps: int,
+              check=None) -> dict:
+    """One row of T tokens through `layer_call`: the first call's seconds, median forward and
     backward milliseconds, the memory kept for the backward, and with `check` (the torch
     kernel) the errors of `reference_errors`."""
     from vlpack.model import gdn
@@ -137,10 +167,8 @@ def time_size(T: int, heads: str, dev: torch.device, gdr, steps: int, check=None
     # chunk indices, built once on the host, the same objects for every call (gdn._fla_bounds)
     bounds_kw = gdn._fla_bounds(gdr, segs, Boundaries(text=segs), dev, gdn._fla_chunk())
 
-    def kernel(q, k, v, g, beta):
-        return gdr(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds_kw)[0]
-
-    leaves = inputs(T, heads, dev)
+    leaves, frozen = inputs(T, dev)
+    kernel = layer_call(gdr, heads, prep, frozen, bounds_kw)
     do = torch.randn_like(leaves["v"])
 
     def step(times: list | None) -> None:
@@ -167,7 +195,8 @@ def time_size(T: int, heads: str, dev: torch.device, gdr, steps: int, check=None
             "kept_for_backward_mib": kept / 2**20}
     if check is not None:
         with quiet_fallback():
-            size["rel_error_vs_fp32_torch"] = reference_errors(leaves, cu, kernel, check)
+            size["rel_error_vs_fp32_torch"] = reference_errors(leaves, frozen, cu, kernel,
+                                                                 check)
     return size
 
 
@@ -175,6 +204,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--kernel", choices=("fla", "flash_qla"), required=True)
     p.add_argument("--heads", choices=("repeat", "grouped"), default="grouped")
+    p.add_argument("--prep", choices=("torch", "kernel"), default="torch")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-check", action="store_true", help="skip the float32 reference")
@@ -182,6 +212,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
+    if args.kernel == "flash_qla" and args.prep == "kernel":
+        p.error("FlashQLA computes neither gate in its kernel: --prep torch")
     os.environ["FLA_FLASH_QLA"] = "1" if args.kernel == "flash_qla" else "0"
     t_import = time.perf_counter()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -197,13 +229,17 @@ def main(argv=None) -> int:
     torch_fn = torch_function(modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet,
                               "torch_chunk_gated_delta_rule")
     dev = torch.device("cuda", torch.cuda.current_device())
-    row: dict = {"kernel": args.kernel, "heads": args.heads, "device": torch.cuda.get_device_name(dev),
+    row: dict = {"kernel": args.kernel, "heads": args.heads, "prep": args.prep,
+                 "device": torch.cuda.get_device_name(dev),
                  "torch": torch.__version__, "layout": {"H": H, "HV": HV, "K": K, "V": V},
                  "import_s": import_s, "sizes": {}}
     # as the layer decides it: a backend fla hands the call to is self-tested; fla's own backward
     # on Hopper with Triton 3.4-3.7.0 runs through vlpack's approved backend (fla #640)
-    probe = inputs(64, args.heads, dev)
-    backend = fla_hopper.dispatched_backend(*probe.values())
+    probe, probe_frozen = inputs(64, dev)
+    q, k = repeat_heads(probe["q"], probe["k"], probe["v"]) if args.heads == "repeat" else (
+        probe["q"], probe["k"])
+    backend = None if args.prep == "kernel" else fla_hopper.dispatched_backend(
+        q, k, probe["v"], *torch_gates(probe["a"], probe["b"], **probe_frozen))
     t = time.perf_counter()
     decision = fla_hopper.decide(K, V, dev, torch_fn, heads=HV, backend=backend)
     row["decision"], row["decide_s"] = decision.describe(), time.perf_counter() - t
@@ -219,10 +255,11 @@ def main(argv=None) -> int:
             row[v] = None
 
     for i, T in enumerate(args.tokens):
-        size = time_size(T, args.heads, dev, chunk_gated_delta_rule, args.steps,
+        size = time_size(T, args.heads, args.prep, dev, chunk_gated_delta_rule, args.steps,
                          check=torch_fn if i == 0 and not args.no_check else None)
         row["sizes"][str(T)] = size
-        print(f"{args.kernel:>9} {args.heads:>7} T={T:>6} ({size['segments']} segments): first "
+        print(f"{args.kernel:>9} {args.heads:>7} {args.prep:>6} T={T:>6} ({size['segments']} segments): "
+              f"first "
               f"{size['first_fwd_bwd_s']:6.1f} s, fwd {size['fwd_ms']:7.2f} ms, bwd "
               f"{size['bwd_ms']:7.2f} ms, kept {size['kept_for_backward_mib']:7.1f} MiB", flush=True)
         for n, (fast, plain) in size.get("rel_error_vs_fp32_torch", {}).items():
@@ -237,7 +274,7 @@ def main(argv=None) -> int:
     if args.out:
         path = Path(args.out)
         rows = json.loads(path.read_text()) if path.exists() else {}
-        rows[f"{args.kernel}_{args.heads}"] = row
+        rows[f"{args.kernel}_{args.heads}_{args.prep}"] = row
         path.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 

@@ -74,9 +74,9 @@
 #              each side's PYTHONPATH (e.g. PRE_B=/tmp/site-qla: FlashQLA against fla's kernels, SRC_B=$PWD/src)
 #   experts    bench/experts_dispatch.py, K static, the row sum in torch and in vlpack's kernel, alternated
 #              twice, one process each, at most 90 s each
-#   gdn        bench/gdn_kernels.py for each KERNEL:HEADS of $GDN_RUNS (default "fla:repeat fla:grouped
-#              flash_qla:repeat flash_qla:grouped"), one process each with empty Triton and tilelang caches, the
-#              FlashQLA runs with /tmp/site-qla on PYTHONPATH, at most $GDN_S s each (gdn_kernels.json)
+#   gdn        bench/gdn_kernels.py for each KERNEL:HEADS:PREP of $GDN_RUNS (default "fla:repeat:torch
+#              fla:grouped:kernel flash_qla:grouped:torch"), one process each with empty Triton and tilelang
+#              caches, the FlashQLA runs with /tmp/site-qla on PYTHONPATH, at most $GDN_S s each (gdn_kernels.json)
 #   conv-12L   one run of the 12-layer convergence table: seed $SEED, mode $MODE (packed|padded), 100 steps,
 #              at most $CONV_S s (conv-12L/s$SEED/$MODE/metrics.jsonl)
 #   stock-lora stock transformers + peft on the 35B LoRA, padding-free, 8k rows, every layer recomputed (no fla):
@@ -346,12 +346,12 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
       done ;;
     spread) timeout 150 python3 bench/attention_rule_spread.py "$R/attention_rule_spread.json" --seeds 12 2>&1 |
               grep -v Warning | tail -12 ;;
-    gdn) for run in ${GDN_RUNS:-fla:repeat fla:grouped flash_qla:repeat flash_qla:grouped}; do
-           kernel=${run%%:*} heads=${run##*:}
+    gdn) for run in ${GDN_RUNS:-fla:repeat:torch fla:grouped:kernel flash_qla:grouped:torch}; do
+           IFS=: read -r kernel heads prep <<< "$run"
            pre=$([[ $kernel == flash_qla ]] && echo /tmp/site-qla: || echo "")
            PYTHONPATH=$pre$PYTHONPATH TRITON_CACHE_DIR=$(mktemp -d) TILELANG_CACHE_DIR=$(mktemp -d) \
              timeout ${GDN_S:-150} python3 bench/gdn_kernels.py --kernel $kernel --heads $heads \
-             --out "$R/gdn_kernels.json" 2>&1 | grep -v Warning | tail -12; pack
+             --prep ${prep:-torch} --out "$R/gdn_kernels.json" 2>&1 | grep -v Warning | tail -12; pack
          done ;;
     experts) k=0
              for rs in torch kernel torch kernel; do  # the row sum in torch, then vlpack's kernel, twice
