@@ -24,7 +24,8 @@ hands the call to (FlashQLA), or fla's own backward where fla's Hopper guard app
 of the synthetic data's spread (`segment_lengths`), with its boundary arguments as the layer
 passes them (`gdn._fla_bounds`: host copies and chunk indices, built once). Prints and writes per
 size: the first forward + backward's seconds (Triton's or tilelang's compilation, fla's
-autotuning: give each process a fresh TRITON_CACHE_DIR for a cold figure), the median forward and
+autotuning: give each process a fresh TRITON_CACHE_DIR for a cold figure; fla starts from the
+configurations vlpack keeps for the GPU, as `vlpack train` does, unless `--autotune`), the median forward and
 backward milliseconds of `--steps` steps after 3 warm-up steps (CUDA events), the memory the
 forward keeps for the backward, and, for the first size, the relative error of the output and of
 every input's gradient against the layer's torch path (the gates in torch, q/k repeated,
@@ -52,6 +53,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cuda_timing import fwd_bwd_step  # bench/, the script's folder
+
+from vlpack.train.setup.kernel_cache import use_tuned_kernels
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-35B-A3B's linear-attention heads
 MEAN_SEGMENT = 955
@@ -208,6 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-check", action="store_true", help="skip the float32 reference")
+    p.add_argument("--autotune", action="store_true",
+                   help="let fla autotune every kernel instead of starting, as `vlpack train` does "
+                        "(train.tuned_kernels), from the configurations vlpack keeps for this GPU")
     p.add_argument("--out", default=None, help="add this process's row to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -215,6 +221,7 @@ def main(argv=None) -> int:
     if args.kernel == "flash_qla" and args.prep == "kernel":
         p.error("FlashQLA computes neither gate in its kernel: --prep torch")
     os.environ["FLA_FLASH_QLA"] = "1" if args.kernel == "flash_qla" else "0"
+    tuned = None if args.autotune else use_tuned_kernels(torch.cuda.get_device_name())
     t_import = time.perf_counter()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
@@ -232,7 +239,8 @@ def main(argv=None) -> int:
     row: dict = {"kernel": args.kernel, "heads": args.heads, "prep": args.prep,
                  "device": torch.cuda.get_device_name(dev),
                  "torch": torch.__version__, "layout": {"H": H, "HV": HV, "K": K, "V": V},
-                 "import_s": import_s, "sizes": {}}
+                 "import_s": import_s, "fla_configs": str(tuned) if tuned else None,
+                 "sizes": {}}
     # as the layer decides it: a backend fla hands the call to is self-tested; fla's own backward
     # on Hopper with Triton 3.4-3.7.0 runs through vlpack's approved backend (fla #640)
     probe, probe_frozen = inputs(64, dev)
