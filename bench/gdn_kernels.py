@@ -25,12 +25,12 @@ of the synthetic data's spread (`segment_lengths`), with its boundary arguments 
 passes them (`gdn._fla_bounds`: host copies and chunk indices, built once). Prints and writes per
 size: the first forward + backward's seconds (Triton's or tilelang's compilation, fla's
 autotuning: give each process a fresh TRITON_CACHE_DIR for a cold figure; fla starts from the
-configurations vlpack keeps for the GPU, as `vlpack train` does, unless `--autotune`), the median forward and
-backward milliseconds of `--steps` steps after 3 warm-up steps (CUDA events), the memory the
-forward keeps for the backward, and, for the first size, the relative error of the output and of
-every input's gradient against the layer's torch path (the gates in torch, q/k repeated,
-transformers' torch kernel per segment) in float32, beside the error of that path fed bf16 (the
-bound of vlpack's backward self-test: at most 2× it + 1e-3).
+configurations vlpack keeps for the GPU, as `vlpack train` does, unless `--autotune`), the
+median forward and backward milliseconds of `--steps` steps after 3 warm-up steps (CUDA events),
+the memory the forward keeps for the backward, and, for the first size, the relative error of
+the output and of every input's gradient against the layer's torch path (the gates in torch,
+q/k repeated, transformers' torch kernel per segment) in float32, beside the error of that path
+fed bf16 (the bound of vlpack's backward self-test: at most 2× it + 1e-3).
 Needs CUDA.
 
 Legend: T = tokens, H = key heads, HV = value heads, K/V = head dims.
@@ -267,8 +267,7 @@ def main(argv=None) -> int:
                          check=torch_fn if i == 0 and not args.no_check else None)
         row["sizes"][str(T)] = size
         print(f"{args.kernel:>9} {args.heads:>7} {args.prep:>6} T={T:>6} ({size['segments']} segments): "
-              f"first "
-              f"{size['first_fwd_bwd_s']:6.1f} s, fwd {size['fwd_ms']:7.2f} ms, bwd "
+              f"first {size['first_fwd_bwd_s']:6.1f} s, fwd {size['fwd_ms']:7.2f} ms, bwd "
               f"{size['bwd_ms']:7.2f} ms, kept {size['kept_for_backward_mib']:7.1f} MiB", flush=True)
         for n, (fast, plain) in size.get("rel_error_vs_fp32_torch", {}).items():
             ok = "ok" if fast <= 2 * plain + 1e-3 else "OUTSIDE the bf16 rule"
