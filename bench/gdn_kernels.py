@@ -49,11 +49,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cuda_timing import fwd_bwd_step  # bench/, the script's folder
 
+from vlpack.model import gdn
 from vlpack.train.setup.kernel_cache import use_tuned_kernels
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-35B-A3B's linear-attention heads
@@ -87,27 +87,16 @@ def inputs(T: int, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
     return {n: t.detach().clone().requires_grad_() for n, t in leaves.items()}, frozen
 
 
-def torch_gates(a, b, A_log, dt_bias):
-    """The decay (float32) and beta as vlpack's layer computes them (gdn.GatedDeltaNet._packed)."""
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
-
-
-def repeat_heads(q, k, v):
-    """q and k repeated to v's heads (repeat_interleave: value head h reads key head h // r)."""
-    r = v.shape[2] // q.shape[2]
-    return (q, k) if r == 1 else tuple(t.repeat_interleave(r, dim=2) for t in (q, k))
-
-
 def layer_call(gdr, heads: str, prep: str, frozen: dict, bounds_kw: dict):
     """The delta rule from the projections' outputs through fla's `gdr`, as `--heads` and
     `--prep` say."""
     def call(q, k, v, a, b):
         if heads == "repeat":
-            q, k = repeat_heads(q, k, v)
+            q, k = gdn.repeat_heads(q, k, v.shape[2])
         if prep == "kernel":
             return gdr(q, k, v, g=a, beta=b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                        use_beta_sigmoid_in_kernel=True, **frozen, **bounds_kw)[0]
-        g, beta = torch_gates(a, b, **frozen)
+        g, beta = gdn.gates(a, b, **frozen)
         return gdr(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **bounds_kw)[0]
     return call
 
@@ -134,8 +123,8 @@ def reference_errors(leaves: dict, frozen: dict, cu: list[int], kernel,
     do = torch.randn(*leaves["v"].shape, device=dev, generator=torch.Generator(dev).manual_seed(1))
 
     def torch_rows(q, k, v, a, b):
-        g, beta = torch_gates(a, b, **frozen)
-        q, k = repeat_heads(q, k, v)
+        g, beta = gdn.gates(a, b, **frozen)
+        q, k = gdn.repeat_heads(q, k, v.shape[2])
         return torch.cat([torch_fn(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
                                    use_qk_l2norm_in_kernel=True)[0]
                           for s, e in itertools.pairwise(cu)], dim=1)
@@ -159,7 +148,6 @@ def time_size(T: int, heads: str, prep: str, dev: torch.device, gdr, steps: int,
     """One row of T tokens through `layer_call`: the first call's seconds, median forward and
     backward milliseconds, the memory kept for the backward, and with `check` (the torch
     kernel) the errors of `reference_errors`."""
-    from vlpack.model import gdn
     from vlpack.model.bounds import Boundaries, Segments
     from vlpack.model.torch_kernels import quiet_fallback
 
@@ -244,10 +232,10 @@ def main(argv=None) -> int:
     # as the layer decides it: a backend fla hands the call to is self-tested; fla's own backward
     # on Hopper with Triton 3.4-3.7.0 runs through vlpack's approved backend (fla #640)
     probe, probe_frozen = inputs(64, dev)
-    q, k = repeat_heads(probe["q"], probe["k"], probe["v"]) if args.heads == "repeat" else (
+    q, k = gdn.repeat_heads(probe["q"], probe["k"], HV) if args.heads == "repeat" else (
         probe["q"], probe["k"])
     backend = None if args.prep == "kernel" else fla_hopper.dispatched_backend(
-        q, k, probe["v"], *torch_gates(probe["a"], probe["b"], **probe_frozen))
+        q, k, probe["v"], *gdn.gates(probe["a"], probe["b"], **probe_frozen))
     t = time.perf_counter()
     decision = fla_hopper.decide(K, V, dev, torch_fn, heads=HV, backend=backend)
     row["decision"], row["decide_s"] = decision.describe(), time.perf_counter() - t

@@ -188,6 +188,22 @@ def context_conv1d(x_BCR, weight_CW, bias_C, activation: str | None, split, *,
 
 
 # --- gated delta rule ---------------------------------------------------------------------------
+def gates(a, b, A_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's decay g (float32) and beta from the gate projections' outputs `a` and
+    `b` [B, T, Hv], as the stock forward computes them: g = -exp(A_log)·softplus(a + dt_bias)
+    in float32, beta = sigmoid(b) in b's dtype."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def repeat_heads(query, key, value_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [B, T, Hk, Dk] repeated to `value_heads` heads (value head h reads key head
+    h // (Hv / Hk), repeat_interleave's order), as transformers' torch kernel takes them."""
+    r = value_heads // query.shape[2]
+    if r == 1:
+        return query, key
+    return query.repeat_interleave(r, dim=2), key.repeat_interleave(r, dim=2)
+
+
 def segment_delta_rule(query, key, value, g, beta, segs: Segments, bounds: Boundaries, *,
                        torch_fn: Callable, torch_only: bool = False) -> torch.Tensor:
     """The chunked gated delta rule over a packed row [1, T, H, D] (q/k already repeated to the
@@ -379,12 +395,8 @@ class GatedDeltaNet:
         query = query.reshape(B, T, -1, self.head_k_dim)
         key = key.reshape(B, T, -1, self.head_k_dim)
         value = value.reshape(B, T, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        # the gates in float32, as the stock forward computes them
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if self.num_v_heads // self.num_k_heads > 1:
-            query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
-            key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
+        query, key = repeat_heads(query, key, self.num_v_heads)
         torch_fn = torch_function(self._vlpack_stock, "torch_chunk_gated_delta_rule")
         if split is None:
             out = segment_delta_rule(query, key, value, g, beta, segs, bounds,
