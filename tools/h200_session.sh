@@ -139,6 +139,25 @@ vrun() {  # vrun RUN LIMIT_S GPUS RECIPE SAMPLES OVERRIDES...: vtrain logged to 
     "$R/$run.log"; echo "--- log tail:"; tail -20 "$R/$run.log"; } > "$R/$run/error.txt"; }
   pack
 }
+recipe_ab() {  # recipe_ab NAME ORDER: the recipe as shipped once per side of ORDER (a: $SRC_A, default $SRC,
+  # $PRE_A before its PYTHONPATH, $ENV_A its VAR=VALUE settings; b: the same with _B), one process each, unprofiled,
+  # $AB_STEPS steps (default 6), at most $AB_S s each (default 240), in $R/NAME/k-side; a side's out-of-memory lines
+  # printed; tools/ab_steps.py's paired per-step table in $R/NAME.txt
+  local name=$1 k=0 side src pre envs runs=()
+  mkdir -p "$R/$name"
+  for side in $2; do
+    k=$((k + 1))
+    if [[ $side == a ]]; then src=${SRC_A:-${SRC:-$PWD/src}} pre=${PRE_A:-} envs=${ENV_A:-}
+    else src=${SRC_B:-${SRC:-$PWD/src}} pre=${PRE_B:-} envs=${ENV_B:-}; fi
+    # (PYTORCH_ALLOC_CONF, where set, overrides PYTORCH_CUDA_ALLOC_CONF: unset for the run)
+    env -u PYTORCH_ALLOC_CONF PYTHONPATH=${pre:+$pre:}/tmp/site:$src $envs timeout ${AB_S:-240} \
+      python3 -m vlpack train qwen3.5-35b-a3b-lora "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} \
+      train.output_dir="$R/$name/$k-$side" 2>&1 | grep -v Warning > "$R/$name/$k-$side.log"
+    grep -E "out of memory|allocation failed|Error" "$R/$name/$k-$side.log" | head -3
+    runs+=("$R/$name/$k-$side"); pack
+  done
+  python3 tools/ab_steps.py "${runs[@]}" | tee "$R/$name.txt"
+}
 bench() {  # bench MODEL EXTRA...: one process per mode
   local model=$1; shift
   for m in ${MODES:-vlpack_packed hf_padding_free hf_padded vlpack_padded}; do
@@ -310,28 +329,10 @@ from vlpack.cli import main; sys.argv = ['vlpack'] + sys.argv[1:]; sys.exit(main
          # process each, unprofiled, $AB_STEPS steps (default 6), at most $AB_S s each (default 240); the paired
          # per-step comparison in ab.txt (tools/ab_steps.py: the runs see the same bins in the same order)
       : "${SRC_B:?the ab part needs SRC_B, the other source}"
-      k=0; runs=(); mkdir -p "$R/ab"
-      for side in ${AB_ORDER:-a b b a}; do
-        k=$((k + 1)); src=$([[ $side == a ]] && echo "${SRC_A:-$PWD/src}" || echo "$SRC_B")
-        pre=$([[ $side == a ]] && echo "${PRE_A:-}" || echo "${PRE_B:-}")
-        PYTHONPATH=${pre:+$pre:}/tmp/site:$src timeout ${AB_S:-240} python3 -m vlpack train qwen3.5-35b-a3b-lora \
-          "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} \
-          train.output_dir="$R/ab/$k-$side" 2>&1 | grep -v Warning > "$R/ab/$k-$side.log"
-        runs+=("$R/ab/$k-$side"); pack
-      done
-      python3 tools/ab_steps.py "${runs[@]}" | tee "$R/ab.txt" ;;
-    alloc)  # as ab, the sides differing only in PYTORCH_CUDA_ALLOC_CONF (tools/ab_steps.py's table in alloc.txt)
-      k=0; runs=(); mkdir -p "$R/alloc"
-      for side in ${ALLOC_ORDER:-a b b a}; do
-        k=$((k + 1)); conf=expandable_segments:$([[ $side == a ]] && echo True || echo False)
-        # (PYTORCH_ALLOC_CONF, where set, overrides PYTORCH_CUDA_ALLOC_CONF: unset for the run)
-        env -u PYTORCH_ALLOC_CONF PYTORCH_CUDA_ALLOC_CONF=$conf timeout ${AB_S:-240} python3 -m vlpack train \
-          qwen3.5-35b-a3b-lora "${FLAG_ARGS[@]}" train.max_steps=${AB_STEPS:-6} train.output_dir="$R/alloc/$k-$side" \
-          2>&1 | grep -v Warning > "$R/alloc/$k-$side.log"
-        grep -E "out of memory|allocation failed|Error" "$R/alloc/$k-$side.log" | head -3
-        runs+=("$R/alloc/$k-$side"); pack
-      done
-      python3 tools/ab_steps.py "${runs[@]}" | tee "$R/alloc.txt" ;;
+      recipe_ab ab "${AB_ORDER:-a b b a}" ;;
+    alloc)  # as ab from one source, the sides differing only in the allocator setting (alloc.txt)
+      SRC_B=${SRC_A:-${SRC:-$PWD/src}} PRE_B=${PRE_A:-} ENV_A=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        ENV_B=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False recipe_ab alloc "${ALLOC_ORDER:-a b b a}" ;;
     bins)  # the recipe as shipped with each override set of $BINS_SETS (';' between sets, e.g. "data.seq_len=8192
            # train.micro_batches=4;data.seq_len=12288 train.micro_batches=3"), one process each, unprofiled,
            # $AB_STEPS steps (default 6), at most $AB_S s each (default 240); run k's metrics in bins/k
