@@ -34,15 +34,16 @@ LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "qkv", "proj",
            "linear_fc1", "linear_fc2", "shared_expert_gate"}
 """The linear layers of the tiny presets, by leaf name (the vision patch embedding's `proj` is
-a Conv3d; the MoE router's `gate` is a plain weight, not a linear layer)."""
+a Conv3d)."""
 
 
 def _expect(name: str, trains: bool, sharded: bool = False) -> torch.dtype:
-    """The rule, written out by name: a frozen linear or expert weight and, on one device, a
-    frozen input embedding (built in bf16 here) are bf16, all else fp32."""
+    """The rule, written out by name: a frozen linear, expert or router weight (the MoE block's
+    `gate`, a plain weight that transformers applies with F.linear) and, on one device, a frozen
+    input embedding (built in bf16 here) are bf16, all else fp32."""
     module = name.replace(".base_layer", "").rsplit(".", 1)[0]
     linear = module.rsplit(".", 1)[-1] in LINEARS and "patch_embed" not in module
-    expert = module.endswith(".experts")
+    expert = module.endswith(".experts") or module.endswith(".mlp.gate")
     embedding = module.endswith("language_model.embed_tokens") and not sharded
     return torch.bfloat16 if not trains and (linear or expert or embedding) else torch.float32
 

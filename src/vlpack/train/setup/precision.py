@@ -3,7 +3,8 @@
 Training autocasts to bf16 on a GPU over float32 master weights. A parameter that gets no
 gradient (the base of a LoRA run, a `model.freeze_*` part) needs no master: where autocast would
 cast it to bf16 at every use anyway (the weights and biases of linear layers, the routed
-experts' 3-D weights), vlpack holds it in bf16 from the start. The arithmetic is unchanged
+experts' 3-D weights, the MoE routers' weights, which transformers applies with `F.linear`),
+vlpack holds it in bf16 from the start. The arithmetic is unchanged
 (autocast's cast of a bf16 tensor is a no-op; tests/train/setup/test_precision.py shows the loss and every
 gradient bit for bit equal) and the frozen base takes half the memory: the 35.1 B parameters of
 Qwen3.5-35B-A3B take 65 GiB instead of 131.
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlpack.model.seams import classes_of
+
 STORED = {torch.bfloat16: "BF16", torch.float16: "F16"}
 """The safetensors name of each dtype a folder's weights may be built in exactly."""
 
@@ -43,15 +46,19 @@ def frozen_matmul_dtype(setting: str, autocast: torch.dtype | None) -> torch.dty
 
 def matmul_parameters(model: nn.Module) -> set[str]:
     """Names of the parameters that autocast casts at every use: the weight and bias of each
-    nn.Linear (a LoRA layer's base included) and the routed experts' 3-D weights, less any
-    parameter an embedding shares (tied word embeddings)."""
+    nn.Linear (a LoRA layer's base included), the routed experts' 3-D weights and, in a whole
+    model (its config names the family), each MoE router's weight (transformers' top-k routers
+    apply it with `F.linear`), less any parameter an embedding shares (tied word embeddings)."""
     embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
                 for p in m.parameters(recurse=False)}
+    whole = getattr(getattr(model, "config", None), "model_type", None) is not None
+    router = classes_of(model).router if whole else None
+    applied = (nn.Linear,) if router is None else (nn.Linear, router)
     out = set()
     for mod_name, m in model.named_modules():
         for leaf, p in m.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            linear = isinstance(m, nn.Linear) and leaf in ("weight", "bias")
+            linear = isinstance(m, applied) and leaf in ("weight", "bias")
             expert = ".experts" in f".{mod_name}" and p.ndim == 3
             if (linear or expert) and id(p) not in embedded:
                 out.add(name)
