@@ -255,6 +255,32 @@ def test_resume_with_changed_settings_warns_and_keeps_the_old_config(tmp_path: P
     assert (old["optim"]["lr"], new["optim"]["lr"]) == (1e-4, 2e-4)
 
 
+@pytest.mark.parametrize("change", [["optim.lr=3e-4"], [], ["optim.weight_decay=0.5"]])
+def test_a_resumed_run_follows_its_own_rate_and_length(tmp_path: Path, capfd,
+                                                       change: list[str]) -> None:
+    """A 2-step run resumed with train.max_steps=4 and another optim.lr, or weight decay, or
+    nothing else, runs steps 3 and 4 at the rates of a 4-step run started with those settings,
+    with their weight decay: the checkpoint brings the optimizer's moments, not its settings.
+    The resume says that the rate differs from the checkpoint's schedule."""
+    args = ("optim.warmup_steps=1", "optim.min_lr_ratio=0.1")
+    straight = Trainer(small_cfg(tmp_path / "s", "train.max_steps=4", *args, *change), CPU)
+    straight.fit()
+    Trainer(small_cfg(tmp_path / "r", "train.max_steps=2", *args), CPU).fit()
+    capfd.readouterr()
+    resumed = Trainer(small_cfg(tmp_path / "r", "train.max_steps=4", *args, *change), CPU)
+    resumed.fit()
+    assert "vlpack: step 3 runs at lr " in capfd.readouterr().out
+
+    def lrs(run: Path) -> list[float]:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["lr"] for r in rows if "lr" in r]
+
+    assert len(lrs(tmp_path / "r")) == 4
+    assert lrs(tmp_path / "r")[2:] == lrs(tmp_path / "s")[2:]
+    decay = [[g["weight_decay"] for g in t.optimizer.param_groups] for t in (resumed, straight)]
+    assert decay[0] == decay[1]
+
+
 @pytest.mark.parametrize("edit", [True, False])
 def test_resume_warns_when_the_data_file_changed(tmp_path: Path, caplog, edit: bool) -> None:
     """A data file edited between runs is named on resume; an unchanged one is not."""

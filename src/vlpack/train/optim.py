@@ -108,10 +108,33 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """LambdaLR implementing `lr_factor` (the same factor on every parameter group's rate)."""
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+                    done_steps: int = 0):
+    """LambdaLR implementing `lr_factor` (the same factor on every parameter group's rate),
+    `done_steps` optimizer steps into the schedule (then the groups hold `initial_lr`:
+    `resumed_scheduler`)."""
     warmup = warmup_steps(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: lr_factor(s, warmup=warmup, total=total_steps, min_ratio=cfg.min_lr_ratio),
+        last_epoch=done_steps - 1,
     )
+
+
+def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings (rate, initial rate, decay, betas, ...), no parameters:
+    what `resumed_scheduler` puts back after a checkpoint's optimizer state is loaded."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def resumed_scheduler(opt: torch.optim.Optimizer, settings: list[dict], cfg: OptimConfig,
+           total_steps: int, done_steps: int):
+    """The scheduler of a run resumed after `done_steps` optimizer steps, on an optimizer whose
+    state a checkpoint has just loaded. The checkpoint's parameter groups carry the old run's
+    settings; this run's (`settings`, from `group_settings` before the load) replace them, and
+    the schedule is this run's (`optim.*`, `train.max_steps`), so a changed rate, decay or run
+    length takes effect at the next step. With nothing changed the rates are the checkpoint's,
+    bit for bit (the same factor times the same base)."""
+    for group, own in zip(opt.param_groups, settings, strict=True):
+        group.update(own)
+    return build_scheduler(opt, cfg, total_steps, done_steps)

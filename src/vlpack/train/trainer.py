@@ -36,7 +36,14 @@ from vlpack.train.distributed.parallel import (
     per_replica,
 )
 from vlpack.train.epochs import steps_for_epochs
-from vlpack.train.optim import build_optimizer, build_scheduler, describe, own_rates
+from vlpack.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    describe,
+    group_settings,
+    own_rates,
+    resumed_scheduler,
+)
 from vlpack.train.resume import keep_changed_config, resumed_bins, run_id, warn_changed_data
 from vlpack.train.run import checkpoint as ckpt
 from vlpack.train.run.export import export_live, export_live_adapter
@@ -292,10 +299,18 @@ class Trainer:
                 "raise train.max_steps to train it further, or start anew in another "
                 "train.output_dir (or here with train.resume=none train.overwrite=true)"
             )
+        settings = group_settings(self.optimizer)
         st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.topo, verify=not checked)
         self.run_id = ckpt.marker(path).get("run_id")
         self.step = st["step"]
-        self.scheduler.load_state_dict(st["scheduler"])
+        saved_lr = self.optimizer.param_groups[0]["lr"]  # the checkpoint's, for the note below
+        self.scheduler = resumed_scheduler(self.optimizer, settings, self.cfg.optim,
+                                           self.cfg.train.max_steps,
+                                           st["scheduler"]["last_epoch"])
+        if (lr := self.scheduler.get_last_lr()[0]) != saved_lr and self.topo.is_main:
+            print(f"vlpack: step {self.step + 1} runs at lr {lr:.2e}, where the checkpoint's "
+                  f"schedule had {saved_lr:.2e}: the schedule follows this run's optim.* and "
+                  f"train.max_steps={self.cfg.train.max_steps}")
         self.train_loader.load_state_dict(st["loader"])
         self.totals = st["totals"]
         self._elapsed_before = st.get("elapsed_s", self.totals["seconds"])  # else its step time
