@@ -20,11 +20,15 @@ from vlpack.train.setup.module import module_groups
 from vlpack.train.trainer import NonFiniteLossError, Trainer
 
 
-def test_resume_is_bit_identical(tmp_path: Path) -> None:
-    """6 steps straight == 3 steps, stop (Ctrl-C path saves), resume, 3 more."""
-    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=6"), CPU)
+@pytest.mark.parametrize("extra", [(), ("data.eval_samples=4", "train.eval_every=3",
+                                         "model.lora.rank=4", "model.lora.dropout=0.2")])
+def test_resume_is_bit_identical(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    """6 steps straight == 3 steps, stop (Ctrl-C path saves), resume, 3 more; also where the
+    stop's save comes before an evaluation at that step, with LoRA dropout drawing random
+    numbers in every step (the evaluation takes none from the training's stream)."""
+    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=6", *extra), CPU)
     straight.fit()
-    interrupted = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6"), CPU)
+    interrupted = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6", *extra), CPU)
     original = interrupted.train_step
 
     def stop_after_three(mbs):
@@ -37,9 +41,12 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
     interrupted.fit()
     assert interrupted.step == 3
     assert ckpt.latest_checkpoint(tmp_path / "b").name == "step_00000003"
-    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6"), CPU)
+    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6", *extra), CPU)
     resumed.fit()
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    evals = [[r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text()
+              .splitlines()) if "eval_loss" in r] for run in (tmp_path / "a", tmp_path / "b")]
+    assert evals[0] == evals[1] and len(evals[0]) == (2 if extra else 0)
     pa = dict(straight.model.named_parameters())
     assert all(torch.equal(p, pa[n]) for n, p in resumed.model.named_parameters())
 
@@ -279,6 +286,35 @@ def test_a_resumed_run_follows_its_own_rate_and_length(tmp_path: Path, capfd,
     assert lrs(tmp_path / "r")[2:] == lrs(tmp_path / "s")[2:]
     decay = [[g["weight_decay"] for g in t.optimizer.param_groups] for t in (resumed, straight)]
     assert decay[0] == decay[1]
+
+
+def test_a_bad_held_out_split_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
+    """A missing image among the last data.eval_samples samples breaks max_bad_fraction there
+    (1 of 4): the run stops while building, naming the split and the sample, not at its first
+    evaluation after training; the same data with the sample inside the training split trains
+    (1 of 22 is within the limit)."""
+    import shutil
+
+    from vlpack.data.admission import DataLimitError
+    from vlpack.data.synth import default_dataset
+
+    data = tmp_path / "data"
+    shutil.copytree(default_dataset(n=24).parent, data)
+    lines = (data / "data.jsonl").read_text().splitlines()
+    ask = [{"from": "human", "value": "<image>\nTotal?"}, {"from": "gpt", "value": "1"}]
+    gone = json.dumps({"id": "gone", "conversations": ask, "image": "nope.png"})
+    args = (f"data.path={data / 'data.jsonl'}", "data.source=jsonl", "model.init=random",
+            "data.eval_samples=4",
+            "train.eval_every=1", "train.max_steps=1")
+    (data / "data.jsonl").write_text("\n".join([*lines[:-2], gone, *lines[-2:]]) + "\n")
+    with pytest.raises(DataLimitError, match=r"the held-out split .*data\.eval_samples=4.*"
+                       r"1 of 4 samples were skipped.*Bad samples: gone: .*nope\.png.*"
+                       r"\[data\.jsonl:23\]"):
+        Trainer(small_cfg(tmp_path / "run", *args), CPU)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    (data / "data.jsonl").write_text("\n".join([gone, *lines]) + "\n")
+    Trainer(small_cfg(tmp_path / "ok", *args), CPU).fit()
+    assert len(losses(tmp_path / "ok")) == 1
 
 
 @pytest.mark.parametrize("edit", [True, False])

@@ -19,7 +19,7 @@ import torch
 
 from vlpack.config import DataConfig
 from vlpack.data.accounting import PACKED, TRUNCATED, Skip, SkipReporter, Tally
-from vlpack.data.admission import BadLimits
+from vlpack.data.admission import BadLimits, DataLimitError
 from vlpack.data.batch import ThdBatch, packed_row
 from vlpack.data.media import DataFile
 from vlpack.data.mixture import EntrySizes, Mixture
@@ -90,6 +90,11 @@ def open_mix(d: DataConfig, seed: int) -> Mixture:
     sources = [open_dataset(m.source, data_file(m.path, d),
                             synthetic_samples=d.synthetic_samples) for m in d.mix]
     return Mixture(sources, [m.name for m in d.mix], [m.weight for m in d.mix], seed)
+
+
+BAD_NAMED = 5
+"""Bad samples a split's refusal names (`PackedLoader.check_pass`); `vlpack data validate`
+lists them all."""
 
 
 def describe(item, i: int) -> str:
@@ -305,6 +310,21 @@ class PackedLoader:
                 self.limits.bad(s.reason, s.message, total["skipped"])
             self.limits.check_fraction(total["samples"], total["skipped"])
 
+    def check_pass(self, what: str) -> None:
+        """Plan one pass of a loader with `epochs` set (no sample is encoded), so that a split
+        whose bad samples break the limits stops the run now, not when the pass is first run:
+        DataLimitError naming `what` (the split) and the first bad samples."""
+        assert self.stream_kw["epochs"] is not None, "an endless loader has no pass to plan"
+        try:
+            for _ in self._works(0):
+                pass
+        except DataLimitError as e:
+            bad = [str(s) for s in self.sizes if isinstance(s, BadSampleError)]  # each names its sample
+            named = "; ".join(bad[:BAD_NAMED]) + (f"; and {len(bad) - BAD_NAMED} more"
+                                                  if len(bad) > BAD_NAMED else "")
+            raise DataLimitError(f"{what}: {e}" + (f". Bad samples: {named}" if bad else "")
+                                 ) from None
+
     def summarize_skips(self) -> None:
         """Nothing: this loader prints each skip as it comes (`SkipReporter`)."""
 
@@ -366,4 +386,5 @@ def build_loaders(
     if n_eval:  # one ordered pass, encoded in the training process
         evl = PackedLoader(items[n_train:], encoder, replace(d, shuffle=False, num_workers=0),
                            sizes=sizes[n_train:], epochs=1, per_round=1, **common)
+        evl.check_pass(f"the held-out split (the last data.eval_samples={n_eval} samples)")
     return train, evl

@@ -417,16 +417,19 @@ class Trainer:
                 stop = flag > 0
                 if flag >= 1:
                     self._stop, self.stop_signal = True, int(flag)
+                if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
+                    self.save()  # before evaluating: an evaluation that fails loses no step
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._eval(writer)
                 if cfg.train.eval_generate_every and self.step % cfg.train.eval_generate_every == 0:
                     self._eval_generate(writer)
-                if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
-                    self.save()
                 if stop:
                     if self._grace_timer is not None:  # saved in time
                         self._grace_timer.cancel()
                     break
+            saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
+            if not self._stop and cfg.train.save_final and not saved:
+                self.save()  # before the final evaluation, as in the loop
             if not self._stop and self.eval_loader is not None and (
                 not cfg.train.eval_every or self.step % cfg.train.eval_every
             ):
@@ -439,9 +442,6 @@ class Trainer:
             if self.stop_signal is None:  # once signalled, a further signal aborts at once,
                 for sig, handler in old.items():  # until the process ends
                     signal.signal(sig, handler)
-        saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
-        if not self._stop and cfg.train.save_final and not saved:
-            self.save()
         return self._finish(out_dir)
 
     def _oom_message(self) -> str:
