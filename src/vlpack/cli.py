@@ -57,13 +57,17 @@ def _add_synth(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=256, help="number of samples")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the receipts' contents and images (same seed, same dataset)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the data.jsonl, images/ and videos/ already in --out (else "
+                   "such a folder is refused)")
     p.set_defaults(func=_run_synth)
 
 
 def _run_synth(args: argparse.Namespace) -> int:
     from vlpack.data.synth import write_synthetic
 
-    path = write_synthetic(args.out, n=args.n, seed=args.seed, show_progress=True)
+    path = write_synthetic(args.out, n=args.n, seed=args.seed, show_progress=True,
+                           overwrite=args.overwrite)
     print(f"wrote {args.n} samples to {path}")
     return 0
 

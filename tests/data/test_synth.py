@@ -7,6 +7,7 @@ import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from vlpack.data.sources import read_jsonl
@@ -92,3 +93,24 @@ def test_cli_synth(tmp_path, capsys):
     assert main(["data", "synth", "--out", str(tmp_path), "--n", "3"]) == 0
     assert len((tmp_path / "data.jsonl").read_text().splitlines()) == 3
     assert "wrote 3 samples" in capsys.readouterr().out
+
+
+def test_synth_refuses_a_folder_holding_data_unless_told_to_replace_it(tmp_path, capsys):
+    """`vlpack data synth` into a folder with a data.jsonl or images/ of its own is refused,
+    naming them; with --overwrite they are replaced (no stale image is left) and other files
+    stay."""
+    from vlpack.cli import main
+
+    (tmp_path / "data.jsonl").write_text('{"id": "precious"}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"already holds data\.jsonl: .*--overwrite"):
+        write_synthetic(tmp_path, n=2)
+    assert (tmp_path / "data.jsonl").read_text() == '{"id": "precious"}\n'
+    assert main(["data", "synth", "--out", str(tmp_path), "--n", "6", "--overwrite"]) == 0
+    many = sorted((tmp_path / "images").iterdir())
+    assert main(["data", "synth", "--out", str(tmp_path), "--n", "2", "--overwrite"]) == 0
+    few = sorted((tmp_path / "images").iterdir())
+    assert len(few) < len(many) and len(read_jsonl(tmp_path / "data.jsonl")) == 2
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match=r"already holds data\.jsonl, images"):
+        write_synthetic(tmp_path, n=2)

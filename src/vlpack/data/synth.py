@@ -48,15 +48,32 @@ _ASK = ("Extract this receipt as JSON.", "Read the receipt and return its fields
         "Transcribe the receipt into JSON with shop, address, date, items and totals.")  # fmt: skip
 
 
+WRITTEN = ("data.jsonl", "images", "videos")
+"""What `write_synthetic` writes in its folder."""
+
+
 def write_synthetic(out_dir: str | Path, n: int, seed: int = 0, show_progress: bool = False,
-                    workers: int | None = None) -> Path:
-    """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/`; returns the JSONL path.
+                    workers: int | None = None, overwrite: bool = False) -> Path:
+    """Write `n` samples to `out_dir/data.jsonl` and `out_dir/images/` (and `videos/`); returns
+    the JSONL path. A folder that already holds any of those is refused (ValueError), unless
+    `overwrite`: then they are deleted first, and nothing else in the folder is touched.
     Samples render in `workers` processes (default for 256 samples or more: up to 8, sharing
     the cores with the other ranks of a torchrun node, which generate the same data; else
     none); each sample depends only on (seed, index), so the output is the same either way."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     out = Path(out_dir)
+    held = [p for p in (out / name for name in WRITTEN)
+            if p.is_symlink() or p.is_file() or (p.is_dir() and any(p.iterdir()))]
+    if held and not overwrite:
+        raise ValueError(f"{out} already holds {', '.join(p.name for p in held)}: the synthetic "
+                         "dataset would replace them. Write it to another folder, or delete "
+                         "them first with `vlpack data synth --overwrite`")
+    for p in held:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
     (out / "images").mkdir(parents=True, exist_ok=True)
     if workers is None:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
