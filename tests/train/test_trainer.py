@@ -70,7 +70,9 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
 def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeypatch) -> None:
     """Under a clock that only an evaluation advances (44 s each), `elapsed_s`, `eta_s` and the
     summary count the evaluations; the step time (`step_s`, the summary's steps share) stays
-    apart. A run stopped after step 2 and resumed continues its elapsed time."""
+    apart. A run stopped after step 2 and resumed continues its elapsed time from its
+    checkpoint, which is saved before step 2's evaluation: that evaluation's 44 s, like any
+    time after a checkpoint, is not carried over."""
     from vlpack.train import trainer
     from vlpack.train.run.metrics import format_summary
 
@@ -95,8 +97,8 @@ def test_elapsed_eta_and_the_summary_time_are_wall_clock(tmp_path: Path, monkeyp
     now[0] = 5000.0
     resumed = Trainer(small_cfg(tmp_path / "b", *args), CPU).fit()
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["elapsed_s"] for r in rows if "loss" in r] == [0.0, 44.0, 88.0]
-    assert resumed["elapsed_s"] == 132.0
+    assert [r["elapsed_s"] for r in rows if "loss" in r] == [0.0, 44.0, 44.0]
+    assert resumed["elapsed_s"] == 88.0
 
 
 def test_per_part_rates_are_logged_and_in_the_metrics(tmp_path: Path, capfd) -> None:
@@ -131,12 +133,12 @@ def test_run_outputs_metrics_plot_and_summary(tmp_path: Path, capfd) -> None:
     assert [r["tokens_seen"] for r in steps] == list(itertools.accumulate(r["real_tokens"] for r in steps))
     assert [r["epoch"] for r in steps] == [round(r["samples"] / 20, 4) for r in steps]  # 24 - 4 eval
     assert steps[0]["eta_s"] is None and steps[2]["eta_s"] == 0.0
-    # stderr is no terminal here: one plain line per step, then the final eval and save, named
+    # stderr is no terminal here: one plain line per step, then the final save and eval, named
     err = [x for x in capfd.readouterr().err.splitlines() if x.startswith("vlpack: ")]
     assert [x.split(" loss ")[0] for x in err[:3]] == [f"vlpack: step {s}/3" for s in (1, 2, 3)]
-    assert err[3:5] == ["vlpack: evaluating step 3…", err[4]] and err[4].startswith(
-        "vlpack: evaluated step 3 in ") and err[4].endswith(f": eval loss {summary['eval_loss']:.4f}")
-    assert err[5] == "vlpack: saving step 3…" and err[6].startswith("vlpack: saved step 3 in ")
+    assert err[3] == "vlpack: saving step 3…" and err[4].startswith("vlpack: saved step 3 in ")
+    assert err[5:7] == ["vlpack: evaluating step 3…", err[6]] and err[6].startswith(
+        "vlpack: evaluated step 3 in ") and err[6].endswith(f": eval loss {summary['eval_loss']:.4f}")
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
     evals = [r for r in rows if "eval_loss" in r]
@@ -315,6 +317,17 @@ def test_a_bad_held_out_split_stops_the_run_before_its_first_step(tmp_path: Path
     (data / "data.jsonl").write_text("\n".join([gone, *lines]) + "\n")
     Trainer(small_cfg(tmp_path / "ok", *args), CPU).fit()
     assert len(losses(tmp_path / "ok")) == 1
+
+
+def test_a_finished_run_run_again_adds_no_evaluation(tmp_path: Path) -> None:
+    """The same command run again after a run finished trains nothing and evaluates nothing:
+    metrics.jsonl keeps one eval row for the last step."""
+    args = ("train.max_steps=2", "data.eval_samples=4")
+    for _ in range(2):
+        Trainer(small_cfg(tmp_path, *args), CPU).fit()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
 
 @pytest.mark.parametrize("edit", [True, False])

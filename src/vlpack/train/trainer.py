@@ -430,10 +430,11 @@ class Trainer:
             saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
             if not self._stop and cfg.train.save_final and not saved:
                 self.save()  # before the final evaluation, as in the loop
-            if not self._stop and self.eval_loader is not None and (
-                not cfg.train.eval_every or self.step % cfg.train.eval_every
-            ):
-                self._eval(writer)  # the final evaluation, unless the last step just ran one
+            # the final evaluation, unless this step has one (the last step's, or an earlier
+            # process's where a finished run is run again); the main rank's rows decide
+            evaluated = all_reduce([float(self.step in writer.evaluated)], topo, "max")[0]
+            if not self._stop and self.eval_loader is not None and not evaluated:
+                self._eval(writer)
         finally:
             self.progress.close()
             writer.close()

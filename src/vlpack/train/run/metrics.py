@@ -96,6 +96,8 @@ class MetricsWriter:
         self.path = Path(path)
         self.enabled = enabled
         self.mirrors = mirrors
+        self.evaluated: set[int] = set()
+        """Steps with an `eval_loss` row, the kept rows of a resumed run's included (main rank)."""
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +105,7 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines() if line.strip()
                     and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
+            self.evaluated = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
         elif self.path.exists():
             self.path.unlink()
         self._f = self.path.open("a")
@@ -112,6 +115,8 @@ class MetricsWriter:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in row.items()}
+        if "eval_loss" in clean:
+            self.evaluated.add(clean["step"])
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
         for mirror in self.mirrors:
