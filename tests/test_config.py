@@ -177,6 +177,16 @@ def test_a_loop_of_bases_is_named(tmp_path: Path) -> None:
         load_config(tmp_path / "a.yaml")
 
 
+def test_a_missing_config_file_is_named_as_a_file(tmp_path: Path) -> None:
+    """A path that reads as a file (a .yaml name, or a folder in it) and does not exist is said
+    to be missing, not taken for an unknown recipe."""
+    for given in (tmp_path / "nope.yaml", "configs/nope", tmp_path):
+        with pytest.raises(ValueError, match=r"config file .* (does not exist|is a folder) "
+                                             r"\(from .*\): give the path of a YAML file, or a "
+                                             r"shipped recipe: .*tiny"):
+            load_config(given)
+
+
 def test_a_missing_base_is_named(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text("base: nosuch\n")
     with pytest.raises(ValueError, match=r"config nosuch is neither a YAML file nor a recipe; recipes: "):

@@ -805,6 +805,10 @@ def recipe_path(name_or_path: str | Path) -> Path:
     if recipe.is_file():
         return recipe
     names = ", ".join(sorted(q.stem for q in RECIPES.glob("*.yaml")))
+    if p.suffix in (".yaml", ".yml") or len(p.parts) > 1:  # meant as a file
+        where = "is a folder" if p.is_dir() else "does not exist"
+        raise ValueError(f"config file {p} {where} (from {Path.cwd()}): give the path of a "
+                         f"YAML file, or a shipped recipe: {names}")
     raise ValueError(f"config {name_or_path} is neither a YAML file nor a recipe; recipes: {names}")
 
 
