@@ -279,7 +279,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "H200 139.7GiB), one vlpack keeps fla kernel configurations for, and "
                         "print what the run would choose there")
     p.add_argument("--quiet", action="store_true",
-                   help="show warnings and errors only (rank 0 shows INFO messages by default)")
+                   help="vlpack's log messages at WARNING and above only (rank 0 logs INFO by "
+                        "default); the progress lines and the summary stay: "
+                        "train.progress=false drops the progress lines")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                    help="level of vlpack's messages on rank 0 (default: info; other ranks: warning)")
     p.set_defaults(func=_run_train)
