@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +45,14 @@ def run(cfg: Config) -> dict[str, Any]:
 def print_plan(cfg: Config, device_memory: int | None = None) -> int:
     """Print the memory plan of `cfg` on this machine (no model is built), the configuration it
     chooses and whether it fits; with `device_memory`, for one GPU of that many bytes (less
-    `memory.CUDA_CONTEXT`) in place of this machine's device."""
+    `memory.CUDA_CONTEXT`) in place of this machine's device. The data is not read, but a
+    data file or folder that does not exist is refused, as the run would refuse it."""
+    sources = [(m.source, m.path) for m in cfg.data.mix] if cfg.data.mix else \
+        [(cfg.data.source, cfg.data.path)]
+    for source, path in sources:
+        if path is not None and source != "synthetic" and not Path(path).exists():
+            raise ValueError(f"data.source={source}: {path} does not exist (from {Path.cwd()}): "
+                             "give the path of your data; the dry run reads none of it")
     if device_memory is not None:
         if cfg.parallel.cp != 1:
             raise ValueError("--device-memory plans one GPU: drop parallel.cp")

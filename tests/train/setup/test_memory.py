@@ -139,6 +139,20 @@ def test_dry_run_prints_the_plan_and_refuses_what_does_not_fit(tmp_path: Path) -
     assert "which no share fits" in big.stderr
 
 
+def test_dry_run_refuses_data_that_does_not_exist(tmp_path: Path) -> None:
+    """A dry run reads no data, but a data.path (or a data.mix source) that is not there is
+    refused as the run would refuse it, not planned as if it fit."""
+    from vlpack.train.command import print_plan
+
+    gone = tmp_path / "gone.jsonl"
+    with pytest.raises(ValueError, match=r"data\.source=jsonl: .*gone\.jsonl does not exist"):
+        print_plan(small_cfg(tmp_path, "data.source=jsonl", f"data.path={gone}",
+                             "model.init=random"))
+    with pytest.raises(ValueError, match=r"gone\.jsonl does not exist"):
+        print_plan(small_cfg(tmp_path, "model.init=random",
+                             f"data.mix=[{{source: jsonl, path: {gone}, weight: 1}}]"))
+
+
 def test_out_of_memory_in_a_step_ends_with_one_paragraph(tmp_path: Path, monkeypatch,
                                                          capsys) -> None:
     def oom(self, mbs):
