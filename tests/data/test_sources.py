@@ -144,8 +144,12 @@ def test_missing_file():
 
 
 def test_bad_json(tmp_path):
-    (item,) = iter_jsonl(_write(tmp_path / "d.jsonl", ['{"messages": [}']))
-    assert isinstance(item, BadSampleError) and item.reason == "bad_json"
+    """A broken record names the column where JSON stops reading it; a record cut short at the
+    line's end too (not column 1 of the line after)."""
+    cut = '{"id": "cut", "messages": [{"role": "user"'
+    items = list(iter_jsonl(_write(tmp_path / "d.jsonl", ['{"messages": [}', cut, GOOD])))
+    assert [getattr(i, "reason", None) for i in items] == ["bad_json", "bad_json", None]
+    assert "at column 15)" in str(items[0]) and f"at column {len(cut) + 1})" in str(items[1])
 
 
 @pytest.mark.parametrize("images,text", [([], "<image>hi"), (["a.jpg"], "hi"),

@@ -164,7 +164,8 @@ def parse_line(raw: bytes, file: DataFile, lineno: int) -> Conversation | BadSam
     if len(raw) > MAX_RECORD_BYTES:
         return too_large(path, lineno, len(raw))
     try:
-        obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+        # the line's end off: else a record cut short is refused at "column 1" of the next line
+        obj = json.loads(raw.rstrip(b"\r\n").decode("utf-8-sig" if lineno == 1 else "utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
         detail = _json_error(e)
         return BadSampleError(
