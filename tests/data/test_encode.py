@@ -236,11 +236,14 @@ def test_a_cut_decodes_only_the_images_it_keeps(receipt, monkeypatch):
 
 
 def test_truncate_text_only_prompt_too_long():
+    """A prompt longer than the cut is refused, naming the record by its id and `file:line`."""
     enc = Encoder("qwen3_vl")
-    conv = Conversation("p", (Message("user", ("word " * 50,)), Message("assistant", ("ok",))))
+    conv = Conversation("p", (Message("user", ("word " * 50,)), Message("assistant", ("ok",))),
+                        where="d.jsonl:7")
     with pytest.raises(BadSampleError) as info:
         enc.truncated_size(conv, 20)
     assert info.value.reason == "overlong_prompt"
+    assert str(info.value).startswith("p: ") and str(info.value).endswith(" [d.jsonl:7]")
 
 
 def test_missing_and_corrupt_images(tmp_path):

@@ -61,6 +61,7 @@ from vlpack.data.types import (
     Message,
     SampleSize,
     VideoRef,
+    located,
 )
 from vlpack.families import Family
 from vlpack.families import family as family_of
@@ -364,9 +365,14 @@ class Encoder:
         )
 
     def truncated_size(self, item: Conversation | EncodedSample, max_tokens: int) -> SampleSize:
-        """`truncate(...).size` without decoding pixels (a conversation is measured first)."""
-        sample = item if isinstance(item, EncodedSample) else self.skeleton(item)
-        return self.truncate(sample, max_tokens).size
+        """`truncate(...).size` without decoding pixels (a conversation is measured first); a
+        conversation's BadSampleError names its `file:line`."""
+        if isinstance(item, EncodedSample):
+            return self.truncate(item, max_tokens).size
+        try:
+            return self.truncate(self.skeleton(item), max_tokens).size
+        except BadSampleError as e:
+            raise located(e, item) from None
 
     # ---------------------------------------------------------------- internals
 
