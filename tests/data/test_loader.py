@@ -235,6 +235,19 @@ def test_workers_give_the_same_stream() -> None:
     assert all(same(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_a_skip_the_look_ahead_meets_in_the_next_epoch_rides_on_that_epoch() -> None:
+    """Two epochs of [bad, 10, 10, 10] tokens in order, one bin per epoch (buffer 8, 64-token
+    bins): planning epoch 1's bin meets epoch 1's copy of the bad sample before it emits epoch
+    0's bin (the repeat of sample 1 flushes it). That bin carries epoch 0's skip only; epoch
+    1's skip rides on epoch 1's bin, so a run that stops after the first bin has counted one
+    skip, as one bad sample was in what it trained."""
+    sizes = [BadSampleError("missing_image", "x.jpg"), *[SampleSize(10, 0)] * 3]
+    bins = list(make_stream(sizes, seq_len=64, shuffle=False, epochs=2, buffer_size=8))
+    assert [(b.items, b.epochs) for b in bins] == [((1, 2, 3), (0, 0, 0)),
+                                                   ((1, 2, 3), (1, 1, 1))]
+    assert [[(s.index, s.epoch) for s in b.skips] for b in bins] == [[(0, 0)], [(0, 1)]]
+
+
 def test_consecutive_bad_samples_fail_the_run() -> None:
     sizes = [BadSampleError("missing_image", f"img{i}.jpg is missing") for i in range(5)]
     sizes += [SampleSize(10, 0)] * 5

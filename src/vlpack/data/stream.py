@@ -42,7 +42,8 @@ class PlannedBin:
     epochs: tuple[int, ...] = ()
     """The epoch each item was drawn in (a carried item can share a bin with the next epoch)."""
     skips: tuple[Skip, ...] = ()
-    """Samples skipped while planning since the previous bin of the stream (see accounting.py)."""
+    """Samples skipped while planning since the previous bin of the stream, of this bin's
+    epochs or earlier (see accounting.py)."""
 
     @property
     def tokens(self) -> int:
@@ -191,7 +192,11 @@ class BinStream:
         def emit(bins: list[list[int]]) -> Iterator[PlannedBin]:
             for b in bins:
                 entries = [info.pop(i) for i in b]
-                skips, self._pending = tuple(self._pending), []
+                # a bin carries the skips planned before it of its epochs, not those the
+                # planner's look-ahead met in a later epoch (counted once that epoch trains)
+                newest = max(e[2] for e in entries)
+                skips = tuple(s for s in self._pending if s.epoch <= newest)
+                self._pending = [s for s in self._pending if s.epoch > newest]
                 yield PlannedBin(
                     items=tuple(b),
                     truncate=tuple((i, e[1]) for i, e in zip(b, entries, strict=True) if e[1]),
