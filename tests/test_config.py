@@ -188,9 +188,18 @@ def test_a_missing_config_file_is_named_as_a_file(tmp_path: Path) -> None:
 
 
 def test_a_missing_base_is_named(tmp_path: Path) -> None:
+    """A base: that is no recipe, or no file beside the recipe naming it nor from the working
+    folder, is named with the file that names it and the places looked in."""
     (tmp_path / "a.yaml").write_text("base: nosuch\n")
-    with pytest.raises(ValueError, match=r"config nosuch is neither a YAML file nor a recipe; recipes: "):
+    with pytest.raises(ValueError, match=r"a\.yaml: base: nosuch is neither a file beside it "
+                                         r"\(.*nosuch\) nor found from .*: config nosuch is "
+                                         r"neither a YAML file nor a recipe; recipes: "):
         load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("base: common.yaml\n")
+    with pytest.raises(ValueError, match=r"b\.yaml: base: common\.yaml is neither a file beside "
+                                         r"it \(.*common\.yaml\) nor found from .*: config "
+                                         r"file common\.yaml does not exist"):
+        load_config(tmp_path / "b.yaml")
 
 
 # --- the presets the shipped recipes name ------------------------------------------------------------

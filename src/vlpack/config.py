@@ -855,8 +855,14 @@ def read_recipe(p: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(base, str):
         raise ValueError(f"{p}: base: must name a recipe or a YAML file, got {base!r}")
     near = p.parent / base
-    return _merged(read_recipe(near if near.is_file() else recipe_path(base), (*chain, p.resolve())),
-                   data)
+    if near.is_file():
+        return _merged(read_recipe(near, (*chain, p.resolve())), data)
+    try:
+        found = recipe_path(base)
+    except ValueError as e:
+        raise ValueError(f"{p}: base: {base} is neither a file beside it ({near}) nor found "
+                         f"from {Path.cwd()}: {e}") from None
+    return _merged(read_recipe(found, (*chain, p.resolve())), data)
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

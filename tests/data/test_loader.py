@@ -190,6 +190,29 @@ def test_samples_that_fail_to_encode_are_held_to_the_bad_sample_limits() -> None
     assert ld.accounting["skipped"] == {"corrupt_image": 50}
 
 
+def test_checking_a_pass_names_every_kind_of_skip_over_all_ranks_bins() -> None:
+    """`check_pass` on a split of 8 (one bad, two overlong under data.overlong=skip, 3 of 8 past
+    max_bad_fraction=0.25), as rank 1 of 2: the refusal names the split and all three samples,
+    the overlong ones too, whichever rank's bin would carry them; within the limit it passes
+    and encodes nothing."""
+    rng = np.random.default_rng(2)
+    items = [make_sample(f"ok{i}", rng, text=(11,), grids=()) for i in range(5)]
+    items += [make_sample(f"long{i}", rng, text=(150,), grids=()) for i in range(2)]
+    sizes = [it.size for it in items] + [BadSampleError("missing_image", "gone: x.jpg missing")]
+    items.append(items[0])  # never read: its size is the error
+    ld = loader(items, sizes=sizes, epochs=1, shuffle=False, rank=1, world_size=2,
+                max_bad_fraction=0.25)
+    with pytest.raises(ValueError, match=r"^the split: 3 of 8 samples were skipped .*Bad samples: "
+                                         r"(?=.*long0: overlong)(?=.*long1: overlong)"
+                                         r"(?=.*gone: x\.jpg missing)"):
+        ld.check_pass("the split")
+    encoded: list = []
+    ok = loader(items, sizes=sizes, epochs=1, shuffle=False, max_bad_fraction=0.5)
+    ok.encoder.encode = lambda *a, **k: encoded.append(a)
+    ok.check_pass("the split")
+    assert encoded == []
+
+
 def test_a_sample_that_turns_bad_after_measuring_is_counted() -> None:
     """A record re-read by a worker can parse as an error where it measured fine (its image
     swapped for a link out of the media root in between): the bin skips and counts it."""

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import math
+import signal
 import time
 import types
 from pathlib import Path
@@ -323,11 +324,44 @@ def test_a_finished_run_run_again_adds_no_evaluation(tmp_path: Path) -> None:
     """The same command run again after a run finished trains nothing and evaluates nothing:
     metrics.jsonl keeps one eval row for the last step."""
     args = ("train.max_steps=2", "data.eval_samples=4")
-    for _ in range(2):
-        Trainer(small_cfg(tmp_path, *args), CPU).fit()
+    summaries = [Trainer(small_cfg(tmp_path, *args), CPU).fit() for _ in range(2)]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert summaries[1]["eval_loss"] == summaries[0]["eval_loss"] is not None
+
+
+def test_a_signal_saves_and_exits_within_its_grace_without_evaluating(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """SIGTERM during step 2, an evaluation due at step 2 that would take 2 s, and
+    train.stop_grace_s=1: the run saves step 2 and stops without evaluating, so the grace
+    timer (exit 130, "stopped without saving") never fires."""
+    from vlpack.train import trainer
+
+    fired: list = []
+    monkeypatch.setattr(trainer, "_grace_expired", fired.append)
+    t = Trainer(small_cfg(tmp_path, "train.max_steps=4", "data.eval_samples=4",
+                          "train.eval_every=2", "train.stop_grace_s=1"), CPU)
+    step, evaluated = t.train_step, []
+
+    def signalled(mbs):
+        r = step(mbs)
+        if t.step == 1:  # the step being run is the second
+            t._on_signal(signal.SIGTERM, None)
+        return r
+
+    def slow() -> float:
+        evaluated.append(t.step)
+        time.sleep(2.0)
+        return 1.0
+
+    monkeypatch.setattr(t, "train_step", signalled)
+    monkeypatch.setattr(t, "evaluate", slow)
+    summary = t.fit()
+    time.sleep(1.5)  # a timer left running would fire by now
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000002"
+    assert t.stop_signal == signal.SIGTERM and evaluated == [] and fired == []
+    assert "eval_loss" not in summary or summary["eval_loss"] is None
 
 
 @pytest.mark.parametrize("edit", [True, False])

@@ -315,11 +315,14 @@ class PackedLoader:
         whose bad samples break the limits stops the run now, not when the pass is first run:
         DataLimitError naming `what` (the split) and the first bad samples."""
         assert self.stream_kw["epochs"] is not None, "an endless loader has no pass to plan"
+        self.stream = stream = BinStream(sizes=self.sizes, describe=self._describe,
+                                         **self.stream_kw)
+        skips: list[Skip] = []
         try:
-            for _ in self._works(0):
-                pass
+            for plan in stream:  # every rank's bins: the limits are the whole stream's
+                skips += plan.skips
         except DataLimitError as e:
-            bad = [str(s) for s in self.sizes if isinstance(s, BadSampleError)]  # each names its sample
+            bad = [s.message for s in (*skips, *stream.unattached_skips)]  # each names its sample
             named = "; ".join(bad[:BAD_NAMED]) + (f"; and {len(bad) - BAD_NAMED} more"
                                                   if len(bad) > BAD_NAMED else "")
             raise DataLimitError(f"{what}: {e}" + (f". Bad samples: {named}" if bad else "")

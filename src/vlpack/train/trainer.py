@@ -255,6 +255,8 @@ class Trainer:
                 self.topo, run_id=self.run_id, keep=self.cfg.train.keep_checkpoints,
             )
             done["detail"] = f": {self.last_checkpoint}"
+        if self._grace_timer is not None:  # a signal's checkpoint is saved: in time
+            self._grace_timer.cancel()
         return self.last_checkpoint
 
     def _claim_output_dir(self) -> None:
@@ -382,6 +384,7 @@ class Trainer:
                                 start=cfg.train.profile_from, count=cfg.train.profile_steps)
         plain_s, plain_n = 0.0, 0  # unprofiled step time after the first, the profile's reference
         told_retries = False  # retry_note, said once a run (metrics.jsonl counts every retry)
+        stop = False  # whether the ranks agreed to stop early, after a step
         try:
             while self.step < cfg.train.max_steps:
                 t_data = time.perf_counter()
@@ -419,22 +422,27 @@ class Trainer:
                     self._stop, self.stop_signal = True, int(flag)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                     self.save()  # before evaluating: an evaluation that fails loses no step
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    self._eval(writer)
-                if cfg.train.eval_generate_every and self.step % cfg.train.eval_generate_every == 0:
-                    self._eval_generate(writer)
+                if flag < 1:  # signalled (every rank agrees): exit once saved, unevaluated
+                    if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                        self._eval(writer)
+                    if (cfg.train.eval_generate_every
+                            and self.step % cfg.train.eval_generate_every == 0):
+                        self._eval_generate(writer)
                 if stop:
-                    if self._grace_timer is not None:  # saved in time
-                        self._grace_timer.cancel()
                     break
-            saved = self.last_checkpoint and self.last_checkpoint.name.endswith(f"{self.step:08d}")
-            if not self._stop and cfg.train.save_final and not saved:
-                self.save()  # before the final evaluation, as in the loop
-            # the final evaluation, unless this step has one (the last step's, or an earlier
-            # process's where a finished run is run again); the main rank's rows decide
-            evaluated = all_reduce([float(self.step in writer.evaluated)], topo, "max")[0]
-            if not self._stop and self.eval_loader is not None and not evaluated:
-                self._eval(writer)
+            if not stop:  # as every rank agreed after the last step, whatever comes since
+                saved = self.last_checkpoint and self.last_checkpoint.name.endswith(
+                    f"{self.step:08d}")
+                if cfg.train.save_final and not saved:
+                    self.save()  # before the final evaluation, as in the loop
+                # the final evaluation, unless this step has one (the last step's, or an
+                # earlier process's where a finished run is run again: its loss is reported);
+                # the main rank's rows decide
+                done = all_reduce([float(self.step in writer.evaluated)], topo, "max")[0]
+                if done:
+                    self.eval_loss = writer.evaluated.get(self.step)
+                elif self.eval_loader is not None:
+                    self._eval(writer)
         finally:
             self.progress.close()
             writer.close()

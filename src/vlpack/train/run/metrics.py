@@ -96,8 +96,9 @@ class MetricsWriter:
         self.path = Path(path)
         self.enabled = enabled
         self.mirrors = mirrors
-        self.evaluated: set[int] = set()
-        """Steps with an `eval_loss` row, the kept rows of a resumed run's included (main rank)."""
+        self.evaluated: dict[int, float | None] = {}
+        """The `eval_loss` row of each step that has one, the kept rows of a resumed run's
+        included (main rank)."""
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +106,8 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines() if line.strip()
                     and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(f"{line}\n" for line in kept))
-            self.evaluated = {row["step"] for row in map(json.loads, kept) if "eval_loss" in row}
+            self.evaluated = {row["step"]: row["eval_loss"] for row in map(json.loads, kept)
+                              if "eval_loss" in row}
         elif self.path.exists():
             self.path.unlink()
         self._f = self.path.open("a")
@@ -116,7 +118,7 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in row.items()}
         if "eval_loss" in clean:
-            self.evaluated.add(clean["step"])
+            self.evaluated[clean["step"]] = clean["eval_loss"]
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
         for mirror in self.mirrors:
