@@ -120,9 +120,14 @@ def data_fingerprints(d: DataConfig) -> dict[str, str]:
     resume notices edited data."""
     from vlpack.data.size_cache import source_fingerprint
 
-    sources = [(m.source, m.path) for m in d.mix] if d.mix else [(d.source, d.path)]
-    return {path: source_fingerprint(path) for source, path in sources
+    return {path: source_fingerprint(path) for source, path in data_sources(d)
             if source in ("jsonl", "hf") and path is not None and Path(path).exists()}
+
+
+def data_sources(d: DataConfig) -> list[tuple[str, str | None]]:
+    """(source, path) of each source the run reads: `data.mix`'s, or `data.source` and
+    `data.path`."""
+    return [(m.source, m.path) for m in d.mix] if d.mix else [(d.source, d.path)]
 
 
 def measure_sources(d: DataConfig, items: Sequence[Item], encoder, *, rank: int = 0,

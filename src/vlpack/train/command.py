@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vlpack.config import Config
+from vlpack.data.loader import data_sources
 from vlpack.train.distributed.parallel import Topology, barrier, init_distributed, shutdown
 from vlpack.train.run.metrics import format_summary
 from vlpack.train.setup import memory
@@ -47,9 +48,7 @@ def print_plan(cfg: Config, device_memory: int | None = None) -> int:
     chooses and whether it fits; with `device_memory`, for one GPU of that many bytes (less
     `memory.CUDA_CONTEXT`) in place of this machine's device. The data is not read, but a
     data file or folder that does not exist is refused, as the run would refuse it."""
-    sources = [(m.source, m.path) for m in cfg.data.mix] if cfg.data.mix else \
-        [(cfg.data.source, cfg.data.path)]
-    for source, path in sources:
+    for source, path in data_sources(cfg.data):
         if path is not None and source != "synthetic" and not Path(path).exists():
             raise ValueError(f"data.source={source}: {path} does not exist (from {Path.cwd()}): "
                              "give the path of your data; the dry run reads none of it")

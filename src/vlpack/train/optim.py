@@ -128,7 +128,7 @@ def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
 
 
 def resumed_scheduler(opt: torch.optim.Optimizer, settings: list[dict], cfg: OptimConfig,
-           total_steps: int, done_steps: int):
+                      total_steps: int, done_steps: int):
     """The scheduler of a run resumed after `done_steps` optimizer steps, on an optimizer whose
     state a checkpoint has just loaded. The checkpoint's parameter groups carry the old run's
     settings; this run's (`settings`, from `group_settings` before the load) replace them, and

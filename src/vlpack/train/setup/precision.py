@@ -58,9 +58,9 @@ def matmul_parameters(model: nn.Module) -> set[str]:
     for mod_name, m in model.named_modules():
         for leaf, p in m.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            linear = isinstance(m, applied) and leaf in ("weight", "bias")
+            applied_weight = isinstance(m, applied) and leaf in ("weight", "bias")
             expert = ".experts" in f".{mod_name}" and p.ndim == 3
-            if (linear or expert) and id(p) not in embedded:
+            if (applied_weight or expert) and id(p) not in embedded:
                 out.add(name)
     return out
 
