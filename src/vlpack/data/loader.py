@@ -268,10 +268,14 @@ class PackedLoader:
     def _describe(self, i: int) -> str:
         return describe(self._item(i), i)
 
-    def _works(self, skip: int) -> Iterator[BinWork]:
+    def _new_stream(self) -> BinStream:
+        """A fresh plan of this loader's stream, the one `_item` reads the epoch of."""
         self.stream = BinStream(sizes=self.sizes, describe=self._describe, **self.stream_kw)
+        return self.stream
+
+    def _works(self, skip: int) -> Iterator[BinWork]:
         bins = rank_bins(
-            iter(self.stream), rank=self.rank, world_size=self.world_size, per_round=self.per_round
+            iter(self._new_stream()), rank=self.rank, world_size=self.world_size, per_round=self.per_round
         )
         for n, plan in enumerate(bins):
             if n >= skip:
@@ -320,8 +324,7 @@ class PackedLoader:
         whose bad samples break the limits stops the run now, not when the pass is first run:
         DataLimitError naming `what` (the split) and the first bad samples."""
         assert self.stream_kw["epochs"] is not None, "an endless loader has no pass to plan"
-        self.stream = stream = BinStream(sizes=self.sizes, describe=self._describe,
-                                         **self.stream_kw)
+        stream = self._new_stream()
         skips: list[Skip] = []
         try:
             for plan in stream:  # every rank's bins: the limits are the whole stream's

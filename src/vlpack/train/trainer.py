@@ -305,11 +305,12 @@ class Trainer:
         st = ckpt.load_checkpoint(path, self.module, self.optimizer, self.topo, verify=not checked)
         self.run_id = ckpt.marker(path).get("run_id")
         self.step = st["step"]
-        saved_lr = self.optimizer.param_groups[0]["lr"]  # the checkpoint's, for the note below
+        saved_lr = float(self.optimizer.param_groups[0]["lr"])  # the checkpoint's (a tensor in
+        # torchao's AdamW8bit), for the note below
         self.scheduler = resumed_scheduler(self.optimizer, settings, self.cfg.optim,
                                            self.cfg.train.max_steps,
                                            st["scheduler"]["last_epoch"])
-        if (lr := self.scheduler.get_last_lr()[0]) != saved_lr and self.topo.is_main:
+        if (lr := float(self.scheduler.get_last_lr()[0])) != saved_lr and self.topo.is_main:
             print(f"vlpack: step {self.step + 1} runs at lr {lr:.2e}, where the checkpoint's "
                   f"schedule had {saved_lr:.2e}: the schedule follows this run's optim.* and "
                   f"train.max_steps={self.cfg.train.max_steps}")
@@ -422,7 +423,7 @@ class Trainer:
                     self._stop, self.stop_signal = True, int(flag)
                 if stop or (cfg.train.save_every and self.step % cfg.train.save_every == 0):
                     self.save()  # before evaluating: an evaluation that fails loses no step
-                if flag < 1:  # signalled (every rank agrees): exit once saved, unevaluated
+                if flag < 1:  # unless signalled (every rank agrees): then exit once saved
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         self._eval(writer)
                     if (cfg.train.eval_generate_every
@@ -439,10 +440,10 @@ class Trainer:
                 # earlier process's where a finished run is run again: its loss is reported);
                 # the main rank's rows decide
                 done = all_reduce([float(self.step in writer.evaluated)], topo, "max")[0]
-                if done:
-                    self.eval_loss = writer.evaluated.get(self.step)
-                elif self.eval_loader is not None:
+                if not done and self.eval_loader is not None:
                     self._eval(writer)
+                elif done and self.eval_loss is None:  # evaluated by an earlier process
+                    self.eval_loss = writer.evaluated.get(self.step)
         finally:
             self.progress.close()
             writer.close()
